@@ -1,0 +1,5 @@
+import sys
+
+from infinity.cli.main import main
+
+sys.exit(main())

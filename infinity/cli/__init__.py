@@ -1,0 +1,1 @@
+"""The `infinity` command line. One module per subcommand."""

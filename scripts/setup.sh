@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Idempotent set-up for a fresh Debian machine (and CI): system headers,
+# a virtual env with the CPU build of torch, the package in editable mode,
+# and both C++ extensions built in place. Safe to run again: it only does
+# what is missing, then rebuilds the extensions incrementally.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${INFINITY_VENV:-.venv}
+PY=${PYTHON:-python3}
+TORCH_VERSION=${INFINITY_TORCH_VERSION:-2.13.0}
+log() { echo "[setup] $*" >&2; }
+
+# 1. liburing headers (io_uring engine). Without them we still build (POSIX engine).
+if [ ! -e /usr/include/liburing.h ]; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        log "installing liburing-dev (io_uring engine headers)"
+        (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq liburing-dev) >&2 \
+            || log "WARNING: apt-get install liburing-dev failed; building the POSIX I/O engine only"
+    else
+        log "WARNING: liburing-dev is missing and we are not root: the io_uring engine will not be built."
+        log "         Ask an administrator to run: apt-get install liburing-dev   (then re-run this script)"
+    fi
+fi
+# fio is only needed by the benchmarks (tools/bench_io_vs_fio.py); best effort.
+if ! command -v fio >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null && [ -n "${INFINITY_WITH_FIO:-}" ]; then
+    (DEBIAN_FRONTEND=noninteractive apt-get install -y -qq fio) >&2 || log "fio not installed (benchmarks only)"
+fi
+
+# 2. virtual env
+if [ ! -x "$VENV/bin/python" ]; then
+    log "creating virtual env $VENV"
+    "$PY" -m venv "$VENV"
+fi
+VPY="$VENV/bin/python"
+PIP=("$VPY" -m pip --disable-pip-version-check -q)
+
+# 3. torch: the pinned CPU build first, unless a (CUDA) torch is already there.
+if ! "$VPY" -c "import torch" 2>/dev/null; then
+    log "installing torch==$TORCH_VERSION"
+    "${PIP[@]}" install "torch==$TORCH_VERSION"
+fi
+
+# 4. build tools + runtime deps, then the package itself (editable, no build isolation:
+#    the build needs only setuptools and pybind11, never torch).
+STAMP=.setup-stamp
+if [ ! -f "$STAMP" ] || [ pyproject.toml -nt "$STAMP" ] || [ setup.py -nt "$STAMP" ]; then
+    log "installing build tools and dependencies"
+    "${PIP[@]}" install "setuptools>=64" wheel "pybind11>=2.10" pytest
+    "${PIP[@]}" install --no-build-isolation -e . >&2
+    touch "$STAMP"
+fi
+
+# 5. (re)build the extensions in place; incremental when sources are unchanged.
+log "building C++ extensions"
+"$VPY" setup.py -q build_ext --inplace >/dev/null 2>/tmp/infinity-build.$$.log || { cat /tmp/infinity-build.$$.log >&2; rm -f /tmp/infinity-build.$$.log; exit 1; }
+grep -i "liburing" /tmp/infinity-build.$$.log >&2 || true
+rm -f /tmp/infinity-build.$$.log
+log "ready: $VPY"
