@@ -42,12 +42,13 @@ def build_parser():
 
 
 def setup_logging(verbosity):
-    level = logging.WARNING if verbosity <= 0 else logging.INFO if verbosity == 1 else logging.DEBUG
+    """Library logs go to stderr (stdout is reserved for results, e.g. --json)."""
+    level = logging.INFO if verbosity <= 1 else logging.DEBUG
     h = logging.StreamHandler(sys.stderr)
     h.setFormatter(logging.Formatter("[infinity] %(levelname)s %(message)s"))
     root = logging.getLogger("infinity")
     root.handlers[:] = [h]
-    root.setLevel(min(level, logging.INFO) if verbosity >= 0 else level)
+    root.setLevel(level)
     root.propagate = False
 
 
