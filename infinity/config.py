@@ -1,0 +1,497 @@
+"""Typed, validated configuration for infinity (DESIGN.md §3.5).
+
+Every key is optional; unknown keys, wrong types and out-of-range values raise
+:class:`ConfigError` naming the full dotted key, the bad value and the fix.
+
+    cfg = InfinityConfig.load({"offload": {"optimizer": "nvme"}})   # dict
+    cfg = InfinityConfig.load("train.yaml")                          # JSON/YAML path
+    cfg = InfinityConfig.from_deepspeed("ds_config.json")            # DeepSpeed translation
+
+The DeepSpeed translation (:meth:`InfinityConfig.from_deepspeed`) is
+implemented by ``_deepspeed_to_dict`` at the bottom of this file.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import difflib
+import json
+import logging
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+log = logging.getLogger("infinity.config")
+
+__all__ = [
+    "ConfigError", "OffloadConfig", "PrefetchConfig", "AioConfig", "OptimizerConfig",
+    "SchedulerConfig", "LossScaleConfig", "InfinityConfig", "load_config",
+]
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+ZERO_STAGES = (1, 2, 3)
+OFFLOAD_HOMES = ("none", "cpu", "nvme")
+AIO_ENGINES = ("auto", "uring", "posix")
+OPTIMIZER_TYPES = ("adamw", "adam")
+SCHEDULER_TYPES = ("constant", "linear", "cosine")
+GB = 10**9
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, unknown, of the wrong type or out of range."""
+
+
+# --------------------------------------------------------------------------------------
+# value checkers: each takes the dotted key, returns the normalised value or raises
+# --------------------------------------------------------------------------------------
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, str):
+        return json.dumps(value)
+    return repr(value)
+
+
+def _choice(key: str, value: Any, choices: tuple, *, lower: bool = True) -> Any:
+    if lower and isinstance(value, str):
+        value = value.strip().lower()
+    if value not in choices or isinstance(value, bool):
+        opts = ", ".join(_fmt(c) for c in choices)
+        hint = ""
+        if isinstance(value, str):
+            close = difflib.get_close_matches(value, [str(c) for c in choices], n=1)
+            if close:
+                hint = f" (did you mean {_fmt(close[0])}?)"
+        raise ConfigError(f"{key}: expected one of {opts}, got {_fmt(value)}{hint}")
+    return value
+
+
+def _int(key: str, value: Any, *, lo: int | None = None, hi: int | None = None,
+         what: str = "") -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{key}: expected an integer, got {_fmt(value)} "
+                          f"({type(value).__name__}); write a plain number such as {lo if lo is not None else 1}")
+    if isinstance(value, float):
+        if not math.isfinite(value) or not value.is_integer():
+            raise ConfigError(f"{key}: expected an integer, got {_fmt(value)}; "
+                              f"use a whole number")
+        value = int(value)
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        rng = what or (f"in [{lo}, {hi}]" if lo is not None and hi is not None
+                       else f">= {lo}" if lo is not None else f"<= {hi}")
+        raise ConfigError(f"{key}: expected an integer {rng}, got {_fmt(value)}")
+    return value
+
+
+def _float(key: str, value: Any, *, lo: float | None = None, lo_open: bool = False,
+           hi: float | None = None, hi_open: bool = False, what: str = "") -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{key}: expected a number, got {_fmt(value)} "
+                          f"({type(value).__name__}); write it without quotes, e.g. 1e-3")
+    value = float(value)
+    bad = not math.isfinite(value)
+    if lo is not None:
+        bad |= value <= lo if lo_open else value < lo
+    if hi is not None:
+        bad |= value >= hi if hi_open else value > hi
+    if bad:
+        if not what:
+            parts = []
+            if lo is not None:
+                parts.append(f"{'>' if lo_open else '>='} {lo:g}")
+            if hi is not None:
+                parts.append(f"{'<' if hi_open else '<='} {hi:g}")
+            what = " and ".join(parts) if parts else "finite"
+        raise ConfigError(f"{key}: expected a number {what}, got {_fmt(value)}")
+    return value
+
+
+def _opt_positive_float(key: str, value: Any) -> float | None:
+    if value is None:
+        return None
+    return _float(key, value, lo=0.0, lo_open=True,
+                  what="> 0 (or null to size it automatically)")
+
+
+def _str_list(key: str, value: Any, *, allow_str: bool, allow_empty: bool) -> list[str]:
+    if isinstance(value, (str, os.PathLike)) and allow_str:
+        value = [value]
+    if not isinstance(value, (list, tuple)):
+        raise ConfigError(f"{key}: expected a list of strings, got {_fmt(value)} "
+                          f"({type(value).__name__})")
+    out = []
+    for i, v in enumerate(value):
+        if isinstance(v, os.PathLike):
+            v = os.fspath(v)
+        if not isinstance(v, str) or not v:
+            raise ConfigError(f"{key}[{i}]: expected a non-empty string, got {_fmt(v)}")
+        out.append(v)
+    if not out and not allow_empty:
+        raise ConfigError(f"{key}: expected at least one entry, got an empty list")
+    return out
+
+
+def _check_unknown(prefix: str, d: Mapping, known: list[str]) -> None:
+    for k in d:
+        if k not in known:
+            where = f"{prefix}{k}"
+            close = difflib.get_close_matches(str(k), known, n=1, cutoff=0.5)
+            hint = (f"did you mean {prefix}{close[0]!s}?" if close
+                    else f"valid keys here: {', '.join(prefix + x for x in known)}")
+            raise ConfigError(f"{where}: unknown key; {hint}")
+
+
+def _section(cls, prefix: str, value: Any):
+    """Turn a dict (or an instance) into a validated section dataclass."""
+    if isinstance(value, cls):
+        return value  # already validated by its __post_init__ / validate()
+    if value is None:
+        return cls()
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{prefix.rstrip('.')}: expected a mapping (dict) of keys, got "
+                          f"{_fmt(value)} ({type(value).__name__})")
+    names = [f.name for f in dataclasses.fields(cls)]
+    _check_unknown(prefix, value, names)
+    return cls(**dict(value))
+
+
+# --------------------------------------------------------------------------------------
+# sections
+# --------------------------------------------------------------------------------------
+
+@dataclass
+class OffloadConfig:
+    """Home tier of each kind of state and the host/device budgets."""
+    params: str = "none"
+    optimizer: str = "none"
+    nvme_paths: list[str] = field(default_factory=lambda: ["./infinity-swap"])
+    host_memory_gb: float | None = None
+    device_memory_gb: float | None = None
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> None:
+        p = "offload."
+        self.params = _choice(p + "params", self.params, OFFLOAD_HOMES)
+        self.optimizer = _choice(p + "optimizer", self.optimizer, OFFLOAD_HOMES)
+        self.nvme_paths = _str_list(p + "nvme_paths", self.nvme_paths,
+                                    allow_str=True, allow_empty=False)
+        self.host_memory_gb = _opt_positive_float(p + "host_memory_gb", self.host_memory_gb)
+        self.device_memory_gb = _opt_positive_float(p + "device_memory_gb",
+                                                    self.device_memory_gb)
+
+
+@dataclass
+class PrefetchConfig:
+    """How many parameter groups to fetch ahead of compute."""
+    depth: int = 2
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> None:
+        self.depth = _int("prefetch.depth", self.depth, lo=0)
+
+
+@dataclass
+class AioConfig:
+    """Asynchronous I/O engine settings (see infinity.io.AioEngine)."""
+    engine: str = "auto"
+    block_size: int = 1048576
+    queue_depth: int = 32
+    threads: int = 1
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> None:
+        p = "aio."
+        self.engine = _choice(p + "engine", self.engine, AIO_ENGINES)
+        bs = _int(p + "block_size", self.block_size, lo=4096,
+                  what="that is a power of two >= 4096")
+        if bs & (bs - 1):
+            lower = 1 << (bs.bit_length() - 1)
+            raise ConfigError(f"{p}block_size: expected a power of two >= 4096, got {bs}; "
+                              f"use {lower} or {lower * 2}")
+        self.block_size = bs
+        self.queue_depth = _int(p + "queue_depth", self.queue_depth, lo=1, hi=1024)
+        self.threads = _int(p + "threads", self.threads, lo=1)
+
+
+@dataclass
+class OptimizerConfig:
+    """Adam/AdamW hyperparameters and the no-decay name patterns."""
+    type: str = "adamw"
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    no_decay: list[str] = field(default_factory=lambda: ["bias", "norm"])
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> None:
+        p = "optimizer."
+        self.type = _choice(p + "type", self.type, OPTIMIZER_TYPES)
+        self.lr = _float(p + "lr", self.lr, lo=0.0)
+        b = self.betas
+        if not isinstance(b, (list, tuple)) or len(b) != 2:
+            raise ConfigError(f"{p}betas: expected a list of two numbers in [0, 1), "
+                              f"e.g. [0.9, 0.999], got {_fmt(b)}")
+        self.betas = (_float(p + "betas[0]", b[0], lo=0.0, hi=1.0, hi_open=True),
+                      _float(p + "betas[1]", b[1], lo=0.0, hi=1.0, hi_open=True))
+        self.eps = _float(p + "eps", self.eps, lo=0.0, lo_open=True)
+        self.weight_decay = _float(p + "weight_decay", self.weight_decay, lo=0.0)
+        self.no_decay = _str_list(p + "no_decay", self.no_decay,
+                                  allow_str=False, allow_empty=True)
+
+
+@dataclass
+class SchedulerConfig:
+    """Learning-rate schedule (see infinity.optim.schedule)."""
+    type: str = "constant"
+    warmup_steps: int = 0
+    total_steps: int | None = None
+    min_lr: float = 0.0
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> None:
+        p = "scheduler."
+        self.type = _choice(p + "type", self.type, SCHEDULER_TYPES)
+        self.warmup_steps = _int(p + "warmup_steps", self.warmup_steps, lo=0)
+        if self.total_steps is not None:
+            self.total_steps = _int(p + "total_steps", self.total_steps, lo=1)
+        self.min_lr = _float(p + "min_lr", self.min_lr, lo=0.0)
+        if self.type in ("linear", "cosine"):
+            if self.total_steps is None:
+                raise ConfigError(
+                    f"{p}total_steps: required for scheduler.type {_fmt(self.type)} (the step "
+                    f"at which the lr reaches min_lr); set it to the number of optimizer "
+                    f"updates of the run, or use scheduler.type \"constant\"")
+            if self.total_steps <= self.warmup_steps:
+                raise ConfigError(
+                    f"{p}total_steps: must be greater than scheduler.warmup_steps "
+                    f"({self.warmup_steps}) for a {self.type} schedule, got {self.total_steps}; "
+                    f"increase total_steps or reduce warmup_steps")
+
+
+@dataclass
+class LossScaleConfig:
+    """Dynamic loss scaling for precision "fp16" (an addition to DESIGN §3.5).
+
+    The scale starts at ``initial_scale``; on an overflow (inf/nan gradient) the
+    step is skipped and the scale multiplied by ``backoff_factor`` (never below
+    ``min_scale``); after ``growth_interval`` clean steps it is multiplied by
+    ``growth_factor``.
+    """
+    initial_scale: float = 65536.0
+    growth_interval: int = 1000
+    backoff_factor: float = 0.5
+    growth_factor: float = 2.0
+    min_scale: float = 1.0
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> None:
+        p = "fp16."
+        self.initial_scale = _float(p + "initial_scale", self.initial_scale,
+                                    lo=0.0, lo_open=True)
+        self.growth_interval = _int(p + "growth_interval", self.growth_interval, lo=1)
+        self.backoff_factor = _float(p + "backoff_factor", self.backoff_factor,
+                                     lo=0.0, lo_open=True, hi=1.0, hi_open=True)
+        self.growth_factor = _float(p + "growth_factor", self.growth_factor,
+                                    lo=1.0, lo_open=True)
+        self.min_scale = _float(p + "min_scale", self.min_scale, lo=0.0, lo_open=True)
+        if self.min_scale > self.initial_scale:
+            raise ConfigError(f"fp16.min_scale: must be <= fp16.initial_scale "
+                              f"({self.initial_scale:g}), got {self.min_scale:g}")
+
+
+_SECTIONS = {
+    "offload": OffloadConfig,
+    "prefetch": PrefetchConfig,
+    "aio": AioConfig,
+    "optimizer": OptimizerConfig,
+    "scheduler": SchedulerConfig,
+    "fp16": LossScaleConfig,
+}
+
+
+@dataclass
+class InfinityConfig:
+    """The whole configuration. Build it with :meth:`load` (or construct directly)."""
+    precision: str = "fp32"
+    zero_stage: int = 3
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+    prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)
+    aio: AioConfig = field(default_factory=AioConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    fp16: LossScaleConfig = field(default_factory=LossScaleConfig)
+    gradient_clipping: float = 0.0
+    gradient_accumulation_steps: int = 1
+    dist_timeout_s: float = 600
+
+    def __post_init__(self):
+        self.validate()
+
+    # ---------------------------------------------------------------- validation
+    def validate(self) -> None:
+        """Check (and normalise) every value; raise :class:`ConfigError` on the first problem."""
+        for name, cls in _SECTIONS.items():
+            sec = getattr(self, name)
+            if isinstance(sec, cls):
+                sec.validate()
+            else:
+                setattr(self, name, _section(cls, name + ".", sec))
+        self.precision = _choice("precision", self.precision, PRECISIONS)
+        self.zero_stage = _choice("zero_stage", _int("zero_stage", self.zero_stage),
+                                  ZERO_STAGES, lower=False)
+        self.gradient_clipping = _float("gradient_clipping", self.gradient_clipping, lo=0.0,
+                                        what=">= 0 (0 turns clipping off)")
+        self.gradient_accumulation_steps = _int("gradient_accumulation_steps",
+                                                self.gradient_accumulation_steps, lo=1)
+        self.dist_timeout_s = _float("dist_timeout_s", self.dist_timeout_s,
+                                     lo=0.0, lo_open=True)
+        if self.offload.params != "none" and self.zero_stage != 3:
+            raise ConfigError(
+                f"offload.params: {_fmt(self.offload.params)} needs zero_stage 3 (parameters "
+                f"are only partitioned, and so only offloadable, at stage 3), got zero_stage "
+                f"{self.zero_stage}; set zero_stage to 3 or offload.params to \"none\"")
+        if self.scheduler.min_lr > self.optimizer.lr:
+            raise ConfigError(
+                f"scheduler.min_lr: must be <= optimizer.lr ({self.optimizer.lr:g}), got "
+                f"{self.scheduler.min_lr:g}; min_lr is the absolute floor the schedule decays to")
+
+    # ---------------------------------------------------------------- derived
+    @property
+    def host_memory_bytes(self) -> int | None:
+        gb = self.offload.host_memory_gb
+        return None if gb is None else int(gb * GB)
+
+    @property
+    def device_memory_bytes(self) -> int | None:
+        gb = self.offload.device_memory_gb
+        return None if gb is None else int(gb * GB)
+
+    # ---------------------------------------------------------------- construction
+    @classmethod
+    def from_dict(cls, d: Mapping | None) -> "InfinityConfig":
+        """Build from a plain mapping (as in DESIGN §3.5); missing keys take defaults."""
+        if d is None:
+            return cls()
+        if not isinstance(d, Mapping):
+            raise ConfigError(f"config: expected a mapping (dict) at the top level, got "
+                              f"{type(d).__name__}")
+        names = [f.name for f in dataclasses.fields(cls)]
+        _check_unknown("", d, names)
+        kwargs = {}
+        for k, v in d.items():
+            if k in _SECTIONS:
+                v = _section(_SECTIONS[k], k + ".", v)
+            kwargs[k] = v
+        return cls(**kwargs)
+
+    def to_dict(self) -> dict:
+        """A plain JSON-able dict that round-trips through :meth:`from_dict`."""
+        out = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if dataclasses.is_dataclass(v):
+                sub = {}
+                for sf in dataclasses.fields(v):
+                    sv = getattr(v, sf.name)
+                    sub[sf.name] = list(sv) if isinstance(sv, (list, tuple)) else sv
+                v = sub
+            out[f.name] = v
+        return out
+
+    @classmethod
+    def load(cls, obj: Any = None) -> "InfinityConfig":
+        """dict | path to .json/.yaml/.yml | InfinityConfig (copied) | None (defaults)."""
+        if obj is None:
+            return cls()
+        if isinstance(obj, InfinityConfig):
+            cfg = copy.deepcopy(obj)
+            cfg.validate()
+            return cfg
+        if isinstance(obj, Mapping):
+            return cls.from_dict(obj)
+        if isinstance(obj, (str, os.PathLike)):
+            return cls.from_dict(_read_file(os.fspath(obj)))
+        raise ConfigError(f"config: expected a dict, a path to a .json/.yaml file, an "
+                          f"InfinityConfig or None, got {type(obj).__name__}")
+
+    @classmethod
+    def from_deepspeed(cls, ds: Mapping | str | os.PathLike) -> "InfinityConfig":
+        """Translate a DeepSpeed config (dict or JSON/YAML path); see docs/migrating-from-deepspeed.md."""
+        if isinstance(ds, (str, os.PathLike)):
+            ds = _read_file(os.fspath(ds))
+        return cls.from_dict(_deepspeed_to_dict(ds))
+
+
+def load_config(obj: Any = None) -> InfinityConfig:
+    """Alias of :meth:`InfinityConfig.load`."""
+    return InfinityConfig.load(obj)
+
+
+# --------------------------------------------------------------------------------------
+# files
+# --------------------------------------------------------------------------------------
+
+def _yaml_loader():
+    import yaml
+
+    class _Loader(yaml.SafeLoader):
+        """SafeLoader that also reads 1e-3 / 5e8 as floats (YAML 1.1 wants a dot)."""
+
+    _Loader.add_implicit_resolver(
+        "tag:yaml.org,2002:float",
+        re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+                    |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+                    |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+                    |[-+]?\.(?:inf|Inf|INF)
+                    |\.(?:nan|NaN|NAN))$""", re.X),
+        list("-+0123456789."))
+    return _Loader
+
+
+def _read_file(path: str) -> Any:
+    ext = os.path.splitext(path)[1].lower()
+    if ext not in (".json", ".yaml", ".yml"):
+        raise ConfigError(f"config file {path!r}: unsupported extension {ext!r}; "
+                          f"use .json, .yaml or .yml")
+    try:
+        with open(path, "r", encoding="utf-8") as fh:
+            text = fh.read()
+    except OSError as e:
+        raise ConfigError(f"config file {path!r}: cannot read it ({e.strerror or e}); "
+                          f"check the path") from e
+    try:
+        if ext == ".json":
+            data = json.loads(text)
+        else:
+            import yaml
+            data = yaml.load(text, Loader=_yaml_loader())  # noqa: S506 (SafeLoader subclass)
+    except Exception as e:  # json.JSONDecodeError / yaml.YAMLError
+        raise ConfigError(f"config file {path!r}: not valid {ext[1:].upper()}: {e}") from e
+    if data is None:
+        data = {}
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"config file {path!r}: the top level must be a mapping, got "
+                          f"{type(data).__name__}")
+    return data
+
+
+# --------------------------------------------------------------------------------------
+# DeepSpeed translation
+# --------------------------------------------------------------------------------------
+
+def _deepspeed_to_dict(ds: Any) -> dict:
+    raise ConfigError("from_deepspeed: not implemented yet in this revision")
