@@ -1,0 +1,56 @@
+"""PNG timeline plot: one horizontal lane per link and compute, x in seconds.
+
+Uses matplotlib's object API with the Agg canvas (no pyplot global state, safe off
+the main thread and without a display). Each lane draws the union of its intervals
+(overlapping in-flight requests merge into one bar), step boundaries are vertical
+lines, and the title carries the bottleneck sentence.
+"""
+from .summary import LANE_LABELS, clip_intervals, merge_intervals
+from .timeline import LANES
+
+LANE_COLORS = {
+    "nvme_read": "#1f77b4", "nvme_write": "#aec7e8", "h2d": "#2ca02c", "d2h": "#98df8a",
+    "allgather": "#9467bd", "reduce_scatter": "#c5b0d5", "forward": "#ff7f0e",
+    "backward": "#d62728", "optimizer": "#8c564b", "wait": "#7f7f7f",
+}
+
+
+def plot_timeline(timeline, path, *, title=None, dpi=110):
+    """Write the PNG to ``path``; returns ``path``. Lanes without events are omitted."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    lo, hi = timeline.window()
+    events = timeline.events()
+    lanes = [lane for lane in LANES if any(e.lane == lane for e in events)]
+    height = 1.2 + 0.45 * max(1, len(lanes))
+    fig = Figure(figsize=(12, height), dpi=dpi)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    if lo is None or not lanes:
+        ax.text(0.5, 0.5, "nothing was recorded", ha="center", va="center", transform=ax.transAxes)
+        ax.set_yticks([])
+    else:
+        n = len(lanes)
+        for i, lane in enumerate(lanes):
+            y = n - 1 - i  # first lane on top
+            iv = merge_intervals(clip_intervals([(e.t0, e.t1) for e in events if e.lane == lane], lo, hi))
+            # draw intervals too short to see at the plot's resolution with a minimum width
+            min_w = (hi - lo) / 4000.0
+            bars = [(a - lo, max(b - a, min_w)) for a, b in iv]
+            ax.broken_barh(bars, (y - 0.38, 0.76), facecolors=LANE_COLORS[lane], linewidth=0)
+        ax.set_yticks(range(n))
+        ax.set_yticklabels([LANE_LABELS[lane] for lane in reversed(lanes)])
+        ax.set_ylim(-0.6, n - 0.4)
+        ax.set_xlim(0, hi - lo)
+        for step, t in timeline.steps():
+            if lo <= t <= hi:
+                ax.axvline(t - lo, color="black", linewidth=0.8, linestyle="--", alpha=0.7)
+                ax.text(t - lo, n - 0.45, f" step {step}", fontsize=7, va="bottom", ha="left")
+    ax.set_xlabel("seconds since the start of the profile")
+    ax.grid(axis="x", alpha=0.3)
+    if title:
+        ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, format="png")
+    return path

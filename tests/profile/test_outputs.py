@@ -1,0 +1,87 @@
+"""Outputs on disk: valid Chrome-trace JSON with the expected lanes, a real PNG, summaries."""
+import json
+
+import pytest
+
+from infinity.profile import LANES, Timeline
+
+
+def synthetic():
+    tl = Timeline(enabled=True, rank=0)
+    base = 100.0
+    tl.add("nvme_read", "layers.0", base + 0.0, base + 0.4, 400_000_000)
+    tl.add("h2d", "layers.0", base + 0.4, base + 0.5, 100_000_000)
+    tl.add("forward", "layers.0", base + 0.5, base + 0.6)
+    tl.add("wait", "layers.1", base + 0.6, base + 0.7)
+    tl.add("backward", "layers.0", base + 0.7, base + 0.9)
+    tl.add("d2h", "layers.0", base + 0.9, base + 0.95, 50_000_000)
+    tl.add("optimizer", "tile 0", base + 0.95, base + 1.0)
+    tl.add("nvme_write", "tile 0", base + 0.95, base + 1.1, 120_000_000)
+    tl.add("allgather", "g0", base + 0.3, base + 0.35, 1000)
+    tl.add("reduce_scatter", "g0", base + 0.8, base + 0.85, 1000)
+    with tl._lock:
+        tl._steps.extend([(1, base), (2, base + 0.6)])
+    tl.enabled = False
+    return tl
+
+
+def test_chrome_trace_lanes_and_units(tmp_path):
+    out = synthetic().write(tmp_path / "new" / "dir", ceilings={"nvme_read": 2.0})
+    trace = json.loads(open(out["trace"]).read())
+    evs = trace["traceEvents"]
+    names = {e["args"]["name"]: e["tid"] for e in evs if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert set(names) == set(LANES)
+    x = [e for e in evs if e["ph"] == "X"]
+    assert len(x) == 10
+    by_lane = {e["cat"]: e for e in x}
+    assert set(by_lane) == set(LANES)
+    r = by_lane["nvme_read"]
+    assert r["ts"] == pytest.approx(0.0) and r["dur"] == pytest.approx(400_000.0)  # microseconds
+    assert r["args"]["bytes"] == 400_000_000 and r["args"]["GB/s"] == pytest.approx(1.0)
+    assert r["tid"] == names["nvme_read"]
+    assert by_lane["forward"]["ts"] == pytest.approx(500_000.0)
+    steps = [e for e in evs if e["ph"] == "i"]
+    assert [e["name"] for e in steps] == ["step 1", "step 2"]
+    for e in x:
+        assert set(("name", "ph", "ts", "dur", "pid", "tid")) <= set(e)
+
+
+def test_png_is_valid_image(tmp_path):
+    out = synthetic().write(tmp_path)
+    raw = open(out["plot"], "rb").read()
+    assert raw[:8] == b"\x89PNG\r\n\x1a\n" and len(raw) > 5000
+    import matplotlib.image as mpimg
+    img = mpimg.imread(out["plot"])
+    assert img.ndim == 3 and img.shape[0] > 100 and img.shape[1] > 500
+    # not a blank canvas: the lane bars add colours other than white/black/grey
+    px = img[..., :3].reshape(-1, 3)
+    colourful = ((px.max(axis=1) - px.min(axis=1)) > 0.2).mean()
+    assert colourful > 0.01
+
+
+def test_summary_files(tmp_path):
+    out = synthetic().write(tmp_path, ceilings={"read_gbps": 2.0, "write_gbps": 1.0})
+    s = json.loads(open(out["summary_json"]).read())
+    assert s["links"]["nvme_read"]["achieved_gbps"] == pytest.approx(1.0)
+    assert s["links"]["nvme_read"]["of_ceiling"] == pytest.approx(0.5)
+    assert s["links"]["nvme_write"]["of_ceiling"] == pytest.approx(0.8)
+    assert s["bottleneck"]["lane"] == "nvme_read"
+    txt = open(out["summary_txt"]).read()
+    assert "step is NVMe-read bound: 36 % of step time" in txt
+    assert "layers.1" in txt and "50 %" in txt
+
+
+def test_nonzero_rank_gets_suffixed_files(tmp_path):
+    tl = synthetic()
+    tl.rank = 3
+    out = tl.write(tmp_path, plot=False)
+    assert out["trace"].endswith("trace-rank3.json") and out["plot"] is None
+    trace = json.loads(open(out["trace"]).read())
+    assert {e["pid"] for e in trace["traceEvents"]} == {3}
+
+
+def test_unwritable_dir_gives_clear_error(tmp_path):
+    f = tmp_path / "file"
+    f.write_text("x")
+    with pytest.raises(OSError, match="profile directory"):
+        synthetic().write(f / "sub")
