@@ -7,8 +7,8 @@ Every key is optional; unknown keys, wrong types and out-of-range values raise
     cfg = InfinityConfig.load("train.yaml")                          # JSON/YAML path
     cfg = InfinityConfig.from_deepspeed("ds_config.json")            # DeepSpeed translation
 
-The DeepSpeed translation (:meth:`InfinityConfig.from_deepspeed`) is
-implemented by ``_deepspeed_to_dict`` at the bottom of this file.
+The DeepSpeed translation behind :meth:`InfinityConfig.from_deepspeed` lives in
+:mod:`infinity.config_deepspeed`.
 """
 from __future__ import annotations
 
@@ -429,11 +429,29 @@ class InfinityConfig:
                           f"InfinityConfig or None, got {type(obj).__name__}")
 
     @classmethod
-    def from_deepspeed(cls, ds: Mapping | str | os.PathLike) -> "InfinityConfig":
-        """Translate a DeepSpeed config (dict or JSON/YAML path); see docs/migrating-from-deepspeed.md."""
+    def from_deepspeed(cls, ds: Mapping | str | os.PathLike, *,
+                       approximate_schedules: bool = False) -> "InfinityConfig":
+        """Translate a DeepSpeed config (dict or JSON/YAML path).
+
+        Keys infinity honours are mapped; tuning-only keys are ignored (one info log
+        lists them); anything whose semantics infinity cannot reproduce raises
+        :class:`ConfigError` naming the DeepSpeed key.  ``approximate_schedules=True``
+        also translates DeepSpeed's "log" warmup (as linear) and WarmupCosineLR (whose
+        cosine phase is one step ahead of infinity's), with a warning.
+        See docs/migrating-from-deepspeed.md.
+        """
         if isinstance(ds, (str, os.PathLike)):
             ds = _read_file(os.fspath(ds))
-        return cls.from_dict(_deepspeed_to_dict(ds))
+        from infinity.config_deepspeed import deepspeed_to_dict
+        d, origin = deepspeed_to_dict(ds, approximate_schedules=approximate_schedules)
+        try:
+            return cls.from_dict(d)
+        except ConfigError as e:
+            key = str(e).split(":", 1)[0]
+            src = origin.get(key) or origin.get(key.split("[", 1)[0])
+            if src:
+                raise ConfigError(f"{e} [translated from DeepSpeed key {src}]") from None
+            raise
 
 
 def load_config(obj: Any = None) -> InfinityConfig:
@@ -487,11 +505,3 @@ def _read_file(path: str) -> Any:
         raise ConfigError(f"config file {path!r}: the top level must be a mapping, got "
                           f"{type(data).__name__}")
     return data
-
-
-# --------------------------------------------------------------------------------------
-# DeepSpeed translation
-# --------------------------------------------------------------------------------------
-
-def _deepspeed_to_dict(ds: Any) -> dict:
-    raise ConfigError("from_deepspeed: not implemented yet in this revision")

@@ -1,0 +1,370 @@
+"""Translation of a DeepSpeed JSON config into an infinity config dict.
+
+Used by :meth:`infinity.config.InfinityConfig.from_deepspeed`; the mapping, what is
+ignored and what is rejected are documented in docs/migrating-from-deepspeed.md.
+"""
+from __future__ import annotations
+
+import difflib
+import logging
+import os
+from typing import Any, Mapping
+
+from infinity.config import (OFFLOAD_HOMES, ConfigError, OptimizerConfig, _float, _fmt, _int)
+
+log = logging.getLogger("infinity.config")
+
+__all__ = ["deepspeed_to_dict", "DS_IGNORED_TOP_KEYS", "DS_IGNORED_ZERO_KEYS",
+           "DS_IGNORED_OFFLOAD_KEYS", "DS_IGNORED_AIO_KEYS"]
+
+# Keys that only tune DeepSpeed's own buffers/overlap: accepted, ignored, listed in one log.
+DS_IGNORED_ZERO_KEYS = (
+    "contiguous_gradients", "overlap_comm", "reduce_scatter", "reduce_bucket_size",
+    "allgather_partitions", "allgather_bucket_size", "round_robin_gradients",
+    "sub_group_size", "stage3_prefetch_bucket_size", "prefetch_bucket_size",
+    "stage3_param_persistence_threshold", "param_persistence_threshold",
+    "stage3_model_persistence_threshold", "model_persistence_threshold",
+    "stage3_max_live_parameters", "max_live_parameters",
+    "stage3_max_reuse_distance", "max_reuse_distance",
+    "stage3_gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save",
+    "gather_16bit_weights_on_model_save", "elastic_checkpoint", "load_from_fp32_weights",
+    "ignore_unused_parameters", "memory_efficient_linear", "use_all_reduce_for_fetch_params",
+    "module_granularity_threshold", "log_trace_cache_warnings", "cpu_offload_use_pin_memory",
+    "cpu_offload_params",
+)
+DS_IGNORED_OFFLOAD_KEYS = ("pin_memory", "buffer_count", "buffer_size", "max_in_cpu",
+                           "fast_init", "pipeline_read", "pipeline_write", "pipeline")
+DS_IGNORED_AIO_KEYS = ("single_submit", "overlap_events", "intra_op_parallelism")
+DS_IGNORED_TOP_KEYS = (
+    "train_batch_size", "train_micro_batch_size_per_gpu", "steps_per_print",
+    "wall_clock_breakdown", "memory_breakdown", "dump_state", "prescale_gradients",
+    "gradient_predivide_factor", "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer",
+    "flops_profiler", "tensorboard", "wandb", "csv_monitor", "comet", "comms_logger",
+    "monitor_config", "checkpoint", "seed",
+)
+DS_DEFAULT_NVME_PATH = "/local_nvme"  # DeepSpeed's documented default for nvme_path
+
+
+def _ds_err(key: str, msg: str) -> ConfigError:
+    return ConfigError(f"DeepSpeed {key}: {msg}")
+
+
+def _ds_find_auto(obj: Any, prefix: str = "") -> None:
+    if isinstance(obj, Mapping):
+        for k, v in obj.items():
+            _ds_find_auto(v, f"{prefix}{k}" if not prefix else f"{prefix}.{k}")
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            _ds_find_auto(v, f"{prefix}[{i}]")
+    elif isinstance(obj, str) and obj.strip().lower() == "auto":
+        raise _ds_err(prefix, '"auto" is filled in by the Hugging Face Trainer integration, '
+                              'not by DeepSpeed or infinity; replace it with a concrete value '
+                              '(or delete the key to use the default)')
+
+
+def _ds_section(ds: Mapping, key: str, prefix: str = "") -> Mapping:
+    v = ds.get(key)
+    if v is None:
+        return {}
+    if not isinstance(v, Mapping):
+        raise _ds_err(prefix + key, f"expected a mapping, got {_fmt(v)}")
+    return v
+
+
+def _ds_bool(sec: Mapping, key: str, default: bool, where: str) -> bool:
+    v = sec.get(key, default)
+    if not isinstance(v, bool):
+        raise _ds_err(f"{where}.{key}", f"expected true or false, got {_fmt(v)}")
+    return v
+
+
+def _ds_unknown(sec: Mapping, known: tuple, where: str) -> None:
+    for k in sec:
+        if k not in known:
+            close = difflib.get_close_matches(str(k), list(known), n=1, cutoff=0.6)
+            hint = (f"did you mean {where}.{close[0]}?" if close else
+                    "infinity cannot honour it; remove it (see docs/migrating-from-deepspeed.md)")
+            raise _ds_err(f"{where}.{k}" if where else str(k), f"unknown or unsupported key; {hint}")
+
+
+def _ds_device(sec: Mapping, where: str) -> str:
+    dev = sec.get("device", "none")
+    dev = "none" if dev is None else dev
+    if not isinstance(dev, str) or dev.lower() not in OFFLOAD_HOMES:
+        raise _ds_err(f"{where}.device", f'expected "none", "cpu" or "nvme", got {_fmt(dev)}')
+    return dev.lower()
+
+
+def deepspeed_to_dict(ds: Any, *, approximate_schedules: bool = False
+                       ) -> tuple[dict, dict[str, str]]:
+    """Translate a DeepSpeed config dict; returns (infinity dict, {infinity key: DS key})."""
+    if not isinstance(ds, Mapping):
+        raise ConfigError(f"DeepSpeed config: expected a mapping at the top level, got "
+                          f"{type(ds).__name__}")
+    _ds_find_auto(ds)
+    out: dict = {}
+    origin: dict[str, str] = {}
+    ignored: list[str] = []
+
+    def put(ikey: str, value: Any, dskey: str) -> None:
+        node = out
+        parts = ikey.split(".")
+        for p_ in parts[:-1]:
+            node = node.setdefault(p_, {})
+        node[parts[-1]] = value
+        origin[ikey] = dskey
+
+    known_top = ("zero_optimization", "aio", "optimizer", "scheduler", "fp16", "bf16",
+                 "gradient_clipping", "gradient_accumulation_steps", "amp",
+                 "activation_checkpointing", "communication_data_type", "data_types",
+                 "sparse_gradients") + DS_IGNORED_TOP_KEYS
+    _ds_unknown(ds, known_top, "")
+    ignored += [k for k in ds if k in DS_IGNORED_TOP_KEYS]
+
+    # ---- features infinity does not have
+    if _ds_section(ds, "amp").get("enabled", False):
+        raise _ds_err("amp.enabled", "NVIDIA apex AMP is not supported; use "
+                      '"bf16": {"enabled": true} or "fp16": {"enabled": true} instead')
+    if ds.get("activation_checkpointing"):
+        raise _ds_err("activation_checkpointing", "DeepSpeed's activation checkpointing API is "
+                      "not provided; remove the section and use torch.utils.checkpoint (or "
+                      "model.gradient_checkpointing_enable() for transformers models)")
+    cdt = ds.get("communication_data_type")
+    if cdt not in (None, "fp32", "float32"):
+        raise _ds_err("communication_data_type", f"infinity reduces gradients in fp32; got "
+                      f"{_fmt(cdt)}; remove the key")
+    gad = _ds_section(ds, "data_types").get("grad_accum_dtype")
+    _ds_unknown(_ds_section(ds, "data_types"), ("grad_accum_dtype",), "data_types")
+    if gad not in (None, "fp32", "float32"):
+        raise _ds_err("data_types.grad_accum_dtype", f"infinity accumulates gradients in fp32; "
+                      f"got {_fmt(gad)}; remove the key")
+    if ds.get("sparse_gradients"):
+        raise _ds_err("sparse_gradients", "sparse gradients are not supported; remove the key")
+
+    # ---- zero_optimization
+    zo = _ds_section(ds, "zero_optimization")
+    zero_known = ("stage", "offload_param", "offload_optimizer", "cpu_offload",
+                  "zero_hpz_partition_size", "zero_quantized_weights",
+                  "zero_quantized_nontrainable_weights", "zero_quantized_gradients",
+                  "mics_shard_size", "mics_hierarchical_params_gather") + DS_IGNORED_ZERO_KEYS
+    _ds_unknown(zo, zero_known, "zero_optimization")
+    ignored += [f"zero_optimization.{k}" for k in zo if k in DS_IGNORED_ZERO_KEYS]
+    for k, neutral in (("zero_hpz_partition_size", 1), ("zero_quantized_weights", False),
+                       ("zero_quantized_nontrainable_weights", False),
+                       ("zero_quantized_gradients", False), ("mics_shard_size", -1),
+                       ("mics_hierarchical_params_gather", False)):
+        if k in zo and zo[k] != neutral and not (k == "mics_shard_size" and zo[k] in (0, -1)):
+            raise _ds_err(f"zero_optimization.{k}", f"got {_fmt(zo[k])}: ZeRO++/MiCS features are "
+                          f"not supported (they change partitioning or numerics); remove the key")
+    stage = zo.get("stage", 0)
+    if isinstance(stage, bool) or not isinstance(stage, int) or stage not in (0, 1, 2, 3):
+        raise _ds_err("zero_optimization.stage", f"expected 0, 1, 2 or 3, got {_fmt(stage)}")
+    if stage == 0:
+        log.info("DeepSpeed zero_optimization.stage 0 (no ZeRO) translated to zero_stage 1: "
+                 "same numerics, optimizer states partitioned")
+        stage = 1
+    put("zero_stage", stage, "zero_optimization.stage")
+
+    nvme_paths: list[str] = []
+    for which, ikey in (("offload_param", "params"), ("offload_optimizer", "optimizer")):
+        where = f"zero_optimization.{which}"
+        sec = _ds_section(zo, which, "zero_optimization.")
+        extra = ("ratio",) if which == "offload_optimizer" else ()
+        _ds_unknown(sec, ("device", "nvme_path") + extra + DS_IGNORED_OFFLOAD_KEYS, where)
+        ignored += [f"{where}.{k}" for k in sec if k in DS_IGNORED_OFFLOAD_KEYS]
+        if "ratio" in sec and sec["ratio"] != 1 and sec["ratio"] != 1.0:
+            raise _ds_err(f"{where}.ratio", f"partial optimizer offload ({_fmt(sec['ratio'])}) is "
+                          f"not supported; remove it (infinity offloads all optimizer states)")
+        dev = _ds_device(sec, where)
+        if sec:
+            put(f"offload.{ikey}", dev, f"{where}.device")
+        if dev == "nvme":
+            path = sec.get("nvme_path", DS_DEFAULT_NVME_PATH)
+            if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+                raise _ds_err(f"{where}.nvme_path", f"expected a directory path, got {_fmt(path)}")
+            path = os.fspath(path)
+            if "nvme_path" not in sec:
+                log.info("DeepSpeed %s.nvme_path not set: using DeepSpeed's default %s",
+                         where, DS_DEFAULT_NVME_PATH)
+            if path not in nvme_paths:
+                nvme_paths.append(path)
+            origin.setdefault("offload.nvme_paths", f"{where}.nvme_path")
+    if "cpu_offload" in zo:
+        if not isinstance(zo["cpu_offload"], bool):
+            raise _ds_err("zero_optimization.cpu_offload",
+                          f"expected true or false, got {_fmt(zo['cpu_offload'])}")
+        if zo["cpu_offload"]:
+            if out.get("offload", {}).get("optimizer", "none") == "nvme":
+                raise _ds_err("zero_optimization.cpu_offload", "conflicts with "
+                              "offload_optimizer.device \"nvme\"; remove the legacy cpu_offload")
+            put("offload.optimizer", "cpu", "zero_optimization.cpu_offload")
+    if nvme_paths:
+        put("offload.nvme_paths", nvme_paths, origin["offload.nvme_paths"])
+
+    # ---- aio
+    aio = _ds_section(ds, "aio")
+    _ds_unknown(aio, ("block_size", "queue_depth", "thread_count", "use_gds")
+                + DS_IGNORED_AIO_KEYS, "aio")
+    ignored += [f"aio.{k}" for k in aio if k in DS_IGNORED_AIO_KEYS]
+    if aio.get("use_gds"):
+        raise _ds_err("aio.use_gds", "GPUDirect Storage is not supported; remove the key "
+                      "(infinity stages NVMe transfers through pinned host memory)")
+    for dk, ik in (("block_size", "aio.block_size"), ("queue_depth", "aio.queue_depth"),
+                   ("thread_count", "aio.threads")):
+        if dk in aio:
+            put(ik, aio[dk], f"aio.{dk}")
+
+    # ---- precision and loss scaling
+    fp16 = _ds_section(ds, "fp16")
+    bf16 = _ds_section(ds, "bf16") or _ds_section(ds, "bfloat16")
+    _ds_unknown(fp16, ("enabled", "auto_cast", "loss_scale", "initial_scale_power",
+                       "loss_scale_window", "hysteresis", "consecutive_hysteresis",
+                       "min_loss_scale", "fp16_master_weights_and_grads"), "fp16")
+    _ds_unknown(bf16, ("enabled", "immediate_grad_update", "check_grad_overflow"), "bf16")
+    fp16_on = _ds_bool(fp16, "enabled", False, "fp16")
+    bf16_on = _ds_bool(bf16, "enabled", False, "bf16")
+    if fp16_on and bf16_on:
+        raise _ds_err("fp16.enabled", "both fp16 and bf16 are enabled; enable only one")
+    if fp16_on:
+        put("precision", "fp16", "fp16.enabled")
+        if _ds_bool(fp16, "auto_cast", False, "fp16"):
+            raise _ds_err("fp16.auto_cast", "autocast of inputs is not supported; remove it")
+        if _ds_bool(fp16, "fp16_master_weights_and_grads", False, "fp16"):
+            raise _ds_err("fp16.fp16_master_weights_and_grads", "infinity keeps fp32 master "
+                          "weights; remove the key")
+        ls = fp16.get("loss_scale", 0)
+        if ls not in (0, 0.0):
+            raise _ds_err("fp16.loss_scale", f"static loss scale {_fmt(ls)} is not supported; "
+                          f"use 0 (dynamic; tune initial_scale_power) or bf16")
+        if "initial_scale_power" in fp16:
+            p_ = _int("DeepSpeed fp16.initial_scale_power", fp16["initial_scale_power"],
+                      lo=0, hi=127)
+            put("fp16.initial_scale", float(2 ** p_), "fp16.initial_scale_power")
+        if "loss_scale_window" in fp16:
+            put("fp16.growth_interval", fp16["loss_scale_window"], "fp16.loss_scale_window")
+        if "min_loss_scale" in fp16:
+            put("fp16.min_scale", fp16["min_loss_scale"], "fp16.min_loss_scale")
+        for k in ("hysteresis", "consecutive_hysteresis"):
+            if k in fp16:
+                ignored.append(f"fp16.{k}")
+    elif bf16_on:
+        put("precision", "bf16", "bf16.enabled")
+    ignored += [f"bf16.{k}" for k in bf16 if k != "enabled"]
+
+    # ---- optimizer
+    opt = _ds_section(ds, "optimizer")
+    _ds_unknown(opt, ("type", "params", "adam_w_mode", "torch_adam"), "optimizer")
+    if opt:
+        typ = opt.get("type", "AdamW")
+        if not isinstance(typ, str) or typ.lower() not in ("adam", "adamw"):
+            raise _ds_err("optimizer.type", f"only Adam and AdamW are supported, got "
+                          f"{_fmt(typ)}; use \"AdamW\"")
+        params = _ds_section(opt, "params", "optimizer.")
+        _ds_unknown(params, ("lr", "betas", "eps", "weight_decay", "adam_w_mode", "torch_adam",
+                             "bias_correction", "amsgrad", "fused", "foreach"), "optimizer.params")
+        adam_w_mode = params.get("adam_w_mode", opt.get("adam_w_mode", True))
+        if not isinstance(adam_w_mode, bool):
+            raise _ds_err("optimizer.params.adam_w_mode",
+                          f"expected true or false, got {_fmt(adam_w_mode)}")
+        is_w = typ.lower() == "adamw" or adam_w_mode
+        put("optimizer.type", "adamw" if is_w else "adam", "optimizer.type")
+        if not _ds_bool(params, "bias_correction", True, "optimizer.params"):
+            raise _ds_err("optimizer.params.bias_correction", "only bias-corrected Adam is "
+                          "supported; remove the key")
+        if _ds_bool(params, "amsgrad", False, "optimizer.params"):
+            raise _ds_err("optimizer.params.amsgrad", "AMSGrad is not supported; remove it")
+        for k in ("lr", "betas", "eps", "weight_decay"):
+            if k in params:
+                put(f"optimizer.{k}", params[k], f"optimizer.params.{k}")
+        ignored += [f"optimizer.params.{k}" for k in ("torch_adam", "fused", "foreach")
+                    if k in params] + (["optimizer.torch_adam"] if "torch_adam" in opt else [])
+
+    # ---- scheduler
+    _ds_scheduler(_ds_section(ds, "scheduler"), out, put, approximate_schedules)
+
+    # ---- training loop
+    for k in ("gradient_clipping", "gradient_accumulation_steps"):
+        if k in ds:
+            put(k, ds[k], k)
+    if ("gradient_accumulation_steps" not in ds and "train_batch_size" in ds
+            and "train_micro_batch_size_per_gpu" in ds
+            and ds["train_batch_size"] != ds["train_micro_batch_size_per_gpu"]):
+        log.warning("DeepSpeed derives gradient_accumulation_steps from train_batch_size / "
+                    "(train_micro_batch_size_per_gpu * world size); infinity does not know the "
+                    "world size here, so it uses 1: set gradient_accumulation_steps explicitly")
+    if ignored:
+        log.info("DeepSpeed keys accepted but ignored (tuning-only, or data loading which is "
+                 "the caller's job): %s", ", ".join(ignored))
+    return out, origin
+
+
+def _ds_scheduler(sch: Mapping, out: dict, put, approximate: bool) -> None:
+    if not sch:
+        return
+    _ds_unknown(sch, ("type", "params"), "scheduler")
+    typ = sch.get("type")
+    params = _ds_section(sch, "params", "scheduler.")
+    kinds = {"WarmupLR": "constant", "WarmupDecayLR": "linear", "WarmupCosineLR": "cosine"}
+    if typ not in kinds:
+        raise _ds_err("scheduler.type", f"{_fmt(typ)} has no infinity equivalent; supported: "
+                      f"WarmupLR, WarmupDecayLR, WarmupCosineLR (or use infinity's own "
+                      f"scheduler.type constant/linear/cosine)")
+    kind = kinds[typ]
+    cosine = kind == "cosine"
+    allowed = (("total_num_steps", "warmup_min_ratio", "warmup_num_steps", "cos_min_ratio",
+                "warmup_type", "last_batch_iteration") if cosine else
+               ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type",
+                "last_batch_iteration") + (("total_num_steps",) if kind == "linear" else ()))
+    _ds_unknown(params, allowed, "scheduler.params")
+    if params.get("last_batch_iteration", -1) != -1:
+        raise _ds_err("scheduler.params.last_batch_iteration", "resuming a schedule is done "
+                      "through infinity checkpoints; remove the key")
+    wtype = params.get("warmup_type", "log")
+    if wtype not in ("log", "linear"):
+        raise _ds_err("scheduler.params.warmup_type", f'expected "log" or "linear", got {_fmt(wtype)}')
+    warm = _int("DeepSpeed scheduler.params.warmup_num_steps",
+                params.get("warmup_num_steps", 1000), lo=0)
+    # DeepSpeed clamps warmup_num_steps to >= 2 and warms up as min + delta * step / warm
+    warm = max(2, warm)
+    if wtype == "log":
+        msg = ('DeepSpeed\'s default "log" warmup has no infinity equivalent (infinity warms up '
+               'linearly); set "warmup_type": "linear"')
+        if not approximate:
+            raise _ds_err("scheduler.params.warmup_type", msg + " or pass approximate_schedules=True")
+        log.warning("%s; translated as linear warmup (approximate_schedules=True)", msg)
+    put("scheduler.type", kind, "scheduler.type")
+    put("scheduler.warmup_steps", warm, "scheduler.params.warmup_num_steps")
+    if cosine:
+        wmr = params.get("warmup_min_ratio", 0.0)
+        if wmr not in (0, 0.0):
+            raise _ds_err("scheduler.params.warmup_min_ratio", f"infinity warms up from lr 0; "
+                          f"got {_fmt(wmr)}; set it to 0")
+        if "total_num_steps" not in params:
+            raise _ds_err("scheduler.params.total_num_steps", "required for WarmupCosineLR")
+        put("scheduler.total_steps", params["total_num_steps"], "scheduler.params.total_num_steps")
+        cmr = _float("DeepSpeed scheduler.params.cos_min_ratio",
+                     params.get("cos_min_ratio", 0.0001), lo=0.0, hi=1.0)
+        lr = out.get("optimizer", {}).get("lr", OptimizerConfig.lr)
+        lr = _float("DeepSpeed optimizer.params.lr", lr, lo=0.0)
+        put("scheduler.min_lr", lr * cmr, "scheduler.params.cos_min_ratio")
+        msg = ("DeepSpeed's WarmupCosineLR cosine phase runs one step ahead of infinity's "
+               "(it reaches min_lr at total_num_steps - 1)")
+        if not approximate:
+            raise _ds_err("scheduler.type", msg + "; pass approximate_schedules=True to accept "
+                          "that, or set infinity's scheduler {\"type\": \"cosine\", ...} yourself")
+        log.warning("%s; translated as cosine (approximate_schedules=True)", msg)
+        return
+    wmin = params.get("warmup_min_lr", 0.0)
+    if wmin not in (0, 0.0):
+        raise _ds_err("scheduler.params.warmup_min_lr", f"infinity warms up from lr 0; got "
+                      f"{_fmt(wmin)}; set it to 0")
+    wmax = params.get("warmup_max_lr", 0.001)
+    opt_lr = out.get("optimizer", {}).get("lr")
+    if opt_lr is not None and opt_lr != wmax:
+        log.info("DeepSpeed scheduler.params.warmup_max_lr (%s) overrides optimizer.params.lr "
+                 "(%s), as in DeepSpeed", wmax, opt_lr)
+    put("optimizer.lr", wmax, "scheduler.params.warmup_max_lr")
+    if kind == "linear":
+        if "total_num_steps" not in params:
+            raise _ds_err("scheduler.params.total_num_steps", "required for WarmupDecayLR")
+        put("scheduler.total_steps", params["total_num_steps"], "scheduler.params.total_num_steps")
