@@ -1,0 +1,76 @@
+"""`infinity finetune`: argument parsing and wiring (the work is in infinity.finetune)."""
+import argparse
+
+
+def _positive_int(s):
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {s!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
+    return v
+
+
+def _nonneg_int(s):
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {s!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {v}")
+    return v
+
+
+def register(sub):
+    p = sub.add_parser(
+        "finetune", help="fine-tune a causal LM with params and optimizer offloaded to NVMe",
+        description="Fine-tune a causal language model with the infinity engine. With no "
+                    "arguments: a small Llama built from a shipped config, trained on a shipped "
+                    "public-domain corpus, params and optimizer homed on NVMe under ./infinity-swap. "
+                    "Runs under torchrun for several ranks (rank 0 reports). See docs/finetune.md.")
+    p.add_argument("--model", metavar="NAME_OR_DIR",
+                   help="tiny-llama (default) | tiny-gpt2 | a Hugging Face config .json (random "
+                        "init) | a local Hugging Face directory with config.json + safetensors")
+    p.add_argument("--data", metavar="PATH",
+                   help="a text file, a directory of .txt/.jsonl files, or a .jsonl file with a "
+                        "'text' field (default: the shipped corpus)")
+    p.add_argument("--config", metavar="FILE", help="infinity config (JSON/YAML); flags override it")
+    p.add_argument("--nvme-path", metavar="DIR", action="append", dest="nvme_paths", default=[],
+                   help="swap directory (repeat to stripe over several); overrides offload.nvme_paths")
+    p.add_argument("--steps", type=_positive_int, default=30, help="optimizer steps (default 30)")
+    p.add_argument("--batch-tokens", type=_positive_int, default=4096,
+                   help="tokens per micro-batch per rank (default 4096)")
+    p.add_argument("--seq-len", type=_positive_int, default=256,
+                   help="sequence length (default 256, capped by the model)")
+    p.add_argument("--lr", type=float, help="learning rate (default 3e-3 or the config's)")
+    p.add_argument("--seed", type=int, default=0, help="seed for data order and init (default 0)")
+    p.add_argument("--save", metavar="DIR", help="checkpoint directory (saved at the end and on Ctrl-C)")
+    p.add_argument("--save-every", type=_nonneg_int, default=0, metavar="N",
+                   help="also save every N steps")
+    p.add_argument("--keep-last", type=_nonneg_int, default=0, metavar="K",
+                   help="keep only the K newest checkpoints (0: keep all)")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --save DIR")
+    p.add_argument("--profile", metavar="DIR", help="write a timeline (Chrome trace, PNG, summary) to DIR")
+    p.add_argument("--json", action="store_true",
+                   help="stdout: one JSON object per step and nothing else (progress goes to stderr)")
+    p.add_argument("--no-bench-io", action="store_true",
+                   help="ignore a saved `infinity bench-io --sweep --save` result")
+    p.set_defaults(func=run)
+
+
+def run(args):
+    from infinity.cli.main import CLIError
+    from infinity.finetune.run import FinetuneError, FinetuneOptions, finetune
+
+    opts = FinetuneOptions(model=args.model, data=args.data, config=args.config,
+                           nvme_paths=args.nvme_paths, steps=args.steps,
+                           batch_tokens=args.batch_tokens, seq_len=args.seq_len, lr=args.lr,
+                           save=args.save, save_every=args.save_every, keep_last=args.keep_last,
+                           resume=args.resume, profile=args.profile, json_lines=args.json,
+                           seed=args.seed, use_bench_io=not args.no_bench_io)
+    try:
+        finetune(opts)
+    except FinetuneError as e:
+        raise CLIError(str(e)) from e
+    return 0

@@ -1,0 +1,1 @@
+"""`infinity finetune`: model loading, the training loop, reporting, Ctrl-C handling."""

@@ -1,0 +1,224 @@
+"""Build or load the causal LM that `infinity finetune` trains.
+
+``--model`` may be
+- a shipped name (``tiny-llama``, ``tiny-gpt2``: configs in ``infinity/data``),
+  built with random weights;
+- a config ``.json`` file (Hugging Face format), built with random weights;
+- a local Hugging Face directory (``config.json`` + ``model.safetensors`` or a
+  sharded ``model.safetensors.index.json``): the model is constructed with its
+  parameters on the ``meta`` device (no memory), then every checkpoint tensor
+  is streamed, one at a time, with ``safetensors.safe_open`` into a freshly
+  allocated parameter. Peak host memory is the model once plus the largest
+  single tensor — never two copies of the model.
+
+No network access: hub names are rejected with a clear error.
+"""
+import contextlib
+import json
+import logging
+import os
+from importlib import resources
+
+import torch
+from torch import nn
+
+log = logging.getLogger("infinity.finetune")
+
+SHIPPED_MODELS = ("tiny-llama", "tiny-gpt2")
+DEFAULT_MODEL = "tiny-llama"
+
+
+class ModelError(ValueError):
+    """The requested model cannot be built or loaded."""
+
+
+def shipped_model_config(name):
+    return str(resources.files("infinity.data").joinpath(f"{name}.json"))
+
+
+def load_model_config(path):
+    """A ``transformers`` config object from a Hugging Face ``config.json``."""
+    from transformers import AutoConfig
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = json.load(f)
+    except OSError as e:
+        raise ModelError(f"cannot read model config {path}: {e.strerror or e}") from e
+    except json.JSONDecodeError as e:
+        raise ModelError(f"model config {path} is not valid JSON: {e}") from e
+    if not isinstance(raw, dict) or "model_type" not in raw:
+        raise ModelError(f"model config {path} has no 'model_type' (expected a Hugging Face config.json)")
+    raw = dict(raw)
+    model_type = raw.pop("model_type")
+    for k in ("transformers_version", "_name_or_path"):
+        raw.pop(k, None)
+    try:
+        return AutoConfig.for_model(model_type, **raw)
+    except (ValueError, KeyError) as e:
+        raise ModelError(f"model config {path}: unsupported model_type {model_type!r} ({e})") from e
+
+
+def build_model(config):
+    """A randomly initialised causal LM from a config object (fp32, on CPU)."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_config(config)
+    except ValueError as e:
+        raise ModelError(f"cannot build a causal LM from config ({config.model_type}): {e}") from e
+    model.config.use_cache = False
+    return model
+
+
+@contextlib.contextmanager
+def parameters_on_meta():
+    """While active, every parameter a module registers is moved to ``meta``
+    (buffers stay real: rotary tables, masks). Construction then costs no
+    parameter memory beyond one layer's transient init."""
+    original = nn.Module.register_parameter
+
+    def register_parameter(module, name, param):
+        if param is not None and param.device.type != "meta":
+            param = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
+        original(module, name, param)
+
+    nn.Module.register_parameter = register_parameter
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original
+
+
+def _safetensors_files(model_dir):
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    single = os.path.join(model_dir, "model.safetensors")
+    if os.path.exists(index):
+        try:
+            with open(index, encoding="utf-8") as f:
+                weight_map = json.load(f)["weight_map"]
+        except (OSError, ValueError, KeyError) as e:
+            raise ModelError(f"cannot read shard index {index}: {e}") from e
+        files = sorted(set(weight_map.values()))
+        return [os.path.join(model_dir, fn) for fn in files]
+    if os.path.exists(single):
+        return [single]
+    found = sorted(fn for fn in os.listdir(model_dir) if fn.endswith(".safetensors"))
+    if found:
+        return [os.path.join(model_dir, fn) for fn in found]
+    bins = [fn for fn in os.listdir(model_dir) if fn.endswith((".bin", ".pt", ".pth"))]
+    hint = (f" (found {', '.join(bins)}: pickled weights are never loaded; convert them to "
+            "safetensors first)") if bins else ""
+    raise ModelError(f"no *.safetensors weights in {model_dir}{hint}; to train from scratch "
+                     f"pass the config file itself: --model {os.path.join(model_dir, 'config.json')}")
+
+
+def _name_resolver(model):
+    """Map a checkpoint key to the owning (module, attr) slots of the model,
+    tolerating checkpoints saved from the base model (no ``transformer.``/
+    ``model.`` prefix) or with one extra."""
+    slots = {}
+    for mod_name, mod in model.named_modules(remove_duplicate=False):
+        for pname, p in mod._parameters.items():
+            if p is not None:
+                full = f"{mod_name}.{pname}" if mod_name else pname
+                slots[full] = (mod, pname)
+    prefix = getattr(model, "base_model_prefix", "") or ""
+
+    def resolve(key):
+        if key in slots:
+            return key
+        if prefix and f"{prefix}.{key}" in slots:
+            return f"{prefix}.{key}"
+        if prefix and key.startswith(prefix + ".") and key[len(prefix) + 1:] in slots:
+            return key[len(prefix) + 1:]
+        return None
+
+    return slots, resolve
+
+
+def load_pretrained(model_dir):
+    """Load a local Hugging Face causal LM, streaming safetensors tensor by tensor."""
+    from safetensors import safe_open
+
+    cfg_path = os.path.join(model_dir, "config.json")
+    if not os.path.exists(cfg_path):
+        raise ModelError(f"{model_dir} has no config.json (expected a Hugging Face model directory)")
+    config = load_model_config(cfg_path)
+    files = _safetensors_files(model_dir)
+    with parameters_on_meta():
+        model = build_model(config)
+    slots, resolve = _name_resolver(model)
+
+    # One new tensor per distinct meta parameter, shared by all its slots (tied weights).
+    by_param = {}
+    for full, (mod, pname) in slots.items():
+        by_param.setdefault(id(mod._parameters[pname]), []).append(full)
+    filled = {}  # id(meta param) -> new Parameter
+    unexpected = []
+    for fp in files:
+        try:
+            handle = safe_open(fp, framework="pt", device="cpu")
+        except Exception as e:  # safetensors raises its own error types
+            raise ModelError(f"cannot open weights {fp}: {e}") from e
+        with handle as f:
+            for key in f.keys():
+                name = resolve(key)
+                if name is None:
+                    unexpected.append(key)
+                    continue
+                mod, pname = slots[name]
+                old = mod._parameters[pname]
+                tensor = f.get_tensor(key)
+                if tuple(tensor.shape) != tuple(old.shape):
+                    raise ModelError(f"{fp}: tensor {key} has shape {tuple(tensor.shape)} but the "
+                                     f"model built from config.json expects {tuple(old.shape)} for {name}")
+                if not (tensor.is_floating_point() or tensor.is_complex()):
+                    raise ModelError(f"{fp}: tensor {key} has non-float dtype {tensor.dtype}")
+                new = filled.get(id(old))
+                if new is None:
+                    new = nn.Parameter(torch.empty(old.shape, dtype=torch.float32),
+                                       requires_grad=old.requires_grad)
+                    filled[id(old)] = new
+                with torch.no_grad():
+                    new.copy_(tensor)
+                del tensor
+                for alias in by_param[id(old)]:
+                    amod, apname = slots[alias]
+                    amod._parameters[apname] = new
+    missing = [names[0] for pid, names in by_param.items() if pid not in filled]
+    if missing:
+        raise ModelError(f"weights in {model_dir} lack {len(missing)} parameter(s) of the "
+                         f"{config.model_type} model, e.g. {', '.join(missing[:5])}")
+    if unexpected:
+        log.debug("ignored %d checkpoint tensors not in the model, e.g. %s",
+                  len(unexpected), ", ".join(unexpected[:5]))
+    model.config.use_cache = False
+    log.info("loaded %s from %s (%d tensors streamed from %d file(s))",
+             config.model_type, model_dir, len(filled), len(files))
+    return model
+
+
+def resolve_model(spec=None):
+    """``--model`` value -> (model, description). See the module docstring."""
+    spec = spec or DEFAULT_MODEL
+    if spec in SHIPPED_MODELS:
+        return build_model(load_model_config(shipped_model_config(spec))), f"{spec} (shipped, random init)"
+    if os.path.isdir(spec):
+        return load_pretrained(spec), f"{spec} (pretrained)"
+    if os.path.isfile(spec):
+        if not spec.endswith(".json"):
+            raise ModelError(f"--model {spec}: expected a Hugging Face directory or a config .json file")
+        return build_model(load_model_config(spec)), f"{spec} (config, random init)"
+    raise ModelError(f"--model {spec!r} is neither a shipped model ({', '.join(SHIPPED_MODELS)}) nor "
+                     "a local file/directory; downloads are not supported, save the model with "
+                     "save_pretrained(dir, safe_serialization=True) and pass the directory")
+
+
+def check_vocab(model, tokenizer):
+    """The byte tokenizer's ids must fit the model's embedding."""
+    emb = model.get_input_embeddings()
+    n = emb.num_embeddings if emb is not None else getattr(model.config, "vocab_size", 0)
+    if n < tokenizer.vocab_size:
+        raise ModelError(f"the model's vocabulary has {n} entries but the byte tokenizer needs "
+                         f"{tokenizer.vocab_size}; use a model with vocab_size >= {tokenizer.vocab_size}")

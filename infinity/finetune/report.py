@@ -1,0 +1,157 @@
+"""Progress, JSON lines and the final summary of `infinity finetune`.
+
+- stdout is reserved for ``--json``: exactly one JSON object per step, nothing else.
+- everything human-readable goes to stderr: a tqdm bar on a terminal, one plain
+  line per step otherwise (logs, CI), and the final summary table.
+- only rank 0 reports (other ranks get a silent reporter).
+"""
+import json
+import math
+import sys
+import time
+
+LINKS = ("nvme_read", "nvme_write", "h2d", "d2h", "allgather", "reduce_scatter")
+_LINK_LABEL = {"nvme_read": "nvme rd", "nvme_write": "nvme wr", "h2d": "h2d", "d2h": "d2h",
+               "allgather": "allgather", "reduce_scatter": "red-scat"}
+
+
+def link_bytes(stats):
+    """Cumulative bytes moved per link from ``engine.stats()``.
+
+    Accepts the shapes the engine may report: ``{"links": {name: {"bytes": n}}}``,
+    ``{"links": {name: n}}``, ``{"bytes_moved": {name: n}}`` or flat ``"<name>_bytes"``.
+    Links the engine does not report are 0.
+    """
+    out = {k: 0 for k in LINKS}
+    if not isinstance(stats, dict):
+        return out
+    for container_key in ("links", "bytes_moved", "link_bytes"):
+        c = stats.get(container_key)
+        if isinstance(c, dict):
+            for k in LINKS:
+                v = c.get(k)
+                if isinstance(v, dict):
+                    v = v.get("bytes", v.get("nbytes", 0))
+                if isinstance(v, (int, float)):
+                    out[k] = int(v)
+            return out
+    for k in LINKS:
+        v = stats.get(f"{k}_bytes")
+        if isinstance(v, (int, float)):
+            out[k] = int(v)
+    return out
+
+
+def _fmt_bytes(n):
+    for unit, div in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if abs(n) >= div:
+            return f"{n / div:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def _finite(x):
+    return x is not None and isinstance(x, (int, float)) and math.isfinite(x)
+
+
+class Reporter:
+    """Collects per-step records; prints them as the mode asks."""
+
+    def __init__(self, *, total_steps, json_lines=False, enabled=True, stdout=None, stderr=None,
+                 progress=None):
+        self.total_steps = total_steps
+        self.json_lines = json_lines
+        self.enabled = enabled
+        self.stdout = stdout or sys.stdout
+        self.stderr = stderr or sys.stderr
+        self.records = []
+        self._bar = None
+        self._t_start = time.perf_counter()
+        if progress is None:
+            progress = enabled and hasattr(self.stderr, "isatty") and self.stderr.isatty()
+        if progress:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total_steps, file=self.stderr, unit="step", dynamic_ncols=True,
+                             leave=True)
+
+    def info(self, msg):
+        if self.enabled:
+            if self._bar is not None:
+                self._bar.write(msg, file=self.stderr)
+            else:
+                print(msg, file=self.stderr, flush=True)
+
+    def set_initial(self, step):
+        if self._bar is not None and step:
+            self._bar.n = step
+            self._bar.refresh()
+
+    def step(self, rec):
+        """``rec``: step, loss, lr, grad_norm, tokens, tokens_per_s, step_time_s,
+        bytes (dict per link, this step), gbps (dict per link, this step)."""
+        self.records.append(rec)
+        if not self.enabled:
+            return
+        if self.json_lines:
+            flat = {k: v for k, v in rec.items() if k not in ("bytes", "gbps")}
+            for k in LINKS:
+                flat[f"{k}_bytes"] = rec["bytes"].get(k, 0)
+                flat[f"{k}_gbps"] = round(rec["gbps"].get(k, 0.0), 4)
+            print(json.dumps(flat), file=self.stdout, flush=True)
+        links = " ".join(f"{_LINK_LABEL[k]} {rec['gbps'][k]:.2f}GB/s" for k in LINKS
+                         if rec["bytes"].get(k))
+        gn = rec.get("grad_norm")
+        gn_s = f"{gn:.3f}" if _finite(gn) else "n/a"
+        if self._bar is not None:
+            self._bar.set_postfix_str(f"loss {rec['loss']:.4f} | {rec['tokens_per_s']:.0f} tok/s | "
+                                      f"{rec['step_time_s']:.2f}s/step | gnorm {gn_s}"
+                                      + (f" | {links}" if links else ""), refresh=False)
+            self._bar.update(1)
+        else:
+            print(f"step {rec['step']}/{self.total_steps} loss {rec['loss']:.4f} lr {rec['lr']:.3g} "
+                  f"gnorm {gn_s} {rec['tokens_per_s']:.0f} tok/s {rec['step_time_s']:.2f} s"
+                  + (f" | {links}" if links else ""), file=self.stderr, flush=True)
+
+    def close(self):
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+    def summary(self, *, stop_reason=None, extra=None):
+        """The final table as a string (and printed to stderr)."""
+        self.close()
+        recs = self.records
+        rows = []
+        if recs:
+            n = len(recs)
+            k = min(3, n)
+            first = sum(r["loss"] for r in recs[:k]) / k
+            last = sum(r["loss"] for r in recs[-k:]) / k
+            wall = sum(r["step_time_s"] for r in recs)
+            tokens = sum(r["tokens"] for r in recs)
+            rows += [("steps", f"{recs[0]['step']}..{recs[-1]['step']} ({n} run)"),
+                     ("loss", f"{recs[0]['loss']:.4f} -> {recs[-1]['loss']:.4f}"),
+                     (f"loss mean first {k} -> last {k}",
+                      f"{first:.4f} -> {last:.4f} ({(last - first) / first * 100:+.1f} %)"
+                      if first else "n/a"),
+                     ("tokens", f"{tokens:,}"),
+                     ("step time (mean)", f"{wall / n:.3f} s"),
+                     ("throughput", f"{tokens / wall:,.0f} tokens/s" if wall > 0 else "n/a")]
+            for link in LINKS:
+                b = sum(r["bytes"].get(link, 0) for r in recs)
+                if b:
+                    rows.append((f"{link}", f"{_fmt_bytes(b)} total, {b / wall / 1e9:.3f} GB/s "
+                                 "over step time"))
+        else:
+            rows.append(("steps", "none completed"))
+        for key, val in (extra or {}).items():
+            rows.append((key, str(val)))
+        if stop_reason:
+            rows.append(("stopped", stop_reason))
+        width = max(len(r[0]) for r in rows)
+        lines = ["", "infinity finetune summary", "-" * (width + 40)]
+        lines += [f"{name.ljust(width)}  {val}" for name, val in rows]
+        text = "\n".join(lines)
+        if self.enabled:
+            print(text, file=self.stderr, flush=True)
+        return text

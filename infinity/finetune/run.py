@@ -1,0 +1,196 @@
+"""`infinity finetune` end to end: config, data, model, engine, loop, summary.
+
+:func:`finetune` is what the CLI calls (``infinity/cli/finetune.py`` only parses
+arguments). User mistakes raise :class:`FinetuneError` with what to do.
+"""
+import contextlib
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+log = logging.getLogger("infinity.finetune")
+
+
+class FinetuneError(RuntimeError):
+    """A user-facing failure of `infinity finetune` (bad flag, data, model, ...)."""
+
+
+@dataclass
+class FinetuneOptions:
+    model: str = None
+    data: str = None
+    config: str = None
+    nvme_paths: list = field(default_factory=list)
+    steps: int = 30
+    batch_tokens: int = 4096
+    seq_len: int = 256
+    lr: float = None
+    save: str = None
+    save_every: int = 0
+    keep_last: int = 0
+    resume: bool = False
+    profile: str = None
+    json_lines: bool = False
+    seed: int = 0
+    use_bench_io: bool = True
+
+
+def dist_env():
+    """(rank, world_size, local_rank) from torchrun's environment."""
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    return rank, world, local
+
+
+def _init_distributed(world, timeout_s):
+    import datetime
+
+    import torch.distributed as dist
+
+    if world <= 1 or dist.is_initialized():
+        return False
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    return True
+
+
+def _validate(opts):
+    for name in ("steps", "batch_tokens", "seq_len"):
+        v = getattr(opts, name)
+        if not isinstance(v, int) or v < 1:
+            raise FinetuneError(f"--{name.replace('_', '-')} must be a positive integer, got {v!r}")
+    if opts.seq_len < 2:
+        raise FinetuneError("--seq-len must be at least 2")
+    for name in ("save_every", "keep_last"):
+        v = getattr(opts, name)
+        if v < 0:
+            raise FinetuneError(f"--{name.replace('_', '-')} must be >= 0, got {v}")
+    if (opts.save_every or opts.keep_last) and not opts.save:
+        raise FinetuneError("--save-every/--keep-last need --save DIR")
+    if opts.resume and not opts.save:
+        raise FinetuneError("--resume needs --save DIR (the checkpoint directory to continue from)")
+    if opts.lr is not None and not (opts.lr > 0):
+        raise FinetuneError(f"--lr must be > 0, got {opts.lr}")
+
+
+def _shape(opts, model):
+    max_pos = getattr(model.config, "max_position_embeddings", None) or \
+        getattr(model.config, "n_positions", None)
+    seq_len = min(opts.seq_len, opts.batch_tokens)
+    if max_pos and seq_len > max_pos:
+        log.info("--seq-len %d exceeds the model's %d positions; using %d", seq_len, max_pos, max_pos)
+        seq_len = max_pos
+    batch = max(1, opts.batch_tokens // seq_len)
+    return seq_len, batch
+
+
+def finetune(opts, *, reporter_streams=None):
+    """Run a fine-tuning job. Returns a dict with the records and the result."""
+    import infinity
+    from infinity.config import ConfigError
+    from infinity.data import ByteTokenizer, DataError, TokenBatcher, load_texts
+    from infinity.finetune import checkpoints as ck
+    from infinity.finetune import loop
+    from infinity.finetune.model import ModelError, check_vocab, resolve_model
+    from infinity.finetune.report import Reporter
+    from infinity.finetune.settings import SettingsError, build_config
+    from infinity.finetune.stop import GracefulStop
+
+    _validate(opts)
+    rank, world, _ = dist_env()
+    try:
+        cfg, notes = build_config(config_path=opts.config, nvme_paths=opts.nvme_paths or None,
+                                  lr=opts.lr, use_bench_io=opts.use_bench_io)
+    except (SettingsError, ConfigError) as e:
+        raise FinetuneError(str(e)) from e
+    streams = reporter_streams or {}
+    reporter = Reporter(total_steps=opts.steps, json_lines=opts.json_lines, enabled=(rank == 0),
+                        **streams)
+    for n in notes:
+        reporter.info(n)
+
+    torch.manual_seed(opts.seed)
+    tok = ByteTokenizer()
+    try:
+        texts = load_texts(opts.data)
+        model, desc = resolve_model(opts.model)
+        check_vocab(model, tok)
+        seq_len, batch = _shape(opts, model)
+        batcher = TokenBatcher(texts, tok, seq_len=seq_len, batch_size=batch, rank=rank,
+                               world_size=world, seed=opts.seed)
+    except (DataError, ModelError) as e:
+        raise FinetuneError(str(e)) from e
+    n_params = sum(p.numel() for p in model.parameters())
+    gas = int(cfg.get("gradient_accumulation_steps", 1) or 1)
+    reporter.info(
+        f"model {desc}: {n_params / 1e6:.2f} M params | data {opts.data or 'shipped corpus'}: "
+        f"{batcher.num_tokens:,} tokens | batch {batch} x {seq_len} tokens x {gas} micro x "
+        f"{world} rank(s) | params home {cfg['offload']['params']}, optimizer home "
+        f"{cfg['offload']['optimizer']}, swap {cfg['offload']['nvme_paths']}")
+
+    _init_distributed(world, int(cfg.get("dist_timeout_s", 600)))
+    checkpointer = ck.Checkpointer(opts.save, keep_last=opts.keep_last,
+                                   is_rank0=(rank == 0)) if opts.save else None
+    t_start = time.perf_counter()
+    result = None
+    aborted = False
+    try:
+        with GracefulStop() as stopper:
+            engine = infinity.initialize(model, cfg)
+            try:
+                del model  # the engine owns the parameters now
+                start = 0
+                if opts.resume:
+                    start = checkpointer.resume(engine)
+                    reporter.set_initial(start)
+                    if start >= opts.steps:
+                        reporter.info(f"checkpoint is at step {start} >= --steps {opts.steps}: "
+                                      "nothing to do")
+                prof = contextlib.nullcontext()
+                if opts.profile:
+                    if not hasattr(engine, "profile"):
+                        raise FinetuneError("--profile is not available yet in this build "
+                                            "(engine.profile() missing)")
+                    os.makedirs(opts.profile, exist_ok=True)
+                    prof = engine.profile(opts.profile)
+                lopts = loop.LoopOptions(steps=opts.steps, start_step=start, grad_accum=gas,
+                                         save_every=opts.save_every, world_size=world)
+                with prof:
+                    result = loop.run(engine, batcher, lopts, reporter, stopper, checkpointer)
+                stats = engine.stats()
+            finally:
+                engine.close()
+    except ck.CheckpointUnavailable as e:
+        raise FinetuneError(str(e)) from e
+    except KeyboardInterrupt:
+        aborted = True
+        reporter.summary(stop_reason="aborted by a second Ctrl-C (engine closed, swap removed)")
+        raise
+    finally:
+        if not aborted and result is None:
+            reporter.close()
+    extra = {"wall time": f"{time.perf_counter() - t_start:.1f} s"}
+    peaks = _peaks(stats)
+    if peaks:
+        extra["peak memory"] = peaks
+    if result.saved:
+        extra["checkpoints"] = f"{opts.save}: {', '.join(result.saved)}"
+    if opts.profile:
+        extra["profile"] = opts.profile
+    reporter.summary(stop_reason=None if result.stop_reason == "completed" else result.stop_reason,
+                     extra=extra)
+    return {"records": reporter.records, "result": result, "stats": stats}
+
+
+def _peaks(stats):
+    if not isinstance(stats, dict):
+        return ""
+    peak = stats.get("peak_bytes") or stats.get("peaks")
+    if isinstance(peak, dict):
+        parts = [f"{k} {v / 1e6:.1f} MB" for k, v in peak.items() if isinstance(v, (int, float))]
+        return ", ".join(parts)
+    return ""

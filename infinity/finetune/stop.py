@@ -1,0 +1,69 @@
+"""Ctrl-C handling for the training loop.
+
+First SIGINT (or SIGTERM, e.g. from a scheduler or torchrun): ask the loop to
+stop at the next step boundary; the loop then saves (if asked) and closes the
+engine. A second SIGINT aborts at once by raising ``KeyboardInterrupt`` where
+the program is — the caller's ``finally``/``with`` still closes the engine, so
+no swap files remain either way.
+
+Under ``torch.distributed`` the stop decision is agreed across ranks
+(all-reduce MAX) so that no rank is left waiting in a collective.
+"""
+import logging
+import signal
+import threading
+
+log = logging.getLogger("infinity.finetune")
+
+
+class GracefulStop:
+    def __init__(self, signals=(signal.SIGINT, signal.SIGTERM)):
+        self.requested = False
+        self.reason = None
+        self._count = 0
+        self._signals = signals
+        self._previous = {}
+
+    def _handler(self, signum, frame):
+        self._count += 1
+        name = signal.Signals(signum).name
+        if self._count == 1 and not self.requested:
+            self.requested = True
+            self.reason = name
+            log.warning("%s received: stopping at the next step boundary "
+                        "(press Ctrl-C again to abort now)", name)
+            return
+        log.warning("%s received again: aborting", name)
+        raise KeyboardInterrupt
+
+    def request(self, reason="requested"):
+        """Ask for a stop from code (tests, callbacks)."""
+        self.requested = True
+        self.reason = self.reason or reason
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for s in self._signals:
+                self._previous[s] = signal.signal(s, self._handler)
+        return self
+
+    def __exit__(self, *exc):
+        for s, h in self._previous.items():
+            signal.signal(s, h)
+        self._previous.clear()
+        return False
+
+    def should_stop(self, dist_group=None):
+        """True when this rank (or any rank, when distributed) asked to stop."""
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            import torch
+
+            flag = torch.tensor([1 if self.requested else 0], dtype=torch.int32)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=dist_group)
+            if flag.item() and not self.requested:
+                self.requested = True
+                self.reason = "another rank stopped"
+            return bool(flag.item())
+        return self.requested
