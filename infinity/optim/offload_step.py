@@ -115,11 +115,14 @@ class OptimizerStateStore:
             compute of tile i).
         sink_dtype: dtype of the tile handed to ``param_sink`` (None: the fp32
             master tile; bf16/fp16: written by adam_step in the same pass).
+        kernel: the per-tile update, ``adam_step``'s signature (None: the SIMD
+            ``infinity.optim.adam_step``). Benchmarks pass a no-op to time the I/O alone.
     """
 
     def __init__(self, home: str, *, swap=None, tile_numel: int = DEFAULT_TILE_NUMEL,
                  state_dtype: torch.dtype = torch.float32, accounting=None, timeline=None,
-                 pipeline_depth: int = DEFAULT_PIPELINE_DEPTH, sink_dtype: Optional[torch.dtype] = None):
+                 pipeline_depth: int = DEFAULT_PIPELINE_DEPTH, sink_dtype: Optional[torch.dtype] = None,
+                 kernel: Optional[Callable] = None):
         if home not in HOMES:
             raise ValueError(f"OptimizerStateStore: home must be one of {HOMES}, got {home!r}")
         if home == "nvme" and swap is None:
@@ -134,7 +137,8 @@ class OptimizerStateStore:
         if sink_dtype is not None and sink_dtype not in _LOWP_DTYPES:
             raise ValueError(f"OptimizerStateStore: sink_dtype must be None, float32, bfloat16 or float16, "
                              f"got {sink_dtype}")
-        from infinity.optim import adam_step  # late: infinity.optim may import this module
+        if kernel is None:
+            from infinity.optim import adam_step as kernel  # late: infinity.optim may import this module
 
         self.home = home
         self.swap = swap
@@ -144,7 +148,7 @@ class OptimizerStateStore:
         self.accounting = accounting
         self.timeline = timeline
         self.pipeline_depth = pipeline_depth
-        self._adam_step = adam_step
+        self._adam_step = kernel
         self._parts: Dict[str, _Partition] = {}
         self._lock = threading.Lock()
         self._closed = False
