@@ -1,0 +1,155 @@
+// Persistent worker pool for the CPU Adam kernels (see thread_pool.h).
+#include "thread_pool.h"
+
+#include <pthread.h>
+#include <sched.h>
+
+#include <condition_variable>
+#include <cstdint>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace infinity_adam {
+namespace {
+
+// Below this many elements a step is run on the calling thread alone: waking
+// workers costs more than it saves.
+constexpr size_t kInlineBelow = size_t(1) << 15;
+constexpr size_t kAlign = 64;
+
+class Pool {
+public:
+    explicit Pool(int n) : n_(n) {
+        for (int i = 1; i < n; ++i) workers_.emplace_back([this, i] { loop(i); });
+    }
+    ~Pool() {
+        {
+            std::lock_guard<std::mutex> g(mu_);
+            stop_ = true;
+        }
+        cv_.notify_all();
+        for (auto& t : workers_) t.join();
+    }
+    int size() const { return n_; }
+
+    // Runs job(i) for i in [0, n_), i == 0 on the caller; returns when all are done.
+    void run(const std::function<void(int)>& job) {
+        {
+            std::lock_guard<std::mutex> g(mu_);
+            job_ = &job;
+            pending_ = n_ - 1;
+            ++gen_;
+        }
+        cv_.notify_all();
+        job(0);
+        std::unique_lock<std::mutex> lk(mu_);
+        done_cv_.wait(lk, [this] { return pending_ == 0; });
+        job_ = nullptr;
+    }
+
+private:
+    void loop(int idx) {
+        uint64_t seen = 0;
+        for (;;) {
+            const std::function<void(int)>* job;
+            {
+                std::unique_lock<std::mutex> lk(mu_);
+                cv_.wait(lk, [&] { return stop_ || gen_ != seen; });
+                if (stop_) return;
+                seen = gen_;
+                job = job_;
+            }
+            (*job)(idx);
+            {
+                std::lock_guard<std::mutex> g(mu_);
+                if (--pending_ == 0) done_cv_.notify_one();
+            }
+        }
+    }
+
+    const int n_;
+    std::vector<std::thread> workers_;
+    std::mutex mu_;
+    std::condition_variable cv_, done_cv_;
+    const std::function<void(int)>* job_ = nullptr;
+    uint64_t gen_ = 0;
+    int pending_ = 0;
+    bool stop_ = false;
+};
+
+std::mutex g_mu;            // held for each parallel call and pool change, and across fork()
+Pool* g_pool = nullptr;     // created lazily
+int g_threads = 0;          // 0: not yet decided (default_num_threads())
+
+void atfork_prepare() { g_mu.lock(); }
+void atfork_parent() { g_mu.unlock(); }
+void atfork_child() {
+    g_pool = nullptr;  // its threads do not exist in the child: leak the object, start afresh
+    g_mu.unlock();
+}
+
+struct AtForkRegistrar {
+    AtForkRegistrar() { pthread_atfork(atfork_prepare, atfork_parent, atfork_child); }
+} g_atfork;
+
+int threads_locked() {
+    if (g_threads <= 0) g_threads = default_num_threads();
+    return g_threads;
+}
+
+}  // namespace
+
+int default_num_threads() {
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    if (sched_getaffinity(0, sizeof(set), &set) == 0) {
+        const int c = CPU_COUNT(&set);
+        if (c > 0) return c;
+    }
+    const unsigned h = std::thread::hardware_concurrency();
+    return h ? static_cast<int>(h) : 1;
+}
+
+int get_num_threads() {
+    std::lock_guard<std::mutex> g(g_mu);
+    return threads_locked();
+}
+
+void set_num_threads(int n) {
+    if (n < 1) n = 1;
+    std::lock_guard<std::mutex> g(g_mu);
+    if (g_pool && g_pool->size() == n) return;
+    delete g_pool;
+    g_pool = nullptr;
+    g_threads = n;
+}
+
+void parallel_for(size_t n, const std::function<void(size_t, size_t)>& fn) {
+    if (n == 0) return;
+    if (n < kInlineBelow) {
+        fn(0, n);
+        return;
+    }
+    std::lock_guard<std::mutex> g(g_mu);
+    const int t = threads_locked();
+    if (t == 1) {
+        fn(0, n);
+        return;
+    }
+    if (!g_pool) g_pool = new Pool(t);
+    // contiguous ranges, boundaries on multiples of kAlign elements
+    const size_t blocks = (n + kAlign - 1) / kAlign;
+    const size_t per = blocks / t, extra = blocks % t;
+    auto job = [&](int i) {
+        const size_t ui = static_cast<size_t>(i);
+        const size_t b0 = ui * per + (ui < extra ? ui : extra);
+        const size_t b1 = b0 + per + (ui < extra ? 1 : 0);
+        const size_t begin = b0 * kAlign;
+        const size_t end = b1 * kAlign < n ? b1 * kAlign : n;
+        if (begin < end) fn(begin, end);
+    };
+    g_pool->run(job);
+}
+
+}  // namespace infinity_adam
