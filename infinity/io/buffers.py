@@ -1,0 +1,83 @@
+"""Aligned host buffers: page-aligned, mlock'ed where permitted, pinned for CUDA.
+
+`aligned_empty` maps anonymous memory (so the address is page aligned, the
+fast path of O_DIRECT), wraps it in a tensor without a copy, and lets the
+tensor own the mapping: when the last tensor/view is garbage-collected the
+mapping is unmapped (and with it unlocked / unregistered).
+"""
+import logging
+import mmap
+import threading
+import weakref
+
+import torch
+
+from .. import _aio
+
+log = logging.getLogger("infinity.io")
+
+PAGE = mmap.PAGESIZE
+_warned = set()
+_warn_lock = threading.Lock()
+
+
+def _warn_once(key, msg, *args):
+    with _warn_lock:
+        if key in _warned:
+            return
+        _warned.add(key)
+    log.warning(msg, *args)
+
+
+def _cuda_register(ptr, nbytes, owner):
+    """cudaHostRegister the mapping when CUDA is available (never on CPU-only hosts)."""
+    try:
+        if not torch.cuda.is_available():
+            return
+        cudart = torch.cuda.cudart()
+        rc = cudart.cudaHostRegister(ptr, nbytes, 0)
+        if int(rc) != 0:
+            _warn_once("cudaHostRegister", "cudaHostRegister failed (code %s): host buffers are "
+                       "not pinned, host<->device copies will be slower", int(rc))
+            return
+        weakref.finalize(owner, cudart.cudaHostUnregister, ptr)
+    except Exception as e:  # CUDA present but unusable: tensors still work, unpinned
+        _warn_once("cudaHostRegister", "cannot pin host buffers for CUDA: %s", e)
+
+
+def aligned_empty(numel, dtype=torch.uint8, *, lock=True):
+    """An uninitialised, page-aligned, contiguous CPU tensor of `numel` elements.
+
+    The memory is mlock'ed when RLIMIT_MEMLOCK permits (a warning is logged once
+    otherwise) and registered with CUDA when CUDA is available. It is freed when
+    the tensor (and every view of it) is garbage-collected.
+    """
+    if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
+        raise ValueError(f"aligned_empty: numel must be a non-negative int, got {numel!r}")
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"aligned_empty: dtype must be a torch.dtype, got {dtype!r}")
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    nbytes = numel * itemsize
+    mapsize = max(PAGE, (nbytes + PAGE - 1) // PAGE * PAGE)
+    try:
+        mm = mmap.mmap(-1, mapsize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
+                       prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    except OSError as e:
+        raise MemoryError(f"aligned_empty: cannot map {mapsize} bytes of host memory: {e}") from e
+    raw = torch.frombuffer(mm, dtype=torch.uint8)  # holds a reference to mm
+    ptr = raw.data_ptr()
+    if lock:
+        err = _aio.mlock(ptr, mapsize)
+        if err:
+            soft, _ = _aio.memlock_limit()
+            _warn_once("mlock", "cannot mlock host buffers (errno %d, RLIMIT_MEMLOCK %s bytes): they "
+                       "may be swapped out; raise `ulimit -l` for best performance", err,
+                       "unlimited" if soft < 0 else soft)
+    _cuda_register(ptr, mapsize, mm)
+    out = raw[:nbytes]
+    return out.view(dtype) if dtype != torch.uint8 else out
+
+
+def is_aligned(tensor, alignment=4096):
+    """True when the tensor's address and byte length are multiples of `alignment`."""
+    return tensor.data_ptr() % alignment == 0 and (tensor.numel() * tensor.element_size()) % alignment == 0

@@ -1,0 +1,110 @@
+"""Readiness checks of the I/O stack, printed by `infinity doctor`.
+
+Each check is a dict: name, ok (bool), detail, fix (what to do when not ok).
+"""
+import errno
+import os
+import shutil
+import tempfile
+
+import torch
+
+from .. import _aio
+from .engine import uring_status
+
+MIN_FREE = 10 * 10**9  # below this we warn: offloading a real model needs tens of GB
+
+
+def _check(name, ok, detail, fix=""):
+    return {"name": name, "ok": bool(ok), "detail": detail, "fix": "" if ok else fix}
+
+
+def _liburing_check():
+    built = _aio.built_with_liburing()
+    return _check("liburing build", built,
+                  "the I/O extension links liburing" if built else
+                  "the I/O extension was built WITHOUT liburing (POSIX engine only)",
+                  "apt-get install liburing-dev, then rebuild: bash scripts/setup.sh")
+
+
+def _uring_check():
+    ok, why = uring_status()
+    return _check("io_uring", ok, why,
+                  "allow io_uring (sysctl kernel.io_uring_disabled=0; in containers allow the "
+                  "io_uring_* syscalls in seccomp) or accept the slower POSIX engine (engine='posix')")
+
+
+def _existing_ancestor(path):
+    p = os.path.abspath(path)
+    while not os.path.exists(p):
+        parent = os.path.dirname(p)
+        if parent == p:
+            break
+        p = parent
+    return p
+
+
+def _odirect_check(path):
+    """Opens a temporary file with O_DIRECT where the swap files would go and round-trips a block."""
+    base = path if os.path.isdir(path) else _existing_ancestor(path)
+    name = "O_DIRECT"
+    if not os.path.isdir(base) or not os.access(base, os.W_OK):
+        return _check(name, False, f"{base} is not a writable directory (needed for {path})",
+                      "create the swap directory or choose a writable --path")
+    try:
+        f = _aio.File.open_tmpfile(base, True)
+    except OSError as e:
+        return _check(name, False, f"cannot create a file in {base}: {e.strerror}",
+                      "choose a writable --path")
+    try:
+        if not f.direct:
+            return _check(name, False, f"{base}: the file system refuses O_DIRECT; infinity would use "
+                          "buffered I/O (page cache, slower, more RAM)",
+                          "put swap on an ext4/xfs file system on a local NVMe drive")
+        from .buffers import aligned_empty
+        from .engine import AioEngine
+        blk = max(4096, f.offset_align)
+        src = aligned_empty(blk)
+        src.copy_(torch.arange(blk, dtype=torch.int64).remainder(251).to(torch.uint8))
+        dst = aligned_empty(blk)
+        with AioEngine(block_size=1 << 20, queue_depth=4, engine="posix") as eng:
+            eng.pwrite(src, f, 0).wait()
+            eng.pread(dst, f, 0).wait()
+        ok = torch.equal(src, dst)
+        return _check(name, ok, f"{base}: O_DIRECT works, alignment memory {f.mem_align} B / offset "
+                      f"{f.offset_align} B (from {f.align_source})" + ("" if ok else "; READ BACK DIFFERS"),
+                      "the device returned different bytes: check the drive (dmesg, smartctl)")
+    except OSError as e:
+        return _check(name, False, f"{base}: O_DIRECT round trip failed: {e}",
+                      "run `infinity bench-io --engine posix --path DIR` and check dmesg")
+    finally:
+        f.close()
+
+
+def _free_space_check(path):
+    base = _existing_ancestor(path)
+    try:
+        usage = shutil.disk_usage(base)
+    except OSError as e:
+        return _check("free space", False, f"cannot stat {base}: {e}", "choose an existing --path")
+    gb = usage.free / 1e9
+    return _check("free space", usage.free >= MIN_FREE, f"{gb:.1f} GB free at {base}",
+                  f"free space there or choose a larger drive (fewer than {MIN_FREE / 1e9:.0f} GB free)")
+
+
+def _memlock_check():
+    soft, hard = _aio.memlock_limit()
+    fmt = lambda v: "unlimited" if v < 0 else f"{v / 2**20:.0f} MiB"  # noqa: E731
+    is_root = os.geteuid() == 0
+    ok = soft < 0 or soft >= 2**30 or is_root
+    detail = f"RLIMIT_MEMLOCK soft {fmt(soft)}, hard {fmt(hard)}" + (
+        " (root: CAP_IPC_LOCK ignores it)" if is_root else "")
+    return _check("RLIMIT_MEMLOCK", ok, detail,
+                  "raise it (`ulimit -l unlimited`, or memlock in /etc/security/limits.conf) so host "
+                  "buffers can be locked; otherwise they may be swapped out")
+
+
+def doctor_checks(path="./infinity-swap"):
+    path = os.path.expanduser(os.fspath(path))
+    return [_liburing_check(), _uring_check(), _odirect_check(path), _free_space_check(path),
+            _memlock_check()]
