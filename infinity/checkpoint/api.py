@@ -58,6 +58,7 @@ class SaveHandle:
         self.path = os.path.join(root, tag)
         self._thread = None
         self._error = None
+        self._reported = False
         self.peak_queued_bytes = 0
 
     def done(self):
@@ -67,6 +68,7 @@ class SaveHandle:
         if self._thread is not None:
             self._thread.join()
         if self._error is not None:
+            self._reported = True
             raise self._error
         return self.path
 
@@ -75,13 +77,21 @@ _pending_lock = threading.Lock()
 _pending = None
 
 
-def wait_pending():
-    """Block until an in-flight asynchronous save finished (errors are re-raised)."""
+def wait_pending(raise_errors=True):
+    """Block until an in-flight asynchronous save finished. Its error is re-raised
+    here unless its ``wait()`` already reported it (or ``raise_errors`` is False)."""
     global _pending
     with _pending_lock:
         h, _pending = _pending, None
-    if h is not None:
+    if h is None:
+        return
+    reported = h._reported
+    try:
         h.wait()
+    except BaseException as e:  # noqa: BLE001
+        if raise_errors and not reported:
+            raise
+        log.warning("previous asynchronous checkpoint save failed: %s", e)
 
 
 class _AsyncSave(SaveHandle):
@@ -294,7 +304,7 @@ def load_checkpoint(obj, dir, tag=None, *, strict=True):
     ``obj.checkpoint_expected()``, then call ``obj.load_checkpoint_tensors(reader)``
     and ``obj.load_checkpoint_meta(meta)``. Nothing in ``obj`` is touched before
     every checksum passed. Returns the meta dict."""
-    wait_pending()
+    wait_pending(raise_errors=False)
     with CheckpointReader(dir, tag) as r:
         r.verify()
         r.check_compatible(obj.checkpoint_expected(), strict=strict)
