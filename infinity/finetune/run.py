@@ -163,7 +163,7 @@ def finetune(opts, *, reporter_streams=None):
                     result = loop.run(engine, batcher, lopts, reporter, stopper, checkpointer)
                 stats = engine.stats()
             finally:
-                engine.close()
+                _close_uninterrupted(engine)
     except ck.CheckpointUnavailable as e:
         raise FinetuneError(str(e)) from e
     except KeyboardInterrupt:
@@ -184,6 +184,28 @@ def finetune(opts, *, reporter_streams=None):
     reporter.summary(stop_reason=None if result.stop_reason == "completed" else result.stop_reason,
                      extra=extra)
     return {"records": reporter.records, "result": result, "stats": stats}
+
+
+def _close_uninterrupted(engine):
+    """``engine.close()`` with SIGINT/SIGTERM held off, so an impatient second
+    Ctrl-C cannot leave swap files behind. A signal arriving meanwhile is only
+    logged: the run is ending anyway."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        engine.close()
+        return
+    pending = []
+    sigs = (signal.SIGINT, signal.SIGTERM)
+    previous = {s: signal.signal(s, lambda signum, frame: pending.append(signum)) for s in sigs}
+    try:
+        engine.close()
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+    if pending:
+        log.warning("signal received while closing the engine: ignored, the run is ending")
 
 
 def _peaks(stats):
