@@ -38,7 +38,9 @@ def _global_mean(value):
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        t = torch.tensor([float(value)], dtype=torch.float64)
+        from infinity.finetune.stop import collective_device
+
+        t = torch.tensor([float(value)], dtype=torch.float64, device=collective_device())
         dist.all_reduce(t)
         return t.item() / dist.get_world_size()
     return float(value)

@@ -16,6 +16,16 @@ import threading
 log = logging.getLogger("infinity.finetune")
 
 
+def collective_device():
+    """Where tensors for a small collective must live for the current backend."""
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 class GracefulStop:
     def __init__(self, signals=(signal.SIGINT, signal.SIGTERM)):
         self.requested = False
@@ -60,7 +70,8 @@ class GracefulStop:
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             import torch
 
-            flag = torch.tensor([1 if self.requested else 0], dtype=torch.int32)
+            flag = torch.tensor([1 if self.requested else 0], dtype=torch.int32,
+                                device=collective_device())
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=dist_group)
             if flag.item() and not self.requested:
                 self.requested = True
