@@ -30,7 +30,6 @@ DS_IGNORED_ZERO_KEYS = (
     "gather_16bit_weights_on_model_save", "elastic_checkpoint", "load_from_fp32_weights",
     "ignore_unused_parameters", "memory_efficient_linear", "use_all_reduce_for_fetch_params",
     "module_granularity_threshold", "log_trace_cache_warnings", "cpu_offload_use_pin_memory",
-    "cpu_offload_params",
 )
 DS_IGNORED_OFFLOAD_KEYS = ("pin_memory", "buffer_count", "buffer_size", "max_in_cpu",
                            "fast_init", "pipeline_read", "pipeline_write", "pipeline")
@@ -143,7 +142,7 @@ def deepspeed_to_dict(ds: Any, *, approximate_schedules: bool = False
 
     # ---- zero_optimization
     zo = _ds_section(ds, "zero_optimization")
-    zero_known = ("stage", "offload_param", "offload_optimizer", "cpu_offload",
+    zero_known = ("stage", "offload_param", "offload_optimizer", "cpu_offload", "cpu_offload_params",
                   "zero_hpz_partition_size", "zero_quantized_weights",
                   "zero_quantized_nontrainable_weights", "zero_quantized_gradients",
                   "mics_shard_size", "mics_hierarchical_params_gather") + DS_IGNORED_ZERO_KEYS
@@ -189,15 +188,17 @@ def deepspeed_to_dict(ds: Any, *, approximate_schedules: bool = False
             if path not in nvme_paths:
                 nvme_paths.append(path)
             origin.setdefault("offload.nvme_paths", f"{where}.nvme_path")
-    if "cpu_offload" in zo:
-        if not isinstance(zo["cpu_offload"], bool):
-            raise _ds_err("zero_optimization.cpu_offload",
-                          f"expected true or false, got {_fmt(zo['cpu_offload'])}")
-        if zo["cpu_offload"]:
-            if out.get("offload", {}).get("optimizer", "none") == "nvme":
-                raise _ds_err("zero_optimization.cpu_offload", "conflicts with "
-                              "offload_optimizer.device \"nvme\"; remove the legacy cpu_offload")
-            put("offload.optimizer", "cpu", "zero_optimization.cpu_offload")
+    for legacy, ikey in (("cpu_offload", "optimizer"), ("cpu_offload_params", "params")):
+        if legacy not in zo:
+            continue
+        if not isinstance(zo[legacy], bool):
+            raise _ds_err(f"zero_optimization.{legacy}",
+                          f"expected true or false, got {_fmt(zo[legacy])}")
+        if zo[legacy]:
+            if out.get("offload", {}).get(ikey, "none") == "nvme":
+                raise _ds_err(f"zero_optimization.{legacy}", "conflicts with an nvme offload "
+                              "device; remove the legacy key")
+            put(f"offload.{ikey}", "cpu", f"zero_optimization.{legacy}")
     if nvme_paths:
         put("offload.nvme_paths", nvme_paths, origin["offload.nvme_paths"])
 

@@ -106,6 +106,9 @@ def test_small_translations():
     assert c.optimizer.type == "adamw"  # AdamW is always decoupled
     c = InfinityConfig.from_deepspeed({"zero_optimization": {"stage": 1, "cpu_offload": True}})
     assert c.offload.optimizer == "cpu"
+    c = InfinityConfig.from_deepspeed({"zero_optimization": {"stage": 3,
+                                                             "cpu_offload_params": True}})
+    assert (c.offload.params, c.offload.optimizer) == ("cpu", "none")
     c = InfinityConfig.from_deepspeed({"zero_optimization": {
         "stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/a"},
         "offload_optimizer": {"device": "nvme", "nvme_path": "/b"}}})

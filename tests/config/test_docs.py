@@ -84,3 +84,23 @@ def test_checker_can_fail(bad_row):
     """The row parser really reads defaults: a wrong one is caught."""
     key, raw = ROW.match(bad_row).groups()
     assert json.loads(raw) != _dataclass_defaults()[key]
+
+
+MIGRATION = DOC.parent / "migrating-from-deepspeed.md"
+
+
+def test_migration_example_translates_as_documented():
+    text = MIGRATION.read_text(encoding="utf-8")
+    blocks = re.findall(r"```json\n(.*?)```", text, flags=re.S)
+    assert len(blocks) == 2, "expected the DeepSpeed example and its translation"
+    ds, expected = (json.loads(b) for b in blocks)
+    assert InfinityConfig.from_deepspeed(ds).to_dict() == expected
+
+
+def test_migration_doc_lists_every_ignored_key():
+    from infinity import config_deepspeed as cd
+    text = MIGRATION.read_text(encoding="utf-8")
+    section = text[text.index("## Accepted and ignored"):text.index("## Rejected")]
+    for k in (cd.DS_IGNORED_TOP_KEYS + cd.DS_IGNORED_ZERO_KEYS + cd.DS_IGNORED_OFFLOAD_KEYS
+              + cd.DS_IGNORED_AIO_KEYS):
+        assert f"`{k}`" in section, f"ignored DeepSpeed key {k} not documented"
