@@ -1,0 +1,142 @@
+"""`infinity estimate`: memory per tier and step time for every offload configuration.
+
+    infinity estimate --params 1T --layers 128 --hidden 25600 --vocab 51200 --heads 160 \\
+        --gpus 8 --gpu-mem 80 --host-mem 2000 --nvme-gb 30720 --nvme-drives 8 --nvme-gbps 48
+
+See docs/estimator.md for the formulas and their sources.
+"""
+import json
+import os
+import re
+
+from infinity.cli.main import CLIError
+
+_SUFFIX = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
+
+
+def parse_count(text):
+    """'1T', '7B', '125M', '350k', '1e12', '1_000' -> int."""
+    s = str(text).strip().lower().replace("_", "").replace(",", "")
+    m = re.fullmatch(r"([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([kmbgt]?)", s)
+    if not m:
+        raise CLIError(f"cannot read the count {text!r}: write e.g. 1T, 7B, 125M or 1e9")
+    v = float(m.group(1)) * _SUFFIX[m.group(2)]
+    if v < 1 or v != int(v):
+        raise CLIError(f"count {text!r} must be a positive whole number")
+    return int(v)
+
+
+def _home_pair(text):
+    parts = text.split("/")
+    if len(parts) != 2 or any(p not in ("none", "cpu", "nvme") for p in parts):
+        raise CLIError(f"--only expects PARAMS/OPTIMIZER homes such as nvme/nvme or none/cpu, got {text!r}")
+    return tuple(parts)
+
+
+def register(sub):
+    p = sub.add_parser(
+        "estimate", help="estimate memory per tier and step time for each offload configuration",
+        description="Estimate what each offload configuration needs per tier (device, pinned host, "
+                    "pageable host, NVMe), which fit this (or a described) machine, and a "
+                    "bandwidth-bound step time with its derivation. Sizes in GB = 10^9 bytes.")
+    m = p.add_argument_group("model (dimensions or a factory)")
+    m.add_argument("--params", type=str, help="parameter count, e.g. 1T, 70B, 1.3e9")
+    m.add_argument("--layers", type=int, help="transformer layers")
+    m.add_argument("--hidden", type=int, help="hidden size")
+    m.add_argument("--vocab", type=int, help="vocabulary size (logits activations)")
+    m.add_argument("--heads", type=int, help="attention heads (default hidden/128)")
+    m.add_argument("--seq", type=int, default=2048, help="sequence length (default 2048)")
+    m.add_argument("--batch", type=int, default=1, help="micro-batch per rank (default 1)")
+    m.add_argument("--model-factory", metavar="MODULE:FUNCTION",
+                   help="build the model with this function on the meta device and count it "
+                        "(also 'path/to/file.py:function')")
+    h = p.add_argument_group("machine (defaults: this machine)")
+    h.add_argument("--gpus", type=int, help="GPUs per node (default: detected; 0 = CPU only)")
+    h.add_argument("--gpu-mem", type=float, default=80.0, help="GB per GPU (default 80)")
+    h.add_argument("--host-mem", type=float, help="RAM per node in GB (default: this machine)")
+    h.add_argument("--nvme-gb", type=float, help="NVMe GB per node for swap (default: free space at --nvme-path)")
+    h.add_argument("--nvme-path", default="./infinity-swap", help="where to measure free space (default ./infinity-swap)")
+    h.add_argument("--nvme-drives", type=int, default=1, help="NVMe drives per node (default 1)")
+    h.add_argument("--nvme-gbps", type=float, help="aggregate NVMe read GB/s per node (default 3 per drive)")
+    h.add_argument("--nvme-write-gbps", type=float, help="aggregate NVMe write GB/s (default: = read)")
+    h.add_argument("--bench-io", metavar="FILE",
+                   help="take NVMe read/write GB/s from a saved `infinity bench-io --sweep --save FILE`")
+    h.add_argument("--pcie-gbps", type=float, help="host<->GPU GB/s per GPU (default 25)")
+    h.add_argument("--tflops", type=float, help="achieved TFLOPS per GPU (default 150; 0.2 CPU-only)")
+    h.add_argument("--interconnect-gbps", type=float, help="collective GB/s per GPU (default 100)")
+    h.add_argument("--cpu-adam-gps", type=float, help="CPU Adam 10^9 params/s per node (default 4)")
+    h.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
+    k = p.add_argument_group("infinity settings")
+    k.add_argument("--config", metavar="FILE", help="infinity config (JSON/YAML) to take settings from")
+    k.add_argument("--precision", choices=("fp32", "bf16", "fp16"), help="default bf16 (or the config's)")
+    k.add_argument("--zero-stage", type=int, choices=(1, 2, 3), help="default 3")
+    k.add_argument("--prefetch-depth", type=int, help="groups fetched ahead (default 2)")
+    k.add_argument("--grad-accum", type=int, help="gradient accumulation steps (default 1)")
+    k.add_argument("--host-cap", type=float, metavar="GB", help="offload.host_memory_gb cap")
+    k.add_argument("--tile-numel", type=int, help="optimizer tile elements (default 4194304)")
+    k.add_argument("--state-dtype", choices=("fp32", "bf16"), help="Adam moments dtype (default fp32)")
+    k.add_argument("--grouping", choices=("module", "block"), help="parameter groups (default module)")
+    k.add_argument("--only", action="append", metavar="PARAMS/OPTIMIZER",
+                   help="estimate only these homes (repeatable), e.g. --only nvme/nvme")
+    o = p.add_argument_group("output")
+    o.add_argument("--json", action="store_true", help="print one JSON object")
+    o.add_argument("--brief", action="store_true", help="summary table and verdict only")
+    p.set_defaults(func=run)
+
+
+def _machine(args):
+    from infinity.estimate.machine import (Machine, detect_free_disk_gb, detect_gpus,
+                                           detect_host_mem_gb)
+    from infinity.profile.summary import load_ceilings
+
+    kw = {"gpus": detect_gpus() if args.gpus is None else args.gpus,
+          "gpu_mem_gb": args.gpu_mem,
+          "host_mem_gb": round(detect_host_mem_gb(), 1) if args.host_mem is None else args.host_mem,
+          "nvme_gb": (round(detect_free_disk_gb(os.path.expanduser(args.nvme_path)), 1)
+                      if args.nvme_gb is None else args.nvme_gb),
+          "nvme_drives": args.nvme_drives, "nodes": args.nodes}
+    if args.bench_io:
+        try:
+            ceil = load_ceilings(args.bench_io)
+        except (OSError, ValueError) as e:
+            raise CLIError(str(e)) from e
+        if "nvme_read" in ceil:
+            kw["nvme_gbps"] = ceil["nvme_read"]
+        if "nvme_write" in ceil:
+            kw["nvme_write_gbps"] = ceil["nvme_write"]
+    for arg, field in (("nvme_gbps", "nvme_gbps"), ("nvme_write_gbps", "nvme_write_gbps"),
+                       ("pcie_gbps", "pcie_gbps"), ("tflops", "tflops"),
+                       ("interconnect_gbps", "interconnect_gbps"), ("cpu_adam_gps", "cpu_adam_gparams")):
+        v = getattr(args, arg)
+        if v is not None:
+            kw[field] = v
+    return Machine(**kw)
+
+
+def run(args):
+    from infinity.config import ConfigError
+    from infinity.estimate import EstimateError, estimate
+
+    try:
+        machine = _machine(args)
+        model = args.model_factory
+        params = parse_count(args.params) if args.params is not None else None
+        if model is None and params is None:
+            raise CLIError("describe the model: --params N --layers L --hidden H, or --model-factory MODULE:FUNCTION")
+        precision = args.precision
+        if precision is None and args.config is None:
+            precision = "bf16"
+        est = estimate(model, params=params, layers=args.layers, hidden=args.hidden, seq=args.seq,
+                       batch=args.batch, vocab=args.vocab, heads=args.heads, machine=machine,
+                       config=args.config, precision=precision, zero_stage=args.zero_stage,
+                       prefetch_depth=args.prefetch_depth, grad_accum=args.grad_accum,
+                       host_cap_gb=args.host_cap, tile_numel=args.tile_numel,
+                       state_dtype=args.state_dtype, grouping=args.grouping,
+                       configs=[_home_pair(t) for t in args.only] if args.only else None)
+    except (EstimateError, ConfigError) as e:
+        raise CLIError(str(e)) from e
+    if args.json:
+        print(json.dumps(est.as_dict()))
+    else:
+        print(est.text(details=not args.brief), end="")
+    return 0

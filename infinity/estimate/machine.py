@@ -1,0 +1,116 @@
+"""The machine the estimate is for: one node (times ``nodes``) of GPUs, RAM and NVMe drives.
+
+Sizes are in GB = 10^9 bytes (as in the config); bandwidths in GB/s; compute in
+TFLOPS *achieved* per GPU (not the datasheet peak). Defaults are stated in
+docs/estimator.md and printed with every estimate.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import asdict, dataclass
+
+from .model_spec import EstimateError
+
+log = logging.getLogger("infinity.estimate")
+
+GB = 10**9
+
+# Defaults (documented in docs/estimator.md, "Machine defaults").
+DEFAULT_GPU_MEM_GB = 80.0
+DEFAULT_NVME_GBPS_PER_DRIVE = 3.0      # sustained large-block read of a PCIe 4.0 datacenter drive, conservative
+DEFAULT_PCIE_GBPS = 25.0               # per GPU, PCIe 4.0 x16 effective
+DEFAULT_TFLOPS_GPU = 150.0             # achieved dense bf16 per GPU (~50 % of an A100's peak)
+DEFAULT_TFLOPS_CPU = 0.2               # achieved by a CPU-only rank (few cores, fp32)
+DEFAULT_INTERCONNECT_GBPS = 100.0      # per GPU collective bus bandwidth (NVLink-class)
+DEFAULT_CPU_ADAM_GPARAMS = 4.0         # 10^9 params/s per node: ~120 GB/s of DRAM / ~30 B touched per param
+DEFAULT_GPU_RESERVE_GB = 2.0           # CUDA context, cuBLAS workspace, allocator slack per GPU
+
+
+@dataclass
+class Machine:
+    gpus: int = 1                       # GPUs per node (0: CPU only, the device tier is host memory)
+    gpu_mem_gb: float = DEFAULT_GPU_MEM_GB
+    host_mem_gb: float = 0.0            # RAM per node
+    nvme_gb: float = 0.0                # NVMe capacity per node usable for swap
+    nvme_drives: int = 1
+    nvme_gbps: float | None = None      # aggregate read GB/s per node (None: drives x default)
+    nvme_write_gbps: float | None = None  # aggregate write GB/s (None: same as read)
+    pcie_gbps: float = DEFAULT_PCIE_GBPS
+    tflops: float | None = None         # achieved per GPU (None: GPU or CPU default)
+    interconnect_gbps: float = DEFAULT_INTERCONNECT_GBPS
+    cpu_adam_gparams: float = DEFAULT_CPU_ADAM_GPARAMS
+    gpu_reserve_gb: float | None = None  # None: DEFAULT_GPU_RESERVE_GB with GPUs, 0 without
+    nodes: int = 1
+
+    def __post_init__(self):
+        for name in ("gpus", "nvme_drives", "nodes"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "gpus" else 1):
+                raise EstimateError(f"machine.{name} must be an integer >= "
+                                    f"{0 if name == 'gpus' else 1}, got {v!r}")
+        for name in ("gpu_mem_gb", "host_mem_gb", "nvme_gb", "pcie_gbps", "interconnect_gbps",
+                     "cpu_adam_gparams", "nvme_gbps", "nvme_write_gbps", "tflops", "gpu_reserve_gb"):
+            v = getattr(self, name)
+            if v is None:
+                continue
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or v < 0:
+                raise EstimateError(f"machine.{name} must be a number >= 0, got {v!r}")
+        if self.nvme_gbps is None:
+            self.nvme_gbps = DEFAULT_NVME_GBPS_PER_DRIVE * self.nvme_drives
+        if self.nvme_write_gbps is None:
+            self.nvme_write_gbps = self.nvme_gbps
+        if self.tflops is None:
+            self.tflops = DEFAULT_TFLOPS_GPU if self.gpus else DEFAULT_TFLOPS_CPU
+        if self.gpu_reserve_gb is None:
+            self.gpu_reserve_gb = DEFAULT_GPU_RESERVE_GB if self.gpus else 0.0
+        for name in ("nvme_gbps", "nvme_write_gbps", "tflops", "pcie_gbps", "cpu_adam_gparams"):
+            if not getattr(self, name) > 0:
+                raise EstimateError(f"machine.{name} must be > 0, got {getattr(self, name)!r}")
+
+    @property
+    def ranks_per_node(self) -> int:
+        return max(1, self.gpus)
+
+    @property
+    def ranks(self) -> int:
+        return self.ranks_per_node * self.nodes
+
+    @property
+    def cpu_only(self) -> bool:
+        return self.gpus == 0
+
+    def as_dict(self):
+        return asdict(self)
+
+
+def detect_host_mem_gb():
+    """MemTotal of this machine in GB (0 if unknown)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024 / GB
+    except OSError:
+        pass
+    return 0.0
+
+
+def detect_free_disk_gb(path):
+    """Free space in GB of the filesystem holding ``path`` (its nearest existing parent)."""
+    p = os.path.abspath(path)
+    while not os.path.exists(p) and os.path.dirname(p) != p:
+        p = os.path.dirname(p)
+    try:
+        st = os.statvfs(p)
+        return st.f_bavail * st.f_frsize / GB
+    except OSError:
+        return 0.0
+
+
+def detect_gpus():
+    try:
+        import torch
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:  # torch broken: estimating must still work
+        return 0

@@ -1,0 +1,213 @@
+"""What the estimator needs to know about a model: sizes, not weights.
+
+A :class:`ModelSpec` comes either from dimensions (``params``, ``layers``,
+``hidden`` [, ``seq``, ``batch``, ``vocab``, ``heads``]) or from an ``nn.Module``
+built on the meta device (``with torch.device("meta"):``), so counting a
+trillion-parameter model costs no memory.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import logging
+import os
+import sys
+from dataclasses import asdict, dataclass, field
+
+log = logging.getLogger("infinity.estimate")
+
+#: How the engine flattens parameters into groups (one group = one I/O request, one
+#: H2D copy, one all-gather). "module": every module's own parameters (recurse=False)
+#: form a group, so the largest group is the largest leaf (e.g. an MLP matrix);
+#: "block": one repeated block (transformer layer) per group.
+GROUPINGS = ("module", "block")
+
+
+class EstimateError(ValueError):
+    """Bad estimator input (missing or inconsistent model or machine description)."""
+
+
+@dataclass
+class ModelSpec:
+    params: int                    # total parameters (tied weights counted once)
+    layers: int                    # repeated blocks (transformer layers)
+    hidden: int                    # hidden size
+    seq: int = 2048                # sequence length per sample
+    batch: int = 1                 # micro-batch size per rank
+    vocab: int | None = None       # vocabulary size (logits memory); None: not counted
+    heads: int | None = None       # attention heads (attention-score activations)
+    largest_group: dict = field(default_factory=dict)   # grouping -> numel of the largest group
+    groups: dict = field(default_factory=dict)          # grouping -> number of groups
+    source: str = "dimensions"
+
+    def group_numel(self, grouping: str) -> int:
+        if grouping not in GROUPINGS:
+            raise EstimateError(f"grouping must be one of {GROUPINGS}, got {grouping!r}")
+        return int(self.largest_group[grouping])
+
+    def as_dict(self):
+        return asdict(self)
+
+
+def _positive_int(name, v, *, allow_none=False):
+    if v is None and allow_none:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or v <= 0 or int(v) != v:
+        raise EstimateError(f"{name} must be a positive integer, got {v!r}")
+    return int(v)
+
+
+def spec_from_dims(params, layers, hidden, *, seq=2048, batch=1, vocab=None, heads=None):
+    """A GPT-style shape model from dimensions.
+
+    Per block ``(params - vocab*hidden) / layers`` parameters (embedding tied, counted once);
+    the largest module inside a block is an MLP matrix, ``4*hidden^2`` parameters
+    (``hidden x 4*hidden``), capped by the block itself; the embedding (``vocab*hidden``) is
+    one group on its own.
+    """
+    params = _positive_int("params", params)
+    layers = _positive_int("layers", layers)
+    hidden = _positive_int("hidden", hidden)
+    seq = _positive_int("seq", seq)
+    batch = _positive_int("batch", batch)
+    vocab = _positive_int("vocab", vocab, allow_none=True)
+    heads = _positive_int("heads", heads, allow_none=True)
+    emb = vocab * hidden if vocab else 0
+    if emb >= params:
+        raise EstimateError(f"vocab*hidden = {emb:,} is not smaller than params = {params:,}; "
+                            "check --params/--vocab/--hidden")
+    per_block = (params - emb) // layers
+    leaf = min(per_block, 4 * hidden * hidden + 4 * hidden)
+    return ModelSpec(params=params, layers=layers, hidden=hidden, seq=seq, batch=batch, vocab=vocab,
+                     heads=heads,
+                     largest_group={"module": max(leaf, emb), "block": max(per_block, emb)},
+                     groups={"module": layers * 6 + (2 if emb else 1), "block": layers + 1},
+                     source="dimensions")
+
+
+def _config_attr(cfg, *names):
+    for n in names:
+        v = getattr(cfg, n, None)
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            return v
+    return None
+
+
+def spec_from_module(model, *, seq=2048, batch=1, layers=None, hidden=None, vocab=None, heads=None):
+    """Count a (meta-device) ``nn.Module``: unique parameters, repeated blocks, group sizes.
+
+    ``layers``: the longest ``nn.ModuleList``/``nn.Sequential`` of identical-typed children
+    holding parameters; ``hidden``/``vocab``/``heads`` from ``model.config`` (Hugging Face
+    names) or the largest ``nn.Embedding``. Explicit arguments override what is found.
+    """
+    import torch.nn as nn
+
+    seen = set()
+    total = 0
+    largest_module = 0
+    n_module_groups = 0
+    for mod in model.modules():
+        own = 0
+        for p in mod.parameters(recurse=False):
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            own += p.numel()
+        if own:
+            n_module_groups += 1
+            largest_module = max(largest_module, own)
+            total += own
+    if total == 0:
+        raise EstimateError(f"model {type(model).__name__} has no parameters")
+
+    best = None
+    for mod in model.modules():
+        if isinstance(mod, (nn.ModuleList, nn.Sequential)) and len(mod) > 1:
+            kids = list(mod)
+            if len({type(k) for k in kids}) == 1 and any(True for _ in kids[0].parameters()):
+                if best is None or len(kids) > len(best):
+                    best = kids
+    if best is not None:
+        block_sizes = [sum(p.numel() for p in k.parameters()) for k in best]
+        n_layers, largest_block = len(best), max(block_sizes)
+        in_blocks = sum(block_sizes)
+    else:
+        n_layers, largest_block, in_blocks = 1, total, total
+    # parameters outside the blocks (embeddings, final norm, head) form their own groups
+    outside = [m for m in model.modules() if not any(True for _ in m.children())]
+    largest_outside = 0
+    if best is not None:
+        block_ids = {id(m) for k in best for m in k.modules()}
+        for m in outside:
+            if id(m) not in block_ids:
+                largest_outside = max(largest_outside,
+                                      sum(p.numel() for p in m.parameters(recurse=False)))
+    largest_block = max(largest_block, largest_outside)
+
+    cfg = getattr(model, "config", None)
+    emb = [m for m in model.modules() if isinstance(m, nn.Embedding)]
+    big_emb = max(emb, key=lambda m: m.num_embeddings, default=None)
+    if hidden is None:
+        hidden = _config_attr(cfg, "hidden_size", "n_embd", "d_model", "dim") if cfg is not None else None
+        if hidden is None and big_emb is not None:
+            hidden = big_emb.embedding_dim
+    if vocab is None:
+        vocab = _config_attr(cfg, "vocab_size") if cfg is not None else None
+        if vocab is None and big_emb is not None:
+            vocab = big_emb.num_embeddings
+    if heads is None and cfg is not None:
+        heads = _config_attr(cfg, "num_attention_heads", "n_head", "num_heads")
+    if hidden is None:
+        raise EstimateError(f"cannot tell the hidden size of {type(model).__name__}: "
+                            "no config.hidden_size/n_embd and no nn.Embedding; pass --hidden")
+    if layers is not None:
+        n_layers = _positive_int("layers", layers)
+    return ModelSpec(params=int(total), layers=int(n_layers), hidden=int(hidden),
+                     seq=_positive_int("seq", seq), batch=_positive_int("batch", batch),
+                     vocab=vocab, heads=heads,
+                     largest_group={"module": int(largest_module), "block": int(largest_block)},
+                     groups={"module": n_module_groups,
+                             "block": n_layers + (1 if total > in_blocks else 0)},
+                     source=f"module {type(model).__name__}")
+
+
+def load_factory(path):
+    """Resolve ``"package.module:function"`` or ``"path/to/file.py:function"``."""
+    if not isinstance(path, str) or ":" not in path:
+        raise EstimateError(f"model factory must look like 'package.module:function' or "
+                            f"'path/to/file.py:function', got {path!r}")
+    modname, _, fname = path.rpartition(":")
+    try:
+        if modname.endswith(".py") or os.sep in modname:
+            if not os.path.isfile(modname):
+                raise EstimateError(f"model factory file {modname!r} does not exist")
+            name = "_infinity_factory_" + os.path.splitext(os.path.basename(modname))[0]
+            spec = importlib.util.spec_from_file_location(name, modname)
+            mod = importlib.util.module_from_spec(spec)
+            sys.modules[name] = mod
+            spec.loader.exec_module(mod)
+        else:
+            mod = importlib.import_module(modname)
+    except ImportError as e:
+        raise EstimateError(f"cannot import the model factory module {modname!r}: {e}; "
+                            "is it on PYTHONPATH?") from e
+    fn = getattr(mod, fname, None)
+    if not callable(fn):
+        raise EstimateError(f"{modname!r} has no callable {fname!r}")
+    return fn
+
+
+def spec_from_factory(factory, *, seq=2048, batch=1, **overrides):
+    """Build the model from ``factory`` (callable or import path) on the meta device and count it."""
+    import torch
+
+    fn = load_factory(factory) if isinstance(factory, str) else factory
+    with torch.device("meta"):
+        model = fn()
+    import torch.nn as nn
+    if not isinstance(model, nn.Module):
+        raise EstimateError(f"model factory {factory!r} returned {type(model).__name__}, "
+                            "expected an nn.Module")
+    spec = spec_from_module(model, seq=seq, batch=batch, **overrides)
+    spec.source = f"factory {factory if isinstance(factory, str) else getattr(fn, '__name__', fn)}"
+    return spec

@@ -1,0 +1,208 @@
+"""Bytes moved per optimizer step on each link, and a bandwidth-bound step time.
+
+A step is ``A`` micro-batches of forward+backward (A = gradient accumulation steps)
+followed by one optimizer pass. Within each phase the engine overlaps its links and
+compute (prefetch during forward/backward; read ‖ update ‖ write tiles in the
+optimizer), so a phase takes as long as its slowest resource:
+
+    t(fwd+bwd, one micro-batch) = max(compute, NVMe, PCIe, collectives)
+    t(optimizer)                = max(NVMe read + NVMe write, CPU Adam, PCIe, collectives)
+    step                        = A * t(fwd+bwd) + t(optimizer)
+
+NVMe reads and writes of the optimizer pass share the same drives, so their times
+add. The estimate is a lower bound (perfect overlap, no Python overhead); the
+profiler (docs/profiling.md) shows how close a real step gets.
+
+Bytes per step (node-level for NVMe, per GPU for PCIe and collectives):
+
+* params on NVMe: every micro-batch reads each group twice (forward, and again for
+  backward after release): ``A*2*N*lp`` NVMe read per node.
+* optimizer on NVMe: master + m + v are read and written once per step:
+  ``N*(4 + 2*sb)`` each way (m and v are not read on the very first step); updated
+  low-precision params go to their NVMe home in the same pass (``N*lp`` written) unless
+  the param is the fp32 master.
+* optimizer on the host with params on NVMe: updated params are written (``N*lp``).
+* grads spilled to NVMe (host too small): ``A*N*4`` written during backward, read back
+  ``(A-1)*N*4`` to accumulate and ``N*4`` by the optimizer.
+* PCIe (GPU nodes): params offloaded: ``A*2*N/R*lp`` H2D per GPU (each rank uploads its
+  shard, then all-gathers); optimizer offloaded: ``A*N/R*lp`` grads D2H per GPU.
+* collectives (R > 1): stage 3 all-gathers ``A*2*N*lp*(R-1)/R`` per GPU; stage >= 2
+  reduce-scatters ``A*N*lp*(R-1)/R``; stage 1 all-reduces twice that.
+* compute: ``6*N*S*B`` FLOPs per micro-batch per rank (Kaplan et al. 2020), ``8*N*S*B``
+  with activation checkpointing (one extra forward); attention-score FLOPs are ignored
+  (relative size ``S/(6H)``).
+* CPU Adam (optimizer offloaded): ``r*N/R`` parameters per node at ``cpu_adam_gparams``.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from .machine import GB
+
+
+@dataclass
+class Phase:
+    name: str
+    seconds: float
+    bound: str
+    terms: dict = field(default_factory=dict)        # resource -> seconds
+    derivation: list = field(default_factory=list)   # human-readable lines
+
+    def as_dict(self):
+        return asdict(self)
+
+
+@dataclass
+class StepEstimate:
+    traffic: dict            # per step: nvme_read/nvme_write (node), h2d/d2h/allgather/reduce_scatter (GPU)
+    fwd_bwd: Phase           # one micro-batch
+    optimizer: Phase
+    step_s: float
+    tokens_per_s: float
+    bound: str               # what limits the step as a whole
+    checkpointing: bool
+
+    def as_dict(self):
+        d = asdict(self)
+        d["fwd_bwd"] = self.fwd_bwd.as_dict()
+        d["optimizer"] = self.optimizer.as_dict()
+        return d
+
+
+def _fmt_b(n):
+    for unit, div in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if abs(n) >= div:
+            return f"{n / div:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _phase(name, terms, derivation):
+    terms = {k: v for k, v in terms.items() if v > 0}
+    if not terms:
+        return Phase(name, 0.0, "none", {}, derivation)
+    bound = max(terms, key=terms.get)
+    return Phase(name, terms[bound], bound, terms, derivation)
+
+
+def traffic_per_step(spec, machine, knobs, plan):
+    """Bytes moved, as ``{"mb": {link: [(what, bytes)]}, "opt": {...}}``.
+
+    "mb" is one micro-batch of forward+backward, "opt" the optimizer pass; NVMe links are
+    per node, the others per GPU.
+    """
+    N, R, r = spec.params, machine.ranks, machine.ranks_per_node
+    lp, sb = knobs.lp, knobs.sb
+    shard = -(-N // R)
+    node_params = r * shard  # parameters whose shards this node owns
+    p, o = plan.params_home, plan.optimizer_home
+    gpu = not machine.cpu_only
+    links = ("nvme_read", "nvme_write", "h2d", "d2h", "allgather", "reduce_scatter")
+    mb = {k: [] for k in links}
+    opt = {k: [] for k in links}
+    if p == "nvme":
+        mb["nvme_read"].append(("params fwd+bwd 2*N*lp", 2 * node_params * lp))
+    if plan.grads_on_nvme:
+        A = knobs.grad_accum
+        mb["nvme_write"].append(("fp32 grads N*4", node_params * 4))
+        if A > 1:  # accumulating reads the partial sums back on all but the first micro-batch
+            mb["nvme_read"].append(("fp32 grads N*4*(A-1)/A", node_params * 4 * (A - 1) // A))
+        opt["nvme_read"].append(("fp32 grads N*4", node_params * 4))
+    if o == "nvme":
+        st = 4 + 2 * sb
+        opt["nvme_read"].append((f"master+m+v N*(4+2*{sb})", node_params * st))
+        opt["nvme_write"].append((f"master+m+v N*(4+2*{sb})", node_params * st))
+    if p == "nvme" and not plan.master_is_param:
+        opt["nvme_write"].append(("updated params N*lp", node_params * lp))
+    if gpu:
+        if p != "none":
+            mb["h2d"].append(("param shards fwd+bwd 2*N/R*lp", 2 * shard * lp))
+        elif o != "none":
+            n = shard if knobs.zero_stage == 3 else N
+            opt["h2d"].append(("updated params", n * lp))
+        if o != "none":
+            mb["d2h"].append(("grad shard N/R*lp", shard * lp))
+    if R > 1:
+        frac = (R - 1) / R
+        if knobs.zero_stage == 3:
+            mb["allgather"].append(("params fwd+bwd 2*N*lp*(R-1)/R", int(2 * N * lp * frac)))
+        else:
+            opt["allgather"].append(("updated params N*lp*(R-1)/R", int(N * lp * frac)))
+        if knobs.zero_stage >= 2:
+            mb["reduce_scatter"].append(("grads N*lp*(R-1)/R", int(N * lp * frac)))
+        else:
+            mb["reduce_scatter"].append(("grads all-reduce 2*N*lp*(R-1)/R", int(2 * N * lp * frac)))
+    return {"mb": mb, "opt": opt}
+
+
+def _sum(parts):
+    return {k: sum(b for _, b in v) for k, v in parts.items()}
+
+
+def _what(parts, link):
+    return " + ".join(w for w, _ in parts[link])
+
+
+def estimate_step(spec, machine, knobs, plan, *, checkpointing):
+    parts = traffic_per_step(spec, machine, knobs, plan)
+    mb, opt = _sum(parts["mb"]), _sum(parts["opt"])
+    A = knobs.grad_accum
+    total = {k: A * mb[k] + opt[k] for k in mb}
+    rd, wr = machine.nvme_gbps * GB, machine.nvme_write_gbps * GB
+    pcie, ic = machine.pcie_gbps * GB, machine.interconnect_gbps * GB
+    flops_per_token = 8 if checkpointing else 6
+    tokens = spec.seq * spec.batch
+    flops = flops_per_token * spec.params * tokens
+    t_comp = flops / (machine.tflops * 1e12)
+    d1 = [f"compute: {flops_per_token}*N*S*B = {flops:.3g} FLOP / {machine.tflops:g} TFLOPS = {t_comp:.3g} s"]
+    t_nvme = mb["nvme_read"] / rd + mb["nvme_write"] / wr
+    if t_nvme:
+        txt = f"NVMe: read {_fmt_b(mb['nvme_read'])} ({_what(parts['mb'], 'nvme_read')}) / {machine.nvme_gbps:g} GB/s"
+        if mb["nvme_write"]:
+            txt += (f" + write {_fmt_b(mb['nvme_write'])} ({_what(parts['mb'], 'nvme_write')}) / "
+                    f"{machine.nvme_write_gbps:g} GB/s")
+        d1.append(txt + f" = {t_nvme:.3g} s")
+    t_pcie = max(mb["h2d"], mb["d2h"]) / pcie
+    if t_pcie:
+        d1.append(f"PCIe per GPU: max(H2D {_fmt_b(mb['h2d'])}, D2H {_fmt_b(mb['d2h'])}) / "
+                  f"{machine.pcie_gbps:g} GB/s = {t_pcie:.3g} s")
+    t_coll = (mb["allgather"] + mb["reduce_scatter"]) / ic
+    if t_coll:
+        d1.append(f"collectives per GPU: all-gather {_fmt_b(mb['allgather'])} + reduce "
+                  f"{_fmt_b(mb['reduce_scatter'])} / {machine.interconnect_gbps:g} GB/s = {t_coll:.3g} s")
+    fb = _phase("forward+backward (one micro-batch)",
+                {"compute": t_comp, "nvme": t_nvme, "pcie": t_pcie, "collectives": t_coll}, d1)
+
+    d2 = []
+    t_onvme = opt["nvme_read"] / rd + opt["nvme_write"] / wr
+    if t_onvme:
+        txt = "NVMe: "
+        if opt["nvme_read"]:
+            txt += f"read {_fmt_b(opt['nvme_read'])} ({_what(parts['opt'], 'nvme_read')}) / {machine.nvme_gbps:g} GB/s + "
+        txt += (f"write {_fmt_b(opt['nvme_write'])} ({_what(parts['opt'], 'nvme_write')}) / "
+                f"{machine.nvme_write_gbps:g} GB/s = {t_onvme:.3g} s (same drives: times add)")
+        d2.append(txt)
+    t_adam = 0.0
+    if plan.optimizer_home != "none":
+        n_node = machine.ranks_per_node * -(-spec.params // machine.ranks)
+        t_adam = n_node / (machine.cpu_adam_gparams * 1e9)
+        d2.append(f"CPU Adam: {n_node:.3g} params / {machine.cpu_adam_gparams:g} G params/s = {t_adam:.3g} s")
+    t_opcie = opt["h2d"] / pcie
+    if t_opcie:
+        d2.append(f"PCIe: updated params H2D {_fmt_b(opt['h2d'])} / {machine.pcie_gbps:g} GB/s = {t_opcie:.3g} s")
+    t_ocoll = opt["allgather"] / ic
+    if t_ocoll:
+        d2.append(f"collectives: all-gather updated params {_fmt_b(opt['allgather'])} / "
+                  f"{machine.interconnect_gbps:g} GB/s = {t_ocoll:.3g} s")
+    op = _phase("optimizer", {"nvme": t_onvme, "cpu_adam": t_adam, "pcie": t_opcie,
+                              "collectives": t_ocoll}, d2)
+    step = A * fb.seconds + op.seconds
+    # the resource that accounts for most of the step
+    share = {}
+    if fb.seconds:
+        share[fb.bound] = share.get(fb.bound, 0.0) + A * fb.seconds
+    if op.seconds:
+        share[op.bound] = share.get(op.bound, 0.0) + op.seconds
+    bound = max(share, key=share.get) if share else "none"
+    tps = A * machine.ranks * tokens / step if step > 0 else float("inf")
+    return StepEstimate(traffic=total, fwd_bwd=fb, optimizer=op, step_s=step, tokens_per_s=tps,
+                        bound=bound, checkpointing=checkpointing)

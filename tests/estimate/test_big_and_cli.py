@@ -1,0 +1,91 @@
+"""The 1T question, the CLI (--json) and counting a transformers model on the meta device."""
+import json
+import textwrap
+
+import pytest
+
+from infinity.cli.main import main
+from infinity.estimate import Machine, estimate
+
+ONE_T = dict(params=1_000_000_000_000, layers=128, hidden=25600, vocab=51200, heads=160, seq=2048, batch=1)
+NODE = dict(gpus=8, gpu_mem_gb=80, host_mem_gb=2000, nvme_gb=30720, nvme_drives=8, nvme_gbps=48,
+            nvme_write_gbps=32)
+
+
+def test_one_trillion_on_one_8x80gb_node():
+    est = estimate(**ONE_T, machine=Machine(**NODE), precision="bf16")
+    by = {(c.params_home, c.optimizer_home): c for c in est.configs}
+    # 1T x (2 B params + 16 B master/m/v) = 18 TB: only NVMe can hold it ...
+    assert by[("nvme", "nvme")].fits == {"checkpointing": True, "none": False}
+    assert by[("nvme", "nvme")].totals["nvme"] >= 18 * 10**12
+    for homes in [("none", "none"), ("none", "cpu"), ("cpu", "cpu"), ("cpu", "nvme")]:
+        assert not any(by[homes].fits.values()), homes
+    best, variant = est.best
+    assert (best.params_home, best.optimizer_home, variant) == ("nvme", "nvme", "checkpointing")
+    assert est.verdict().startswith("Yes: 1T parameters fit")
+    # the step moves >= 2 x 14 TB through the drives: NVMe bound, minutes per step
+    s = best.steps["checkpointing"]
+    assert s.bound == "nvme" and 300 < s.step_s < 5000
+    # with only 4 TB of NVMe nothing fits
+    est = estimate(**ONE_T, machine=Machine(**{**NODE, "nvme_gb": 4000}), precision="bf16")
+    assert est.best is None and est.verdict().startswith("No:")
+
+
+def test_cli_json_parses(capsys):
+    rc = main(["estimate", "--params", "1T", "--layers", "128", "--hidden", "25600", "--vocab", "51200",
+               "--heads", "160", "--gpus", "8", "--gpu-mem", "80", "--host-mem", "2000",
+               "--nvme-gb", "30720", "--nvme-drives", "8", "--nvme-gbps", "48", "--nvme-write-gbps", "32",
+               "--json"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    d = json.loads(out)
+    assert d["best"]["params"] == "nvme" and d["best"]["activation_checkpointing"] is True
+    assert {(c["params"], c["optimizer"]) for c in d["configs"]} >= {("nvme", "nvme"), ("none", "none")}
+    assert d["model"]["params"] == 10**12
+
+
+def test_cli_text_and_errors(capsys, tmp_path):
+    bench = tmp_path / "bench.json"
+    bench.write_text(json.dumps({"results": [{"read_gbps": 2.0, "write_gbps": 1.0}]}))
+    rc = main(["estimate", "--params", "125M", "--layers", "12", "--hidden", "768", "--gpus", "0",
+               "--host-mem", "24", "--nvme-gb", "100", "--bench-io", str(bench), "--only", "nvme/nvme"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "== params=nvme, optimizer=nvme ==" in out and "Verdict:" in out
+    assert "(2 GB/s read, 1 GB/s write)" in out
+    assert main(["estimate", "--layers", "2"]) == 2
+    assert "describe the model" in capsys.readouterr().err
+    assert main(["estimate", "--params", "12Q", "--layers", "2", "--hidden", "8"]) == 2
+    assert main(["estimate", "--params", "1M", "--layers", "2", "--hidden", "8", "--only", "x/y"]) == 2
+
+
+FACTORY = textwrap.dedent("""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    def tiny_gpt2():
+        cfg = GPT2Config(vocab_size=1000, n_embd=32, n_layer=3, n_head=2, n_positions=64)
+        return GPT2LMHeadModel(cfg)
+""")
+
+
+def test_model_factory_on_meta_device(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    f = tmp_path / "factory_mod.py"
+    f.write_text(FACTORY)
+    import importlib.util
+    spec_ = importlib.util.spec_from_file_location("factory_ref", f)
+    mod = importlib.util.module_from_spec(spec_)
+    spec_.loader.exec_module(mod)
+    ref = mod.tiny_gpt2()                       # real weights, the reference count
+    n_ref = sum(p.numel() for p in ref.parameters())   # tied wte/lm_head counted once
+    est = estimate(f"{f}:tiny_gpt2", seq=64, machine=Machine(gpus=0, host_mem_gb=16, nvme_gb=10))
+    s = est.model
+    assert s.params == n_ref
+    assert (s.layers, s.hidden, s.vocab, s.heads) == (3, 32, 1000, 2)
+    assert s.largest_group["module"] == 1000 * 32          # the (tied) token embedding
+    block = sum(p.numel() for p in ref.transformer.h[0].parameters())
+    assert s.largest_group["block"] == max(block, 1000 * 32)
+    # the same through the CLI (file path form) with --json
+    rc = main(["estimate", "--model-factory", f"{f}:tiny_gpt2", "--seq", "64", "--gpus", "0",
+               "--host-mem", "16", "--nvme-gb", "10", "--json"])
+    assert rc == 0
+    assert json.loads(capsys.readouterr().out)["model"]["params"] == n_ref

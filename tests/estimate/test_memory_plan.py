@@ -1,0 +1,155 @@
+"""Hand-computed tier lines, fits and traffic on small models (numbers derived in comments)."""
+import pytest
+
+import infinity
+from infinity.estimate import EstimateError, Machine, ModelSpec, estimate, spec_from_dims
+from infinity.estimate.memory_plan import Knobs, plan_memory, valid_configs
+
+GB = 10**9
+
+
+def small_spec():
+    return ModelSpec(params=1_000_000, layers=4, hidden=64, seq=16, batch=2, vocab=None, heads=2,
+                     largest_group={"module": 50_000, "block": 250_000}, groups={"module": 20, "block": 4})
+
+
+def items(plan):
+    return {(i.tier, i.name): i.nbytes for i in plan.items}
+
+
+def test_spec_from_dims_shape_model():
+    s = spec_from_dims(10_000, 2, 8, vocab=100, seq=4, batch=1)
+    # embedding 100*8 = 800; per block (10000-800)/2 = 4600; MLP matrix 4*64+4*8 = 288
+    assert s.largest_group == {"module": 800, "block": 4600}
+    s = spec_from_dims(10_000, 2, 8)
+    assert s.largest_group == {"module": 288, "block": 5000}
+    with pytest.raises(EstimateError, match="vocab\\*hidden"):
+        spec_from_dims(100, 2, 8, vocab=100)
+    with pytest.raises(EstimateError, match="positive integer"):
+        spec_from_dims(0, 2, 8)
+
+
+def test_nvme_nvme_two_gpus_every_line():
+    m = Machine(gpus=2, gpu_mem_gb=1, host_mem_gb=1, nvme_gb=1, gpu_reserve_gb=0)
+    k = Knobs(precision="bf16", zero_stage=3, prefetch_depth=2, tile_numel=1000, pipeline_depth=3,
+              aio_queue_depth=2, aio_block_size=4096)
+    pl = plan_memory(small_spec(), m, k, "nvme", "nvme")
+    # N=1e6, R=r=2, lp=2, sb=4, Gmax=50000, d=2, shard=500000
+    assert items(pl) == {
+        ("device", "fetched groups (working set + prefetch)"): 3 * 50_000 * 2,
+        ("device", "grads of groups in backward"): 2 * 50_000 * 2,
+        ("pinned", "NVMe->GPU staging (prefetch window)"): 2 * 3 * 25_000 * 2,
+        ("pinned", "GPU->host grad staging"): 2 * 2 * 25_000 * 2,
+        ("pinned", "optimizer tile ring"): 2 * 3 * 1000 * (4 + 4 + 4 + 4 + 2),
+        ("pageable", "grad accumulation (fp32, host)"): 2 * 500_000 * 4,
+        ("pageable", "aio bounce buffers (worst case)"): 2 * 1 * 2 * 4096,
+        ("nvme", "param home (NVMe)"): 2 * 500_000 * 2,
+        ("nvme", "optimizer: master + m + v (NVMe)"): 2 * 500_000 * 12,
+    }
+    # Korthikanti et al.: per layer S*B*H*(34 + 5*a*S/H) = 16*2*64*(34 + 5*2*16/64) = 74752
+    assert pl.activations["none"].nbytes == 4 * 74_752
+    assert pl.activations["checkpointing"].nbytes == 4 * 2 * 16 * 2 * 64 + 74_752
+
+
+def test_device_homes_stage3_and_stage1():
+    m = Machine(gpus=2, gpu_mem_gb=1, host_mem_gb=1, nvme_gb=1)
+    pl = plan_memory(small_spec(), m, Knobs(precision="bf16"), "none", "none")
+    assert items(pl) == {
+        ("device", "param shard"): 500_000 * 2,
+        ("device", "gathered groups (all-gather window)"): 3 * 50_000 * 2,
+        ("device", "grad shard (fp32 accumulation)"): 500_000 * 4,
+        ("device", "reduce-scatter buckets"): 2 * 50_000 * 2,
+        ("device", "optimizer: master + m + v"): 500_000 * 12,
+    }
+    pl1 = plan_memory(small_spec(), m, Knobs(precision="bf16", zero_stage=1), "none", "cpu")
+    it = items(pl1)
+    assert it[("device", "params")] == 1_000_000 * 2          # replicated below stage 3
+    assert it[("pinned", "GPU->host grad staging")] == 2 * 2 * 50_000 * 2   # no reduce-scatter
+    assert it[("pageable", "optimizer: master + m + v (host)")] == 2 * 500_000 * 12
+
+
+def test_fp32_param_is_master_stored_once_cpu_only():
+    m = Machine(gpus=0, host_mem_gb=1, nvme_gb=1)
+    pl = plan_memory(small_spec(), m, Knobs(precision="fp32", tile_numel=1000), "cpu", "cpu")
+    it = items(pl)
+    assert ("pinned", "param home (host)") not in it
+    # master (= param) 4 + m 4 + v 4 bytes; r = R = 1 on a CPU-only node
+    assert it[("pageable", "optimizer: master + m + v (host)")] == 1_000_000 * 12
+    assert it[("device", "fetched groups (working set + prefetch)")] == 3 * 50_000 * 4
+    assert it[("pageable", "grad accumulation (fp32, host)")] == 1_000_000 * 4
+    assert pl.master_is_param and any("master" in n for n in pl.notes)
+    # bf16: separate fp32 master + low-precision param home
+    pl = plan_memory(small_spec(), m, Knobs(precision="bf16", tile_numel=1000), "cpu", "cpu")
+    it = items(pl)
+    assert it[("pinned", "param home (host)")] == 1_000_000 * 2
+    assert it[("pageable", "optimizer: master + m + v (host)")] == 1_000_000 * 12
+    # the ring carries only the low-precision param output (no swap in use)
+    assert it[("pinned", "optimizer tile ring")] == 3 * 1000 * 2
+
+
+def test_grads_spill_to_nvme_when_host_cap_is_small():
+    m = Machine(gpus=0, host_mem_gb=100, nvme_gb=100)
+    big = Knobs(precision="bf16", tile_numel=1000)
+    assert not plan_memory(small_spec(), m, big, "nvme", "nvme").grads_on_nvme
+    small = Knobs(precision="bf16", tile_numel=1000, host_cap_gb=0.001)  # 1 MB cap < 4 MB of grads
+    pl = plan_memory(small_spec(), m, small, "nvme", "nvme")
+    assert pl.grads_on_nvme
+    assert items(pl)[("nvme", "grad accumulation (fp32, NVMe: host cap too small)")] == 4_000_000
+
+
+def test_valid_configs():
+    assert valid_configs(Knobs(zero_stage=3)) == [("none", "none"), ("none", "cpu"), ("none", "nvme"),
+                                                  ("cpu", "cpu"), ("cpu", "nvme"), ("nvme", "nvme")]
+    assert valid_configs(Knobs(zero_stage=2)) == [("none", "none"), ("none", "cpu"), ("none", "nvme")]
+    with pytest.raises(EstimateError, match="not valid"):
+        estimate(small_spec(), machine=Machine(gpus=0, host_mem_gb=1), zero_stage=1,
+                 configs=[("nvme", "nvme")])
+
+
+def test_fit_boundary_on_device():
+    # device with checkpointing: 300000 + 200000 + 91136 = 591136 B; without: 500000 + 299008
+    m = Machine(gpus=2, gpu_mem_gb=591_136 / GB, host_mem_gb=10, nvme_gb=1, gpu_reserve_gb=0)
+    est = estimate(small_spec(), machine=m, precision="bf16", tile_numel=1000,
+                   configs=[("nvme", "nvme")])
+    c = est.configs[0]
+    assert c.totals["device_checkpointing"] == 591_136 and c.totals["device_none"] == 799_008
+    assert c.fits == {"checkpointing": True, "none": False}
+    assert "device: needs" in c.problems["none"][0]
+    m.gpu_mem_gb = 591_135 / GB
+    est = estimate(small_spec(), machine=m, precision="bf16", tile_numel=1000, configs=[("nvme", "nvme")])
+    assert est.configs[0].fits["checkpointing"] is False and est.best is None
+    assert est.verdict().startswith("No:")
+
+
+def test_traffic_and_step_time_nvme_nvme():
+    # CPU-only, R=1, bf16, A=2; NVMe 1 GB/s read, 0.5 GB/s write; Adam 1e-3 G params/s
+    m = Machine(gpus=0, host_mem_gb=100, nvme_gb=100, nvme_gbps=1.0, nvme_write_gbps=0.5,
+                tflops=1.0, cpu_adam_gparams=0.001)
+    est = estimate(small_spec(), machine=m, precision="bf16", grad_accum=2, configs=[("nvme", "nvme")])
+    s = est.configs[0].steps["none"]
+    N = 1_000_000
+    assert s.traffic["nvme_read"] == 2 * (2 * N * 2) + N * 12      # params twice per micro-batch + states
+    assert s.traffic["nvme_write"] == N * 12 + N * 2                # states + updated bf16 params
+    assert s.traffic["h2d"] == 0 and s.traffic["allgather"] == 0   # CPU-only, one rank
+    t_comp = 6 * N * 16 * 2 / 1e12
+    t_nvme_mb = 4 * N / 1e9
+    t_opt = 12 * N / 1e9 + 14 * N / 0.5e9
+    t_adam = N / 1e6
+    assert s.fwd_bwd.seconds == pytest.approx(max(t_comp, t_nvme_mb))
+    assert s.optimizer.seconds == pytest.approx(max(t_opt, t_adam))
+    assert s.step_s == pytest.approx(2 * max(t_comp, t_nvme_mb) + max(t_opt, t_adam))
+    assert s.optimizer.bound == "cpu_adam" and s.bound == "cpu_adam"
+    # checkpointing adds one forward: 8*N*S*B FLOPs
+    sc = est.configs[0].steps["checkpointing"]
+    assert sc.fwd_bwd.terms["compute"] == pytest.approx(8 * N * 32 / 1e12)
+
+
+def test_infinity_estimate_is_callable_both_ways():
+    import importlib
+    mod = importlib.import_module("infinity.estimate")
+    m = Machine(gpus=0, host_mem_gb=64, nvme_gb=100)
+    a = infinity.estimate(params=1_000_000, layers=2, hidden=64, machine=m)
+    b = mod(params=1_000_000, layers=2, hidden=64, machine=m)
+    assert a.as_dict() == b.as_dict()
+    with pytest.raises(EstimateError, match="describe the model"):
+        infinity.estimate(layers=2, machine=m)
