@@ -16,14 +16,11 @@ import copy
 import dataclasses
 import difflib
 import json
-import logging
 import math
 import os
 import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
-
-log = logging.getLogger("infinity.config")
 
 __all__ = [
     "ConfigError", "OffloadConfig", "PrefetchConfig", "AioConfig", "OptimizerConfig",
@@ -373,12 +370,12 @@ class InfinityConfig:
     @property
     def host_memory_bytes(self) -> int | None:
         gb = self.offload.host_memory_gb
-        return None if gb is None else int(gb * GB)
+        return None if gb is None else int(round(gb * GB))
 
     @property
     def device_memory_bytes(self) -> int | None:
         gb = self.offload.device_memory_gb
-        return None if gb is None else int(gb * GB)
+        return None if gb is None else int(round(gb * GB))
 
     # ---------------------------------------------------------------- construction
     @classmethod

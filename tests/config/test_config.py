@@ -280,3 +280,11 @@ def test_every_field_has_a_default():
         for f in dataclasses.fields(cls):
             assert (f.default is not dataclasses.MISSING
                     or f.default_factory is not dataclasses.MISSING), (cls, f.name)
+
+
+def test_yaml_exponent_ints_and_bytes(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("scheduler: {warmup_steps: 1e3}\noffload: {host_memory_gb: 0.1}\n")
+    c = InfinityConfig.load(str(p))
+    assert c.scheduler.warmup_steps == 1000 and isinstance(c.scheduler.warmup_steps, int)
+    assert c.host_memory_bytes == 100_000_000
