@@ -81,7 +81,7 @@ def _ds_unknown(sec: Mapping, known: tuple, where: str) -> None:
     for k in sec:
         if k not in known:
             close = difflib.get_close_matches(str(k), list(known), n=1, cutoff=0.6)
-            hint = (f"did you mean {where}.{close[0]}?" if close else
+            hint = (f"did you mean {where + '.' if where else ''}{close[0]}?" if close else
                     "infinity cannot honour it; remove it (see docs/migrating-from-deepspeed.md)")
             raise _ds_err(f"{where}.{k}" if where else str(k), f"unknown or unsupported key; {hint}")
 
@@ -113,7 +113,7 @@ def deepspeed_to_dict(ds: Any, *, approximate_schedules: bool = False
         node[parts[-1]] = value
         origin[ikey] = dskey
 
-    known_top = ("zero_optimization", "aio", "optimizer", "scheduler", "fp16", "bf16",
+    known_top = ("zero_optimization", "aio", "optimizer", "scheduler", "fp16", "bf16", "bfloat16",
                  "gradient_clipping", "gradient_accumulation_steps", "amp",
                  "activation_checkpointing", "communication_data_type", "data_types",
                  "sparse_gradients") + DS_IGNORED_TOP_KEYS
@@ -248,8 +248,10 @@ def deepspeed_to_dict(ds: Any, *, approximate_schedules: bool = False
         for k in ("hysteresis", "consecutive_hysteresis"):
             if k in fp16:
                 ignored.append(f"fp16.{k}")
-    elif bf16_on:
-        put("precision", "bf16", "bf16.enabled")
+    else:
+        ignored += [f"fp16.{k}" for k in fp16 if k != "enabled"]  # DeepSpeed ignores them too
+        if bf16_on:
+            put("precision", "bf16", "bf16.enabled")
     ignored += [f"bf16.{k}" for k in bf16 if k != "enabled"]
 
     # ---- optimizer

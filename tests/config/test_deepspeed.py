@@ -220,6 +220,8 @@ REJECT = [
      ["activation_checkpointing", "torch.utils.checkpoint"]),
     (lambda d: d.__setitem__("communication_data_type", "fp16"), ["communication_data_type"]),
     (lambda d: d.__setitem__("pipeline", {"stages": 2}), ["DeepSpeed pipeline", "unknown"]),
+    (lambda d: d.__setitem__("gradient_cliping", 1.0),
+     ["DeepSpeed gradient_cliping", "did you mean gradient_clipping?"]),
     (lambda d: d.__setitem__("gradient_accumulation_steps", 0),
      ["gradient_accumulation_steps", ">= 1"]),
 ]
