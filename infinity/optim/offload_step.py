@@ -218,9 +218,14 @@ class OptimizerStateStore:
                 self._parts[key] = part
                 if init is not None:
                     self._write_range(part, "master", init.reshape(-1), 0)
-            except BaseException:
+            except BaseException as e:
                 self._parts.pop(key, None)
                 self._release(owned)
+                if isinstance(e, OSError):
+                    need = numel * (4 + 2 * torch.empty((), dtype=self.state_dtype).element_size())
+                    e.add_note(f"infinity: OptimizerStateStore.add({key!r}, {numel}) at home {self.home!r} "
+                               f"needs about {need} bytes for the fp32 master and the two moments; "
+                               f"nothing of it is kept.")
                 raise
 
     def _master_backing(self, key, numel, ntiles, ext, owned) -> _Backing:
