@@ -108,6 +108,8 @@ def run(engine, batcher, opts, reporter, stopper, checkpointer=None):
             "bytes": delta,
             "gbps": {k: (delta[k] / dt / 1e9 if dt > 0 else 0.0) for k in LINKS},
         })
+        if reporter.stdout_broken:
+            stopper.request("stdout closed")
         if checkpointer is not None and opts.save_every and step % opts.save_every == 0 \
                 and step != opts.steps:
             saved.append(checkpointer.save(engine, step))

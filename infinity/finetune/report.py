@@ -64,6 +64,7 @@ class Reporter:
         self.stdout = stdout or sys.stdout
         self.stderr = stderr or sys.stderr
         self.records = []
+        self.stdout_broken = False
         self._bar = None
         self._t_start = time.perf_counter()
         if progress is None:
@@ -97,7 +98,10 @@ class Reporter:
             for k in LINKS:
                 flat[f"{k}_bytes"] = rec["bytes"].get(k, 0)
                 flat[f"{k}_gbps"] = round(rec["gbps"].get(k, 0.0), 4)
-            print(json.dumps(flat), file=self.stdout, flush=True)
+            try:
+                print(json.dumps(flat), file=self.stdout, flush=True)
+            except BrokenPipeError:
+                self._stdout_closed()
         links = " ".join(f"{_LINK_LABEL[k]} {rec['gbps'][k]:.2f}GB/s" for k in LINKS
                          if rec["bytes"].get(k))
         gn = rec.get("grad_norm")
@@ -112,6 +116,21 @@ class Reporter:
                   f"gnorm {gn_s} {rec['tokens_per_s']:.0f} tok/s {rec['step_time_s']:.2f} s"
                   + (f" | {links}" if links else ""), file=self.stderr, flush=True)
 
+    def _stdout_closed(self):
+        """The reader of ``--json`` went away (e.g. ``| head``): stop writing, ask the
+        loop to stop cleanly, and keep Python's exit-time flush from failing."""
+        import os
+
+        self.json_lines = False
+        self.stdout_broken = True
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, self.stdout.fileno())
+            os.close(devnull)
+        except (OSError, ValueError, AttributeError):
+            pass
+        print("stdout was closed: stopping at the next step boundary", file=self.stderr, flush=True)
+
     def close(self):
         if self._bar is not None:
             self._bar.close()
@@ -124,7 +143,7 @@ class Reporter:
         rows = []
         if recs:
             n = len(recs)
-            k = min(3, n)
+            k = max(1, min(3, n // 2))
             first = sum(r["loss"] for r in recs[:k]) / k
             last = sum(r["loss"] for r in recs[-k:]) / k
             wall = sum(r["step_time_s"] for r in recs)

@@ -109,3 +109,74 @@ def test_second_sigint_aborts_and_still_removes_swap(tmp_path, tiny_config, ft):
     assert proc.returncode in (0, 130), err[-3000:]
     assert "Traceback" not in err
     assert ft.files_under(swap) == []
+
+
+def test_pretrained_directory_through_the_cli_starts_from_its_weights(tmp_path, tiny_config, ft):
+    """Step 1's loss equals the saved model's loss on batch 0: the weights were loaded."""
+    import torch
+
+    from infinity.data import ByteTokenizer, TokenBatcher, load_texts
+    from infinity.finetune.model import resolve_model
+
+    torch.manual_seed(123)
+    model, _ = resolve_model(tiny_config("gpt2"))
+    with torch.no_grad():  # make it clearly not a fresh init
+        model.transformer.wte.weight.mul_(3.0)
+    d = tmp_path / "pretrained"
+    model.save_pretrained(str(d), safe_serialization=True)
+    x = TokenBatcher(load_texts(None), ByteTokenizer(), seq_len=64, batch_size=2, seed=0).batch(0)
+    with torch.no_grad():
+        expected = model(input_ids=x, labels=x).loss.item()
+    r = ft.run("--model", str(d), "--nvme-path", str(tmp_path / "swap"), "--steps", "2",
+               "--batch-tokens", "128", "--seq-len", "64", "--json", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    recs = _json_lines(r.stdout)
+    assert recs[0]["loss"] == pytest.approx(expected, rel=1e-4)
+    assert ft.files_under(tmp_path / "swap") == []
+
+
+def test_save_and_resume_continue_the_loss_curve(tmp_path, tiny_config, ft):
+    from infinity.engine import Engine
+
+    if not hasattr(Engine, "save_checkpoint"):
+        pytest.skip("engine.save_checkpoint is not in this build yet")
+    model = tiny_config("llama")
+    common = ["--model", model, "--batch-tokens", "256", "--seq-len", "64", "--json"]
+    full = ft.run(*common, "--nvme-path", str(tmp_path / "s1"), "--steps", "6", cwd=tmp_path)
+    assert full.returncode == 0, full.stderr[-3000:]
+    ck = tmp_path / "ck"
+    a = ft.run(*common, "--nvme-path", str(tmp_path / "s2"), "--steps", "3", "--save", str(ck),
+               "--save-every", "1", "--keep-last", "2", cwd=tmp_path)
+    assert a.returncode == 0, a.stderr[-3000:]
+    assert sorted(p.name for p in ck.iterdir() if p.name.startswith("step-")) == \
+        ["step-00000002", "step-00000003"]
+    assert (ck / "latest").read_text().strip() == "step-00000003"
+    b = ft.run(*common, "--nvme-path", str(tmp_path / "s2"), "--steps", "6", "--save", str(ck),
+               "--resume", cwd=tmp_path)
+    assert b.returncode == 0, b.stderr[-3000:]
+    ref = [x["loss"] for x in _json_lines(full.stdout)]
+    first = [x["loss"] for x in _json_lines(a.stdout)]
+    resumed = _json_lines(b.stdout)
+    assert [x["step"] for x in resumed] == [4, 5, 6]
+    assert first == pytest.approx(ref[:3], rel=1e-5)
+    assert [x["loss"] for x in resumed] == pytest.approx(ref[3:], rel=1e-4)
+    assert ft.files_under(tmp_path / "s2") == []
+
+
+def test_profile_dir_gets_a_trace_and_a_plot(tmp_path, tiny_config, ft):
+    from infinity.engine import Engine
+
+    if not hasattr(Engine, "profile"):
+        pytest.skip("engine.profile is not in this build yet")
+    prof = tmp_path / "prof" / "run1"
+    r = ft.run("--model", tiny_config("llama"), "--nvme-path", str(tmp_path / "swap"), "--steps",
+               "2", "--batch-tokens", "128", "--seq-len", "64", "--profile", str(prof),
+               cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    files = sorted(p.name for p in prof.iterdir())
+    traces = [f for f in files if f.endswith(".json")]
+    pngs = [f for f in files if f.endswith(".png")]
+    assert traces and pngs, files
+    for t in traces:
+        json.loads((prof / t).read_text())
+    assert (prof / pngs[0]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
