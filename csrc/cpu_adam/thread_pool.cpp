@@ -4,6 +4,7 @@
 #include <pthread.h>
 #include <sched.h>
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <mutex>
@@ -16,7 +17,8 @@ namespace {
 // Below this many elements a step is run on the calling thread alone: waking
 // workers costs more than it saves.
 constexpr size_t kInlineBelow = size_t(1) << 15;
-constexpr size_t kAlign = 64;
+constexpr size_t kAlign = 64;          // chunk boundaries: whole cache lines in every stream
+constexpr size_t kMinChunk = size_t(1) << 14;
 
 class Pool {
 public:
@@ -138,16 +140,19 @@ void parallel_for(size_t n, const std::function<void(size_t, size_t)>& fn) {
         return;
     }
     if (!g_pool) g_pool = new Pool(t);
-    // contiguous ranges, boundaries on multiples of kAlign elements
-    const size_t blocks = (n + kAlign - 1) / kAlign;
-    const size_t per = blocks / t, extra = blocks % t;
-    auto job = [&](int i) {
-        const size_t ui = static_cast<size_t>(i);
-        const size_t b0 = ui * per + (ui < extra ? ui : extra);
-        const size_t b1 = b0 + per + (ui < extra ? 1 : 0);
-        const size_t begin = b0 * kAlign;
-        const size_t end = b1 * kAlign < n ? b1 * kAlign : n;
-        if (begin < end) fn(begin, end);
+    // Dynamic chunks: threads take the next chunk from a shared counter, so a thread
+    // slowed down by another process (shared machine) does less of the work instead of
+    // holding everyone up. ~16 chunks per thread, multiples of kAlign elements.
+    size_t chunk = n / (static_cast<size_t>(t) * 16);
+    if (chunk < kMinChunk) chunk = kMinChunk;
+    chunk = (chunk + kAlign - 1) / kAlign * kAlign;
+    std::atomic<size_t> next{0};
+    auto job = [&](int) {
+        for (;;) {
+            const size_t begin = next.fetch_add(chunk, std::memory_order_relaxed);
+            if (begin >= n) return;
+            fn(begin, begin + chunk < n ? begin + chunk : n);
+        }
     };
     g_pool->run(job);
 }

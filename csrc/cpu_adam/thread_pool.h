@@ -1,9 +1,8 @@
 // Persistent worker pool for the CPU Adam kernels.
 //
-// One process-wide pool; `parallel_for` splits [0, n) into one contiguous
-// range per thread (boundaries on 64-element multiples so two threads never
-// write the same cache line) and runs them, the calling thread taking the
-// first range. Calls are serialized by a mutex, so the kernels may be invoked
+// One process-wide pool; `parallel_for` splits [0, n) into chunks (boundaries
+// on 64-element multiples so two threads never write the same cache line) that
+// the workers and the calling thread take from a shared counter. Calls are serialized by a mutex, so the kernels may be invoked
 // from any number of Python threads at once; small ranges run inline on the
 // caller without touching the pool. fork() is handled: the child starts a
 // fresh pool on first use.
