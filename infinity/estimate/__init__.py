@@ -62,6 +62,7 @@ class Estimate:
     machine: Machine
     knobs: Knobs
     configs: list = field(default_factory=list)
+    what_if: "Estimate | None" = None   # the same with gradients paged to NVMe, when nothing fits
 
     def fitting(self):
         """``[(ConfigEstimate, variant)]`` that fit, fastest first."""
@@ -83,8 +84,18 @@ class Estimate:
             f"{m.gpus}x{m.gpu_mem_gb:g} GB GPU" if m.gpus else "CPU-only") + \
             f", {m.host_mem_gb:g} GB RAM, {m.nvme_gb:g} GB NVMe"
         if b is None:
-            return (f"No: no offload configuration fits {_num(self.model.params)} parameters on "
-                    f"{where}; see the problems listed per configuration.")
+            out = (f"No: no offload configuration fits {_num(self.model.params)} parameters on "
+                   f"{where}; see the problems listed per configuration.")
+            w = self.what_if.best if self.what_if is not None else None
+            if w is not None:
+                c, v = w
+                s = c.steps[v]
+                out += (f" What-if: with gradients paged to NVMe (--grad-spill; DeepSpeed "
+                        f"ZeRO-Infinity does this, infinity's engine keeps fp32 gradients in host "
+                        f"memory today) it would fit with {c.name}"
+                        + (" and activation checkpointing" if v == "checkpointing" else "")
+                        + f": {s.step_s:.4g} s per step, {s.tokens_per_s:.3g} tokens/s, {s.bound}-bound.")
+            return out
         c, v = b
         s = c.steps[v]
         ck = "with activation checkpointing" if v == "checkpointing" else "without activation checkpointing"
@@ -100,7 +111,8 @@ class Estimate:
                 "best": None if b is None else {"params": b[0].params_home, "optimizer": b[0].optimizer_home,
                                                 "activation_checkpointing": b[1] == "checkpointing",
                                                 "step_s": b[0].steps[b[1]].step_s},
-                "verdict": self.verdict()}
+                "verdict": self.verdict(),
+                "what_if_grad_spill": None if self.what_if is None else self.what_if.as_dict()}
 
     def text(self, details=True):
         from .report import format_estimate
@@ -182,7 +194,7 @@ def local_machine(nvme_path="."):
 def estimate(model=None, *, params=None, layers=None, hidden=None, seq=2048, batch=1, vocab=None,
              heads=None, machine=None, config=None, precision=None, zero_stage=None,
              prefetch_depth=None, grad_accum=None, host_cap_gb=None, tile_numel=None,
-             state_dtype=None, grouping=None, configs=None):
+             state_dtype=None, grouping=None, grad_spill=None, configs=None):
     """Estimate memory per tier and step time for every valid offload configuration.
 
     model: an ``nn.Module`` (ideally built on the meta device), a factory (callable or
@@ -193,6 +205,9 @@ def estimate(model=None, *, params=None, layers=None, hidden=None, seq=2048, bat
         prefetch.depth, aio.*, gradient_accumulation_steps and offload.host_memory_gb are
         used (keyword arguments override them). Its offload homes are ignored: every valid
         (params, optimizer) pair is estimated, or only ``configs=[("nvme", "nvme"), ...]``.
+    grad_spill: what-if (not in the engine yet): page fp32 gradients to NVMe when the host
+        cannot hold them. When nothing fits without it, ``Estimate.what_if`` holds the
+        estimate with it.
     Returns an :class:`Estimate`.
     """
     if isinstance(model, ModelSpec):
@@ -223,7 +238,8 @@ def estimate(model=None, *, params=None, layers=None, hidden=None, seq=2048, bat
     knobs = _knobs_from(config, dict(precision=precision, zero_stage=zero_stage,
                                      prefetch_depth=prefetch_depth, grad_accum=grad_accum,
                                      host_cap_gb=host_cap_gb, tile_numel=tile_numel,
-                                     state_dtype=state_dtype, grouping=grouping))
+                                     state_dtype=state_dtype, grouping=grouping,
+                                     grad_spill=grad_spill))
     valid = valid_configs(knobs)
     if configs is not None:
         want = [tuple(c) for c in configs]
@@ -234,6 +250,11 @@ def estimate(model=None, *, params=None, layers=None, hidden=None, seq=2048, bat
         valid = want
     est = Estimate(spec, machine, knobs)
     est.configs = [_evaluate(spec, machine, knobs, p, o) for p, o in valid]
+    if est.best is None and not knobs.grad_spill and any(o == "nvme" for _, o in valid):
+        import dataclasses
+        k2 = dataclasses.replace(knobs, grad_spill=True)
+        est.what_if = Estimate(spec, machine, k2)
+        est.what_if.configs = [_evaluate(spec, machine, k2, p, o) for p, o in valid]
     return est
 
 

@@ -20,14 +20,18 @@ The data path follows the engine (``infinity/engine.py``, ``infinity/memory``,
   device-tier buffer (NVMe-homed groups are read straight into it on a CPU-only node,
   through a pinned staging buffer on GPU nodes) and released after use; parameters do not
   change during forward/backward so nothing is written back on release;
-* the working set is the group in use plus ``d`` prefetched groups: ``(d+1)*Gmax*lp``;
-* each group's gradient accumulates into an fp32 buffer (4 bytes per element) that lives
-  in host memory when the optimizer is offloaded, on the device otherwise;
-* the optimizer keeps fp32 master + m + v at its home; with fp32 precision and the same
-  home for params and optimizer the parameter *is* the master (stored once);
-* the NVMe optimizer step streams tiles through a ring of D slots, each holding one tile
-  of master (4 B), grad (4 B), m and v (sb each) and, when the params need a low-precision
-  copy, lp bytes: ``D*T*(8 + 2*sb [+ lp])``.
+* the device tier holds the group in use, ``d`` prefetched groups and one being
+  released: ``(d+2)*Gmax*lp`` (``PlacementPlan``'s "fetch window"); on a CPU-only node a
+  host-homed group is used in place (no copy) and an NVMe-homed group is read straight
+  into a device-tier buffer, with one group-sized staging buffer during initialisation;
+* each group's gradient accumulates into an fp32 buffer (4 bytes per element) in host
+  memory (on a GPU with the optimizer on the device: on the device);
+* fp32: the parameter at its home *is* the fp32 master; the optimizer home keeps m and v
+  (``2*sb`` bytes per param). bf16/fp16: the optimizer home keeps master + m + v
+  (``4 + 2*sb``) and the low-precision params stay at their own home;
+* the optimizer step streams tiles through a ring of D slots, each holding one tile of
+  master and grad (8 B, when a swap space exists), m and v (``2*sb``, NVMe home) and the
+  low-precision params for an NVMe param home (lp): ``D*T*(8 + 2*sb + lp)`` at most.
 """
 from __future__ import annotations
 
@@ -55,6 +59,8 @@ class Knobs:
     grad_accum: int = 1                # [gradient_accumulation_steps]
     host_cap_gb: float | None = None   # [offload.host_memory_gb]
     grouping: str = "module"           # how params are flattened into groups
+    grad_spill: bool = False           # page fp32 grads to NVMe when the host is short (what-if:
+                                       # DeepSpeed ZeRO-Infinity does this; infinity's engine not yet)
 
     @property
     def lp(self) -> int:
@@ -94,21 +100,9 @@ class MemoryPlan:
 
 
 def valid_configs(knobs):
-    """The (params, optimizer) homes the engine accepts for ``knobs``.
-
-    Parameters can only be offloaded at ZeRO stage 3 (config rule). The optimizer must be
-    offloaded at least as far as the parameters (params on NVMe with fp32 master + Adam
-    states kept on the device would use *more* device memory than keeping the params there).
-    """
-    order = {h: i for i, h in enumerate(HOMES)}
-    out = []
-    for p in HOMES:
-        if p != "none" and knobs.zero_stage != 3:
-            continue
-        for o in HOMES:
-            if order[o] >= order[p]:
-                out.append((p, o))
-    return out
+    """The (params, optimizer) homes the engine accepts for ``knobs``: every pair at ZeRO
+    stage 3; parameters can only be offloaded at stage 3 (config rule)."""
+    return [(p, o) for p in HOMES for o in HOMES if p == "none" or knobs.zero_stage == 3]
 
 
 def activation_items(spec, knobs):
@@ -147,46 +141,49 @@ def plan_memory(spec, machine, knobs, params_home, optimizer_home):
     add = pl.items.append
     shard = -(-N // R)  # elements of one rank's shard
 
-    # the fp32 master is the parameter itself when both live in the same home at fp32
-    master_is_param = knobs.precision == "fp32" and params_home == optimizer_home
+    # fp32: the parameter at its home IS the fp32 master (the optimizer keeps only m, v);
+    # bf16/fp16: the optimizer home holds an fp32 master besides the low-precision params
+    master_is_param = knobs.precision == "fp32"
     pl.master_is_param = master_is_param
-    opt_part = shard if stage >= 1 else N
-    master_b = 0 if master_is_param else 4
+    if master_is_param:
+        pl.notes.append("fp32: the parameter at its home is the optimizer's master (stored once)")
+    # groups in the device tier while paged: in use, d prefetched, one being released
+    win = d + 2
 
     # ---------------------------------------------------------------- parameters
     if params_home == "none":
         if stage == 3 and R > 1:
             add(Item("device", "param shard", shard * lp, "N/R*lp"))
-            add(Item("device", "gathered groups (all-gather window)", (d + 1) * G * lp, "(d+1)*Gmax*lp"))
+            add(Item("device", "gathered groups (all-gather window)", win * G * lp, "(d+2)*Gmax*lp"))
         else:
             add(Item("device", "params", N * lp, "N*lp" + (" (replicated: stage < 3)" if R > 1 else "")))
     else:
-        add(Item("device", "fetched groups (working set + prefetch)", (d + 1) * G * lp, "(d+1)*Gmax*lp"))
+        if gpu or params_home == "nvme":
+            # CPU-only: a host-homed group is used in place (no copy); NVMe-homed groups are
+            # read straight into device-tier buffers
+            add(Item("device", "fetched groups (in use + prefetch)", win * G * lp, "(d+2)*Gmax*lp"))
         if params_home == "cpu":
-            if master_is_param:
-                pl.notes.append("fp32: the parameter is the optimizer's master, stored once (in the optimizer line)")
-            else:
-                add(Item("pinned", "param home (host)", r * shard * lp, "r*N/R*lp"))
+            add(Item("pinned", "param home (host)", r * shard * lp, "r*N/R*lp"))
         else:  # nvme
-            if master_is_param:
-                pl.notes.append("fp32: the parameter extent is the optimizer's master, stored once")
-            else:
-                add(Item("nvme", "param home (NVMe)", r * shard * lp, "r*N/R*lp"))
+            add(Item("nvme", "param home (NVMe)", r * shard * lp, "r*N/R*lp"))
             if gpu:
                 # each rank reads its 1/R share of a group, then the ranks all-gather it
-                add(Item("pinned", "NVMe->GPU staging (prefetch window)", r * (d + 1) * -(-G // R) * lp,
-                         "r*(d+1)*Gmax/R*lp"))
+                add(Item("pinned", "NVMe->GPU staging (prefetch window)", r * win * -(-G // R) * lp,
+                         "r*(d+2)*Gmax/R*lp"))
+            else:
+                add(Item("pinned", "NVMe staging (initialisation only)", G * lp, "Gmax*lp"))
 
     # ---------------------------------------------------------------- gradients
-    if optimizer_home == "none":
+    grad_item = None
+    if optimizer_home == "none" and gpu:
         if stage >= 2:
             add(Item("device", "grad shard (fp32 accumulation)", shard * 4, "N/R*4"))
             add(Item("device", "reduce-scatter buckets", 2 * G * lp, "2*Gmax*lp"))
         else:
             add(Item("device", "grads (fp32 accumulation)", N * 4, "N*4"))
     else:
-        add(Item("device", "grads of groups in backward", 2 * G * lp, "2*Gmax*lp"))
         if gpu:
+            add(Item("device", "grads of groups in backward", 2 * G * lp, "2*Gmax*lp"))
             if stage >= 2 and R > 1:  # reduce-scattered on the device: each rank copies its 1/R
                 add(Item("pinned", "GPU->host grad staging", r * 2 * -(-G // R) * lp, "r*2*Gmax/R*lp"))
             else:
@@ -195,44 +192,39 @@ def plan_memory(spec, machine, knobs, params_home, optimizer_home):
         add(grad_item)
 
     # ---------------------------------------------------------------- optimizer
-    states = opt_part * (master_b + 2 * sb)
-    f_states = f"N/R*({master_b}+2*{sb})" if master_b else f"N/R*(2*{sb}) + master=param N/R*4"
     if master_is_param:
-        states += opt_part * 4
-    if optimizer_home == "none":
-        add(Item("device", "optimizer: master + m + v", states, f_states))
-    elif optimizer_home == "cpu":
-        add(Item("pageable", "optimizer: master + m + v (host)", r * states, "r*" + f_states))
+        states, f_states, what = shard * 2 * sb, f"N/R*2*{sb}", "m + v"
     else:
-        add(Item("nvme", "optimizer: master + m + v (NVMe)", r * states, "r*" + f_states))
+        states, f_states, what = shard * (4 + 2 * sb), f"N/R*(4+2*{sb})", "master + m + v"
+    if optimizer_home == "none":
+        add(Item("device", f"optimizer: {what}", states, f_states))
+    elif optimizer_home == "cpu":
+        add(Item("pageable", f"optimizer: {what} (host)", r * states, "r*" + f_states))
+    else:
+        add(Item("nvme", f"optimizer: {what} (NVMe)", r * states, "r*" + f_states))
     swap = params_home == "nvme" or optimizer_home == "nvme"
-    if optimizer_home != "none":
-        sink = 0 if master_is_param else lp
-        per_slot = (8 if swap else 0) + (2 * sb if optimizer_home == "nvme" else 0) + sink
-        if per_slot:
-            T, D = knobs.tile_numel, knobs.pipeline_depth
-            add(Item("pinned", "optimizer tile ring", r * D * T * per_slot,
-                     f"r*D*T*{per_slot}  [D={D}, T={T}]"))
-
-    if swap:
-        # the I/O engine lazily gives each in-flight slot a block-sized bounce buffer for
-        # transfers it cannot do with O_DIRECT in place (unaligned pieces): worst case
-        nb = knobs.aio_threads * knobs.aio_queue_depth * knobs.aio_block_size
-        add(Item("pageable", "aio bounce buffers (worst case)", r * nb,
-                 f"r*threads*queue_depth*block_size  [{knobs.aio_threads}*{knobs.aio_queue_depth}*{knobs.aio_block_size}]"))
+    # OptimizerStateStore ring: D slots of one tile each of master + grad (fp32, when a swap
+    # space exists), m + v (NVMe home) and the low-precision params for an NVMe param home
+    sink = lp if (not master_is_param and params_home == "nvme") else 0
+    per_slot = (8 if swap else 0) + (2 * sb if optimizer_home == "nvme" else 0) + sink
+    if per_slot:
+        T, D = knobs.tile_numel, knobs.pipeline_depth
+        add(Item("pinned", "optimizer tile ring", r * D * T * per_slot,
+                 f"r*D*T*{per_slot}  [D={D}, T={T}]"))
 
     # ---------------------------------------------------------------- NVMe grads if host is short
-    if optimizer_home != "none":
+    if grad_item is not None:
         host_now = pl.tier_total("pinned") + pl.tier_total("pageable")
         if machine.cpu_only:
             host_now += pl.tier_total("device")
         cap = _host_cap(machine, knobs)
-        if cap is not None and host_now > cap and optimizer_home == "nvme":
+        if knobs.grad_spill and cap is not None and host_now > cap and optimizer_home == "nvme":
             pl.items.remove(grad_item)
             add(Item("nvme", "grad accumulation (fp32, NVMe: host cap too small)",
                      grad_item.nbytes, grad_item.formula))
             pl.grads_on_nvme = True
-            pl.notes.append("gradients spill to NVMe: the host cannot hold the fp32 grad partition")
+            pl.notes.append("what-if: gradients paged to NVMe because the host cannot hold the fp32 "
+                            "grad partition (infinity's engine keeps them in host memory today)")
 
     pl.activations = activation_items(spec, knobs)
     return pl

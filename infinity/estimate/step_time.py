@@ -17,11 +17,11 @@ Bytes per step (node-level for NVMe, per GPU for PCIe and collectives):
 
 * params on NVMe: every micro-batch reads each group twice (forward, and again for
   backward after release): ``A*2*N*lp`` NVMe read per node.
-* optimizer on NVMe: master + m + v are read and written once per step:
-  ``N*(4 + 2*sb)`` each way (m and v are not read on the very first step); updated
-  low-precision params go to their NVMe home in the same pass (``N*lp`` written) unless
-  the param is the fp32 master.
-* optimizer on the host with params on NVMe: updated params are written (``N*lp``).
+* optimizer on NVMe: m and v are read and written once per step: ``N*2*sb`` each way
+  (not read on the very first step). The fp32 master moves too (``N*4`` each way) when it
+  lives on NVMe: bf16/fp16 with the optimizer on NVMe, or fp32 with the params on NVMe
+  (the fp32 param is the master). bf16/fp16 params homed on NVMe receive the updated
+  low-precision copy in the same pass (``N*lp`` written).
 * grads spilled to NVMe (host too small): ``A*N*4`` written during backward, read back
   ``(A-1)*N*4`` to accumulate and ``N*4`` by the optimizer.
 * PCIe (GPU nodes): params offloaded: ``A*2*N/R*lp`` H2D per GPU (each rank uploads its
@@ -108,9 +108,13 @@ def traffic_per_step(spec, machine, knobs, plan):
             mb["nvme_read"].append(("fp32 grads N*4*(A-1)/A", node_params * 4 * (A - 1) // A))
         opt["nvme_read"].append(("fp32 grads N*4", node_params * 4))
     if o == "nvme":
-        st = 4 + 2 * sb
-        opt["nvme_read"].append((f"master+m+v N*(4+2*{sb})", node_params * st))
-        opt["nvme_write"].append((f"master+m+v N*(4+2*{sb})", node_params * st))
+        opt["nvme_read"].append((f"m+v N*2*{sb}", node_params * 2 * sb))
+        opt["nvme_write"].append((f"m+v N*2*{sb}", node_params * 2 * sb))
+    # the fp32 master is on NVMe when it is the NVMe-homed fp32 param, or the optimizer's
+    # own master (bf16/fp16) homed on NVMe
+    if (plan.master_is_param and p == "nvme") or (not plan.master_is_param and o == "nvme"):
+        opt["nvme_read"].append(("master N*4", node_params * 4))
+        opt["nvme_write"].append(("master N*4", node_params * 4))
     if p == "nvme" and not plan.master_is_param:
         opt["nvme_write"].append(("updated params N*lp", node_params * lp))
     if gpu:
