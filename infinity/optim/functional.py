@@ -12,6 +12,8 @@ FMA contraction.
 """
 import logging
 import math
+import numbers
+import operator
 import os
 import threading
 
@@ -22,6 +24,7 @@ log = logging.getLogger("infinity.optim")
 SIMD_ENV = "INFINITY_SIMD"
 SIMD_LEVELS = ("scalar", "avx2", "avx512")
 
+_PARAM_DTYPES = (torch.float32,)
 _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _STATE_DTYPES = (torch.float32, torch.bfloat16)
 _OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -116,9 +119,28 @@ def default_num_threads():
 
 # --------------------------------------------------------------------------- validation
 
+_CODES = None
+
+
 def _dtype_code(ext, dtype):
-    return {None: ext.DTYPE_NONE, torch.float32: ext.DTYPE_F32,
-            torch.bfloat16: ext.DTYPE_BF16, torch.float16: ext.DTYPE_F16}[dtype]
+    global _CODES
+    if _CODES is None:
+        _CODES = {None: ext.DTYPE_NONE, torch.float32: ext.DTYPE_F32,
+                  torch.bfloat16: ext.DTYPE_BF16, torch.float16: ext.DTYPE_F16}
+    return _CODES[dtype]
+
+
+_STRIDED = torch.strided
+
+
+def _tensor_ok(t, dtypes, numel):
+    """Fast path of _check_tensor: True when t passes every check (no message built)."""
+    return (isinstance(t, torch.Tensor) and t.is_cpu and t.dtype in dtypes and t.layout == _STRIDED
+            and t.is_contiguous() and t.numel() == numel and not t.is_neg())
+
+
+def _number_ok(x, lo, hi):
+    return (type(x) is float or type(x) is int) and lo <= x < hi and math.isfinite(x)
 
 
 def _check_tensor(name, t, dtypes, numel):
@@ -141,7 +163,7 @@ def _check_tensor(name, t, dtypes, numel):
 
 
 def _check_number(name, x, lo=None, hi=None, lo_open=False, hi_open=False):
-    if isinstance(x, bool) or not isinstance(x, (int, float)):
+    if isinstance(x, bool) or not isinstance(x, numbers.Real):
         if isinstance(x, torch.Tensor) and x.numel() == 1:
             x = float(x.item())
         else:
@@ -154,6 +176,38 @@ def _check_number(name, x, lo=None, hi=None, lo_open=False, hi_open=False):
     if hi is not None and (x > hi or (hi_open and x == hi)):
         raise ValueError(f"adam_step: {name} must be {'<' if hi_open else '<='} {hi}, got {x!r}")
     return x
+
+
+def _validate_slow(param, grad, exp_avg, exp_avg_sq, param_out, n, step, lr, beta1, beta2, eps,
+                   weight_decay, grad_scale):
+    _check_tensor("param", param, (torch.float32,), None)
+    _check_tensor("grad", grad, _GRAD_DTYPES, n)
+    _check_tensor("exp_avg", exp_avg, _STATE_DTYPES, n)
+    _check_tensor("exp_avg_sq", exp_avg_sq, _STATE_DTYPES, n)
+    if exp_avg.dtype != exp_avg_sq.dtype:
+        raise TypeError(f"adam_step: exp_avg ({exp_avg.dtype}) and exp_avg_sq ({exp_avg_sq.dtype}) "
+                        "must have the same dtype")
+    if param_out is not None:
+        _check_tensor("param_out", param_out, _OUT_DTYPES, n)
+    if isinstance(step, torch.Tensor) and step.numel() == 1:
+        step = step.item()
+    if isinstance(step, float) and step.is_integer():
+        step = int(step)
+    if isinstance(step, bool):
+        raise TypeError(f"adam_step: step must be an int (1-based), got {step!r}")
+    try:
+        step = operator.index(step)
+    except TypeError:
+        raise TypeError(f"adam_step: step must be an int (1-based), got {step!r}") from None
+    if step < 1:
+        raise ValueError(f"adam_step: step is 1-based (the count after this update), got {step}")
+    lr = _check_number("lr", lr, lo=0.0)
+    beta1 = _check_number("beta1", beta1, lo=0.0, hi=1.0, hi_open=True)
+    beta2 = _check_number("beta2", beta2, lo=0.0, hi=1.0, hi_open=True)
+    eps = _check_number("eps", eps, lo=0.0)
+    weight_decay = _check_number("weight_decay", weight_decay, lo=0.0)
+    grad_scale = _check_number("grad_scale", grad_scale)
+    return step, lr, beta1, beta2, eps, weight_decay, grad_scale
 
 
 def adam_step(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, weight_decay,
@@ -172,30 +226,18 @@ def adam_step(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, 
     if not isinstance(param, torch.Tensor):
         raise TypeError(f"adam_step: param must be a torch.Tensor, got {type(param).__name__}")
     n = param.numel()
-    _check_tensor("param", param, (torch.float32,), None)
-    _check_tensor("grad", grad, _GRAD_DTYPES, n)
-    _check_tensor("exp_avg", exp_avg, _STATE_DTYPES, n)
-    _check_tensor("exp_avg_sq", exp_avg_sq, _STATE_DTYPES, n)
-    if exp_avg.dtype != exp_avg_sq.dtype:
-        raise TypeError(f"adam_step: exp_avg ({exp_avg.dtype}) and exp_avg_sq ({exp_avg_sq.dtype}) "
-                        "must have the same dtype")
-    if param_out is not None:
-        _check_tensor("param_out", param_out, _OUT_DTYPES, n)
-    if isinstance(step, bool) or not isinstance(step, int):
-        if isinstance(step, float) and step.is_integer():
-            step = int(step)
-        elif isinstance(step, torch.Tensor) and step.numel() == 1 and float(step.item()).is_integer():
-            step = int(step.item())
-        else:
-            raise TypeError(f"adam_step: step must be an int (1-based), got {step!r}")
-    if step < 1:
-        raise ValueError(f"adam_step: step is 1-based (the count after this update), got {step}")
-    lr = _check_number("lr", lr, lo=0.0)
-    beta1 = _check_number("beta1", beta1, lo=0.0, hi=1.0, hi_open=True)
-    beta2 = _check_number("beta2", beta2, lo=0.0, hi=1.0, hi_open=True)
-    eps = _check_number("eps", eps, lo=0.0)
-    weight_decay = _check_number("weight_decay", weight_decay, lo=0.0)
-    grad_scale = _check_number("grad_scale", grad_scale)
+    fast = (_tensor_ok(param, _PARAM_DTYPES, n) and _tensor_ok(grad, _GRAD_DTYPES, n)
+            and _tensor_ok(exp_avg, _STATE_DTYPES, n) and _tensor_ok(exp_avg_sq, _STATE_DTYPES, n)
+            and exp_avg.dtype == exp_avg_sq.dtype
+            and (param_out is None or _tensor_ok(param_out, _OUT_DTYPES, n))
+            and type(step) is int and step >= 1
+            and _number_ok(lr, 0.0, math.inf) and _number_ok(beta1, 0.0, 1.0) and _number_ok(beta2, 0.0, 1.0)
+            and _number_ok(eps, 0.0, math.inf) and _number_ok(weight_decay, 0.0, math.inf)
+            and _number_ok(grad_scale, -math.inf, math.inf))
+    if not fast:  # find the offending argument and raise with its name and value
+        step, lr, beta1, beta2, eps, weight_decay, grad_scale = _validate_slow(
+            param, grad, exp_avg, exp_avg_sq, param_out, n, step, lr, beta1, beta2, eps, weight_decay,
+            grad_scale)
     if n == 0:
         return
     if bias_correction:

@@ -353,3 +353,56 @@ def test_select_simd_errors():
         iopt.set_num_threads(0)
     with pytest.raises(TypeError):
         iopt.set_num_threads(1.5)
+
+
+def _good(n=8):
+    return dict(param=torch.zeros(n), grad=torch.ones(n), exp_avg=torch.zeros(n), exp_avg_sq=torch.zeros(n))
+
+
+_HP = dict(step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0)
+
+
+@pytest.mark.parametrize("change,exc,pattern", [
+    (dict(param=torch.zeros(8, dtype=torch.float64)), TypeError, r"param.*float64"),
+    (dict(param=[0.0] * 8), TypeError, r"param must be a torch.Tensor.*list"),
+    (dict(grad=torch.ones(8, dtype=torch.int32)), TypeError, r"grad.*int32"),
+    (dict(grad=torch.ones(9)), ValueError, r"grad has 9 elements but param has 8"),
+    (dict(grad=torch.ones(16)[::2]), ValueError, r"grad is not contiguous"),
+    (dict(grad=torch.ones(8, device="meta")), ValueError, r"grad is on meta"),
+    (dict(exp_avg=torch.zeros(8, dtype=torch.float16)), TypeError, r"exp_avg.*float16"),
+    (dict(exp_avg_sq=torch.zeros(8, dtype=torch.bfloat16)), TypeError, r"exp_avg .*exp_avg_sq.*same dtype"),
+    (dict(param_out=torch.zeros(8, dtype=torch.int8)), TypeError, r"param_out.*int8"),
+    (dict(param_out=torch.zeros(7, dtype=torch.bfloat16)), ValueError, r"param_out has 7 elements"),
+    (dict(exp_avg=torch.zeros(8).to_sparse()), ValueError, r"exp_avg has layout"),
+    (dict(step=0), ValueError, r"step is 1-based.*got 0"),
+    (dict(step=1.5), TypeError, r"step must be an int.*1.5"),
+    (dict(step=True), TypeError, r"step must be an int"),
+    (dict(lr=-1e-3), ValueError, r"lr must be >= 0.0, got -0.001"),
+    (dict(lr="0.1"), TypeError, r"lr must be a real number"),
+    (dict(beta1=1.0), ValueError, r"beta1 must be < 1.0, got 1.0"),
+    (dict(beta2=-0.1), ValueError, r"beta2 must be >= 0.0"),
+    (dict(eps=float("nan")), ValueError, r"eps must be finite, got nan"),
+    (dict(weight_decay=-1.0), ValueError, r"weight_decay must be >= 0.0"),
+    (dict(grad_scale=float("inf")), ValueError, r"grad_scale must be finite"),
+])
+def test_bad_inputs_name_the_argument(change, exc, pattern):
+    args, hp = _good(), dict(_HP)
+    for k, v in change.items():
+        (hp if k in hp or k == "grad_scale" else args)[k] = v
+    snapshot = {k: t.clone() for k, t in args.items() if isinstance(t, torch.Tensor) and t.layout == torch.strided
+                and t.device.type == "cpu"}
+    with pytest.raises(exc, match=pattern):
+        iopt.adam_step(args["param"], args["grad"], args["exp_avg"], args["exp_avg_sq"],
+                       param_out=args.get("param_out"), **hp)
+    for k, t in snapshot.items():  # nothing was updated
+        assert torch.equal(args[k], t), k
+
+
+def test_numpy_and_tensor_scalars_accepted():
+    np = pytest.importorskip("numpy")
+    a, b = _good(), _good()
+    iopt.adam_step(*a.values(), step=np.int64(2), lr=np.float32(1e-2), beta1=torch.tensor(0.9, dtype=torch.float64), beta2=0.999,
+                   eps=1e-8, weight_decay=0)
+    iopt.adam_step(*b.values(), step=2, lr=float(np.float32(1e-2)), beta1=0.9, beta2=0.999, eps=1e-8,
+                   weight_decay=0.0)
+    assert torch.equal(a["param"], b["param"]) and not torch.equal(a["param"], torch.zeros(8))
