@@ -1,0 +1,278 @@
+"""``infinity.initialize(model, config) -> Engine``: forward, backward, step, stats, close.
+
+The engine wires together the parameter groups (``infinity.zero.groups``), the tiered
+memory manager (``infinity.memory``), the hooks and trace-based prefetch
+(``infinity.zero``) and the optimizer side (``infinity.engine_optimizer``).  Weights out
+(``state_dict``/``save_pretrained``) live in ``infinity.engine_weights``.
+"""
+from __future__ import annotations
+
+import logging
+import torch
+from torch import nn
+
+from infinity.config import InfinityConfig
+from infinity.engine_optimizer import EngineOptimizer
+from infinity.memory.accounting import Accounting
+from infinity.memory.manager import MemoryManager
+from infinity.memory.plan import PlacementPlan, nvme_dirs_ok
+from infinity.memory.pool import BufferPool
+from infinity.zero.groups import build_groups
+from infinity.zero.hooks import ParamHooks
+from infinity.zero.prefetch import PrefetchCoordinator
+
+log = logging.getLogger("infinity.engine")
+
+__all__ = ["Engine", "initialize"]
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_PARAM_HOME = {"none": "device", "cpu": "cpu", "nvme": "nvme"}
+
+
+def initialize(model: nn.Module, config=None, *, lr_scheduler=None, timeline=None) -> "Engine":
+    """Wrap ``model`` for offloaded training. ``config``: dict, JSON/YAML path,
+    :class:`InfinityConfig` or None.  ``lr_scheduler``: optional factory
+    ``f(optimizer) -> torch LR scheduler`` (replaces the config ``scheduler``)."""
+    return Engine(model, config, lr_scheduler=lr_scheduler, timeline=timeline)
+
+
+class Engine:
+    def __init__(self, model: nn.Module, config=None, *, lr_scheduler=None, timeline=None):
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"initialize: expected a torch.nn.Module, got {type(model).__name__}")
+        self.cfg = cfg = InfinityConfig.load(config)
+        self.module = model
+        self.timeline = timeline
+        self.dtype = _DTYPES[cfg.precision]
+        self.gas = cfg.gradient_accumulation_steps
+        self.acct = Accounting()
+        self.micro_steps = 0
+        self._closed = False
+        self.aio = self.swap = None
+        self.mm = self.opt = self.hooks = None
+        self._orig_dtypes: dict[int, torch.dtype] = {}
+        devs = {p.device.type for p in model.parameters()}
+        if devs - {"cpu"}:
+            raise NotImplementedError(f"initialize: parameters on {sorted(devs)}; this build's "
+                                      f"device tier is CPU only (CUDA copy streams not done yet); "
+                                      f"move the model to CPU before initialize")
+        self.device = torch.device("cpu")
+        try:
+            self._setup(lr_scheduler)
+        except BaseException:
+            self.close()
+            raise
+
+    # ------------------------------------------------------------------ setup
+    def _setup(self, lr_scheduler) -> None:
+        cfg, model = self.cfg, self.module
+        param_home = _PARAM_HOME[cfg.offload.params]
+        for p in model.parameters():
+            self._orig_dtypes.setdefault(id(p), p.dtype)
+        gp = build_groups(model, self.dtype, param_home)
+        self.plan = gp
+        if not gp.groups:
+            raise ValueError(f"initialize: {type(model).__name__} has no parameters")
+        # low-precision compute: floating buffers follow the compute dtype (as module.to())
+        if self.dtype != torch.float32:
+            for mod in model.modules():
+                for k, b in mod._buffers.items():
+                    if b is not None and b.is_floating_point():
+                        mod._buffers[k] = b.to(self.dtype)
+        needs_nvme = param_home == "nvme" or cfg.offload.optimizer == "nvme"
+        if needs_nvme:
+            from infinity.io import AioEngine, SwapSpace
+            nvme_dirs_ok(cfg.offload.nvme_paths)
+            a = cfg.aio
+            self.aio = AioEngine(a.block_size, a.queue_depth, a.threads, a.engine)
+            self.swap = SwapSpace(cfg.offload.nvme_paths, self.aio)
+        from infinity.optim.offload_step import DEFAULT_TILE_NUMEL, OptimizerStateStore
+        largest_trainable = max((g.padded_numel for g in gp.groups if g.trainable), default=1)
+        tile = min(DEFAULT_TILE_NUMEL, largest_trainable)
+        sink = self.dtype if (self.dtype != torch.float32 and param_home == "nvme") else None
+        self.store = OptimizerStateStore(cfg.offload.optimizer, swap=self.swap,
+                                         tile_numel=tile, accounting=self.acct,
+                                         timeline=self.timeline, sink_dtype=sink)
+        placement = PlacementPlan(cfg.precision, param_home, cfg.offload.optimizer,
+                                  cfg.prefetch.depth, gp.groups, cfg.host_memory_bytes,
+                                  cfg.device_memory_bytes,
+                                  optimizer_ring_bytes=self.store.host_bytes())
+        placement.compute(self.gas)
+        placement.check()
+        self.placement = placement
+        if self.swap is not None and placement.nvme_total:
+            self.swap.reserve(placement.nvme_total)
+        log.info("%s", placement.describe())
+        host_cap = cfg.host_memory_bytes
+        pool_budget = None
+        if host_cap is not None:
+            store_host = sum(v for k, v in placement.host.items() if k.startswith("optimizer"))
+            pool_budget = host_cap - store_host
+        self.host_pool = BufferPool("host", pool_budget, self.acct)
+        self.mm = MemoryManager(gp.groups, device=self.device,
+                                device_budget=cfg.device_memory_bytes, host_pool=self.host_pool,
+                                swap=self.swap, accounting=self.acct, timeline=self.timeline)
+        self.opt = EngineOptimizer(model, cfg, gp.groups, gp.names, store=self.store,
+                                   swap=self.swap, host_pool=self.host_pool,
+                                   accounting=self.acct, timeline=self.timeline,
+                                   lr_scheduler=lr_scheduler)
+        staging = None
+        paged_nvme = [g for g in gp.groups if g.home == "nvme"]
+        if paged_nvme:
+            staging = self.host_pool.lease(max(g.nbytes for g in paged_nvme), torch.uint8)
+        for g in gp.groups:
+            init = None
+            if g.trainable and self.dtype != torch.float32:
+                init = torch.zeros(g.padded_numel, dtype=torch.float32)
+                with torch.no_grad():
+                    for s in g.slots:
+                        init[s.offset:s.offset + s.numel].copy_(s.param.detach().reshape(-1))
+            self.mm.place(g, staging)
+            if g.trainable:
+                self.opt.register(g, init)
+            del init
+        if staging is not None:
+            self.host_pool.give_back(staging)
+            self.host_pool.trim()
+        self.coord = PrefetchCoordinator(self.mm, cfg.prefetch.depth, self.acct)
+        self.hooks = ParamHooks(model, gp, self.mm, self.coord, self.opt.accumulate)
+        self.hooks.install()
+
+    # ------------------------------------------------------------------ training API
+    def __call__(self, *args, **kwargs):
+        return self.forward(*args, **kwargs)
+
+    def forward(self, *args, **kwargs):
+        self._check_open()
+        if self.dtype != torch.float32:
+            args = tuple(self._cast(a) for a in args)
+            kwargs = {k: self._cast(v) for k, v in kwargs.items()}
+        return self.module(*args, **kwargs)
+
+    def _cast(self, x):
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != self.dtype:
+            return x.to(self.dtype)
+        return x
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
+        """Scale ``loss`` by 1/gradient_accumulation_steps (and the fp16 loss scale) and
+        run backward; gradients accumulate in fp32 at their home."""
+        self._check_open()
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise ValueError(f"engine.backward: expected a scalar loss tensor, got "
+                             f"{type(loss).__name__}{tuple(getattr(loss, 'shape', ()))}")
+        scale = self.opt.scaler.scale / self.gas
+        if scale != 1.0:
+            loss = loss.float() * scale      # fp32: an fp16 loss times 65536 overflows
+        loss.backward(retain_graph=retain_graph)
+        self.hooks.finish_backward()
+
+    def step(self) -> bool:
+        """Call after every micro-batch; applies the optimizer at accumulation boundaries.
+        Returns True when an update was applied at this call."""
+        self._check_open()
+        self.micro_steps += 1
+        if self.micro_steps % self.gas:
+            return False
+        busy = [g.name for g in self.mm.groups if g.users]
+        if busy:
+            raise RuntimeError(f"engine.step: called while modules are still executing "
+                               f"(groups in use: {busy[:4]}); call it after backward")
+        od = self.acct.counters.get("on_demand_fetches", 0)
+        applied = self.opt.boundary_step()
+        self._last_on_demand = od - getattr(self, "_od_at_last_step", 0)
+        self._od_at_last_step = od
+        return applied
+
+    def zero_grad(self) -> None:
+        self.opt.zero_grad()
+
+    @property
+    def lr(self) -> float:
+        return self.opt.lr
+
+    @property
+    def global_steps(self) -> int:
+        return self.opt.step_count
+
+    def train(self, mode: bool = True) -> "Engine":
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> "Engine":
+        self.module.eval()
+        return self
+
+    # ------------------------------------------------------------------ facts
+    def stats(self) -> dict:
+        d = self.acct.as_dict()
+        for k in ("on_demand_fetches", "prefetched_fetches", "untracked_fetches",
+                  "divergent_steps", "prefetch_unused", "prefetch_evicted",
+                  "device_budget_overflows"):
+            d.setdefault(k, 0)
+        d.update({
+            "step": self.opt.step_count,
+            "micro_step": self.micro_steps,
+            "lr": self.opt.lr,
+            "loss_scale": float(self.opt.scaler.scale),
+            "skipped_steps": int(self.opt.scaler.skipped_steps),
+            "grad_norm": float(self.opt.last_grad_norm),
+            "optimizer_step_seconds": float(self.opt.last_step_seconds),
+            "on_demand_fetches_last_step": int(getattr(self, "_last_on_demand", 0)),
+            "host_cap_bytes": self.cfg.host_memory_bytes or 0,
+            "device_cap_bytes": self.cfg.device_memory_bytes or 0,
+            "groups": len(self.mm.groups),
+        })
+        return d
+
+    # ------------------------------------------------------------------ weights out
+    def state_dict(self):
+        from infinity.engine_weights import StreamedStateDict
+        self._check_open()
+        return StreamedStateDict(self)
+
+    def save_pretrained(self, directory, *, max_shard_bytes: int = 2 * 10 ** 9) -> list[str]:
+        from infinity.engine_weights import save_pretrained
+        self._check_open()
+        return save_pretrained(self, directory, max_shard_bytes=max_shard_bytes)
+
+    # ------------------------------------------------------------------ lifetime
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("engine: already closed; create a new one with infinity.initialize")
+
+    def close(self) -> None:
+        """Idempotent: remove hooks, free buffers, close the swap space (files removed)."""
+        if self._closed:
+            return
+        self._closed = True
+        errors = []
+        for what, fn in (("hooks", getattr(self.hooks, "remove", None)),
+                         ("memory", getattr(self.mm, "close", None)),
+                         ("optimizer", getattr(getattr(self, "store", None), "close", None)),
+                         ("swap", getattr(self.swap, "close", None)),
+                         ("aio", getattr(self.aio, "close", None))):
+            if fn is None:
+                continue
+            try:
+                fn()
+            except Exception as e:  # keep closing the rest; report the first failure
+                errors.append((what, e))
+                log.error("engine.close: closing %s failed: %s", what, e)
+        if getattr(self, "host_pool", None) is not None:
+            self.host_pool.close()
+        if errors:
+            what, e = errors[0]
+            raise RuntimeError(f"engine.close: closing {what} failed: {e}") from e
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        c = self.cfg
+        return (f"Engine(precision={c.precision}, params={c.offload.params}, "
+                f"optimizer={c.offload.optimizer}, groups={len(self.plan.groups)}, "
+                f"closed={self._closed})")

@@ -1,0 +1,181 @@
+"""The engine's optimizer side: gradient accumulation buffers, clipping, loss scaling,
+LR schedule and the Adam step over the optimizer state store.
+
+One store partition per trainable parameter group (key ``"g<gid>"``).  In fp32 the
+parameter home *is* the fp32 master (``external_master``); in bf16/fp16 the store holds
+an fp32 master and writes the updated low-precision params back to the param home in
+the same pass (``param_out`` for host/device homes, ``param_sink`` for NVMe homes).
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+import torch
+
+from infinity.memory.record import GroupRecord, ParamSlot
+from infinity.optim.loss_scaler import DynamicLossScaler, StaticLossScaler
+
+log = logging.getLogger("infinity.engine")
+
+__all__ = ["EngineOptimizer"]
+
+
+class _ScheduleTarget(torch.optim.Optimizer):
+    """A torch Optimizer whose only job is to carry per-group ``lr`` for torch LR
+    schedulers (``initialize(..., lr_scheduler=factory)``); the real update is CPU Adam."""
+
+    def __init__(self, groups: list[dict]):
+        super().__init__([{"params": g["params"], "lr": g["lr"],
+                           "weight_decay": g["weight_decay"]} for g in groups],
+                         {"lr": groups[0]["lr"] if groups else 0.0})
+
+    @torch.no_grad()
+    def step(self, closure=None):  # the engine applies the update itself
+        return None
+
+
+class EngineOptimizer:
+    def __init__(self, model, cfg, groups: list[GroupRecord], names: dict[int, str], *,
+                 store, swap, host_pool, accounting, timeline=None, lr_scheduler=None):
+        from infinity.optim.param_groups import build_param_groups_for_model
+        self.cfg = cfg
+        self.store = store
+        self.swap = swap
+        self.acct = accounting
+        self.timeline = timeline
+        self.groups = [g for g in groups if g.trainable]
+        self.adamw = cfg.optimizer.type == "adamw"
+        self.beta1, self.beta2 = (float(b) for b in cfg.optimizer.betas)
+        self.eps = float(cfg.optimizer.eps)
+        self.base_lr = float(cfg.optimizer.lr)
+        self.clip = float(cfg.gradient_clipping)
+        self.precision = cfg.precision
+        self.scaler = DynamicLossScaler.from_config(cfg.fp16) if cfg.precision == "fp16" \
+            else StaticLossScaler()
+        # parameter groups (decay / no-decay) -> per-parameter (group index, weight decay)
+        self.param_groups = build_param_groups_for_model(model, cfg.optimizer)
+        self._pg_of: dict[int, int] = {}
+        for i, pg in enumerate(self.param_groups):
+            for p in pg["params"]:
+                self._pg_of[id(p)] = i
+        self.sched_target = _ScheduleTarget(self.param_groups)
+        self.torch_sched = lr_scheduler(self.sched_target) if lr_scheduler is not None else None
+        self.step_count = 0          # applied optimizer steps (bias correction)
+        self.boundaries = 0          # accumulation boundaries reached (applied + skipped)
+        self.last_grad_norm = 0.0
+        self.last_step_seconds = 0.0
+        for g in self.groups:
+            g.grad_buf = host_pool.lease(g.padded_numel * 4, torch.float32)
+            g.grad_buf.zero_()
+
+    # ------------------------------------------------------------------ registration
+    def register(self, g: GroupRecord, init_fp32: torch.Tensor | None) -> None:
+        """Create ``g``'s optimizer partition (after its param home exists)."""
+        key = self.key(g)
+        if self.precision == "fp32":
+            master = {"device": g.device_buf, "cpu": g.host_buf, "nvme": g.extent}[g.home]
+            self.store.add(key, g.padded_numel, external_master=master)
+        else:
+            self.store.add(key, g.padded_numel, init=init_fp32)
+
+    @staticmethod
+    def key(g: GroupRecord) -> str:
+        return f"g{g.gid}"
+
+    # ------------------------------------------------------------------ gradients
+    def accumulate(self, g: GroupRecord, slot: ParamSlot, grad: torch.Tensor) -> None:
+        dst = g.grad_buf[slot.offset:slot.offset + slot.numel]
+        dst.add_(grad.reshape(-1))
+
+    def zero_grad(self) -> None:
+        for g in self.groups:
+            g.grad_buf.zero_()
+
+    def grad_norm(self) -> float:
+        total = 0.0
+        for g in self.groups:
+            n = float(torch.linalg.vector_norm(g.grad_buf))
+            total += n * n
+        return math.sqrt(total)
+
+    # ------------------------------------------------------------------ lr
+    def lr_for_group(self, i: int) -> float:
+        if self.torch_sched is not None:
+            return float(self.sched_target.param_groups[i]["lr"])
+        from infinity.optim.schedule import lr_at
+        return float(lr_at(self.step_count, self.param_groups[i]["lr"], self.cfg.scheduler))
+
+    @property
+    def lr(self) -> float:
+        return self.lr_for_group(0) if self.param_groups else 0.0
+
+    # ------------------------------------------------------------------ the step
+    def boundary_step(self) -> bool:
+        """Apply (or skip) one optimizer step over the accumulated gradients.
+        Returns True when the update was applied."""
+        t0 = time.perf_counter()
+        self.boundaries += 1
+        scale = float(self.scaler.scale)
+        raw_norm = self.grad_norm()
+        overflow = not math.isfinite(raw_norm)
+        norm = raw_norm / scale
+        self.last_grad_norm = norm
+        if self.precision == "fp16" and not self.scaler.update(overflow):
+            self.zero_grad()
+            return False
+        clip_coef = 1.0
+        if self.clip > 0 and math.isfinite(norm):
+            clip_coef = min(1.0, self.clip / (norm + 1e-6))
+        grad_scale = clip_coef / scale
+        lrs = [self.lr_for_group(i) for i in range(len(self.param_groups))]
+        self.step_count += 1
+        wds = [float(pg["weight_decay"]) for pg in self.param_groups]
+        items = [self._item(g, lrs, wds) for g in self.groups]
+        self.store.step(items, step=self.step_count, beta1=self.beta1, beta2=self.beta2,
+                        eps=self.eps, adamw=self.adamw, bias_correction=True,
+                        grad_scale=grad_scale)
+        self.zero_grad()
+        if self.torch_sched is not None:
+            self.sched_target.step()
+            self.torch_sched.step()
+        self.last_step_seconds = time.perf_counter() - t0
+        return True
+
+    def _item(self, g: GroupRecord, lrs: list[float], wds: list[float]):
+        from infinity.optim.offload_step import StepItem
+        segs = []
+        pos = 0
+        for s in g.slots:
+            if s.offset > pos:
+                segs.append((pos, s.offset - pos, 0.0, 0.0))
+            if s.trainable:
+                pgi = self._pg_of.get(id(s.param))
+                if pgi is None:  # tied duplicate dropped by param_groups: same tensor, first name
+                    pgi = 0
+                segs.append((s.offset, s.numel, lrs[pgi], wds[pgi]))
+            else:
+                segs.append((s.offset, s.numel, 0.0, 0.0))
+            pos = s.offset + s.numel
+        if pos < g.padded_numel:
+            segs.append((pos, g.padded_numel - pos, 0.0, 0.0))
+        param_out = None
+        sink = None
+        if self.precision != "fp32":
+            if g.home == "device":
+                param_out = g.device_buf
+            elif g.home == "cpu":
+                param_out = g.host_buf
+            else:
+                esize = g.device_buf.element_size() if g.device_buf is not None else \
+                    torch.empty((), dtype=g.dtype).element_size()
+                ext = g.extent
+                swap = self.swap
+
+                def sink(key, elem_offset, tile, _ext=ext, _es=esize):
+                    return swap.write(_ext, tile, offset=elem_offset * _es)
+        return StepItem(self.key(g), g.grad_buf, segs, param_out=param_out, param_sink=sink)
+
+    def close(self) -> None:
+        self.store.close()

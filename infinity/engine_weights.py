@@ -1,0 +1,160 @@
+"""Weights out of an engine: a streamed state dict and ``save_pretrained`` (safetensors).
+
+``engine.state_dict()`` is a read-only mapping whose values are produced one tensor at a
+time from their homes (device/host buffer, NVMe extent, or the optimizer's fp32 master
+in bf16/fp16), so iterating it never holds the whole model in memory.
+``save_pretrained(dir)`` writes ``model.safetensors`` (or shards
+``model-0000i-of-0000n.safetensors`` plus ``model.safetensors.index.json``) with the
+model's own parameter names, and the Hugging Face ``config.json`` when there is one.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Mapping
+
+import torch
+
+from infinity.memory.pool import ALIGN, aligned_buffer, round_up
+from infinity.memory.record import GroupRecord, Location, ParamSlot
+
+log = logging.getLogger("infinity.engine")
+
+__all__ = ["StreamedStateDict", "save_pretrained"]
+
+
+class StreamedStateDict(Mapping):
+    """``{name: tensor}`` over parameters (tied ones under every name, like torch) and
+    persistent buffers; each value is read from its home when accessed."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self._params: dict[str, torch.nn.Parameter] = {}
+        for name, p in engine.module.named_parameters(remove_duplicate=False):
+            self._params[name] = p
+        self._buffers: dict[str, torch.Tensor] = {}
+        for mname, mod in engine.module.named_modules():
+            for bname, b in mod._buffers.items():
+                if b is None or bname in mod._non_persistent_buffers_set:
+                    continue
+                self._buffers[f"{mname}.{bname}" if mname else bname] = b
+        self._keys = list(self._params) + [k for k in self._buffers if k not in self._params]
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def __iter__(self):
+        return iter(self._keys)
+
+    def __contains__(self, key) -> bool:
+        return key in self._params or key in self._buffers
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        if key in self._params:
+            return read_param(self.engine, self._params[key])
+        if key in self._buffers:
+            return self._buffers[key].detach().clone()
+        raise KeyError(key)
+
+
+def _slot_of(engine, p) -> tuple[GroupRecord, ParamSlot]:
+    g = engine.plan.param_group[id(p)]
+    for s in g.slots:
+        if s.param is p:
+            return g, s
+    raise KeyError(f"state_dict: parameter not found in its group {g.name}")
+
+
+def read_param(engine, p: torch.nn.Parameter) -> torch.Tensor:
+    """The current value of ``p`` (its original dtype), read from where it lives."""
+    g, s = _slot_of(engine, p)
+    out_dtype = engine._orig_dtypes.get(id(p), torch.float32)
+    if s.trainable and engine.dtype != torch.float32:
+        out = torch.empty(s.numel, dtype=torch.float32)
+        engine.store.read_master(engine.opt.key(g), out, start=s.offset)
+        return out.view(s.shape).to(out_dtype)
+    if g.state is Location.DEVICE and g.device_buf is not None:
+        flat = g.device_buf[s.offset:s.offset + s.numel]
+    elif g.home == "cpu":
+        flat = g.host_buf[s.offset:s.offset + s.numel]
+    elif g.home == "nvme":
+        flat = _read_extent_range(engine, g, s)
+    else:
+        raise RuntimeError(f"state_dict: group {g.name} in state {g.state.name} has no readable copy")
+    return flat.view(s.shape).to(out_dtype, copy=True)
+
+
+def _read_extent_range(engine, g: GroupRecord, s: ParamSlot) -> torch.Tensor:
+    es = torch.empty((), dtype=g.dtype).element_size()
+    start = s.offset * es
+    end = start + s.numel * es
+    a0 = start // ALIGN * ALIGN
+    a1 = min(round_up(end, ALIGN), g.padded_numel * es)
+    buf = aligned_buffer(round_up(a1 - a0, ALIGN))[: a1 - a0]
+    engine.swap.read(g.extent, buf, offset=a0).wait()
+    return buf[start - a0:end - a0].view(g.dtype).clone()
+
+
+def save_pretrained(engine, directory, *, max_shard_bytes: int = 2 * 10 ** 9) -> list[str]:
+    """Write safetensors shard(s) (+ index) and the HF config; returns the files written."""
+    from safetensors.torch import save_file
+    os.makedirs(directory, exist_ok=True)
+    sd = StreamedStateDict(engine)
+    # unique tensors only (safetensors cannot store aliases): tied weights keep the first name
+    seen: set[int] = set()
+    names: list[str] = []
+    for name in sd:
+        t = sd._params.get(name)
+        if t is not None:
+            if id(t) in seen:
+                continue
+            seen.add(id(t))
+        names.append(name)
+
+    def nbytes(name):
+        t = sd._params.get(name)
+        if t is None:
+            t = sd._buffers[name]
+        return t.numel() * engine._orig_dtypes.get(id(t), t.dtype).itemsize
+
+    shards: list[list[str]] = [[]]
+    size = 0
+    for n in names:
+        b = nbytes(n)
+        if shards[-1] and size + b > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(n)
+        size += b
+    files = []
+    weight_map = {}
+    total = 0
+    for i, shard in enumerate(shards):
+        fname = "model.safetensors" if len(shards) == 1 else \
+            f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        tensors = {}
+        for n in shard:
+            tensors[n] = sd[n].contiguous()
+            total += tensors[n].numel() * tensors[n].element_size()
+            weight_map[n] = fname
+        save_file(tensors, os.path.join(directory, fname), metadata={"format": "pt"})
+        del tensors
+        files.append(fname)
+    if len(shards) > 1:
+        with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+        files.append("model.safetensors.index.json")
+    cfg = getattr(engine.module, "config", None)
+    if cfg is not None and hasattr(cfg, "save_pretrained"):
+        cfg.save_pretrained(directory)
+        files.append("config.json")
+        gen = getattr(engine.module, "generation_config", None)
+        if gen is not None and hasattr(gen, "save_pretrained"):
+            try:
+                gen.save_pretrained(directory)
+                files.append("generation_config.json")
+            except Exception as e:  # generation config is optional metadata
+                log.debug("save_pretrained: generation_config not written: %s", e)
+    log.info("save_pretrained: wrote %d file(s) to %s", len(files), directory)
+    return files

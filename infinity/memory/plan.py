@@ -1,0 +1,162 @@
+"""The placement plan: what lives where, what it needs, and the up-front "does not fit" check.
+
+``initialize`` builds one :class:`PlacementPlan`, checks it against the caps
+(``offload.host_memory_gb``, ``offload.device_memory_gb``, free NVMe space) before
+allocating anything large, and logs it once at INFO.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+
+from .record import GroupRecord
+
+log = logging.getLogger("infinity.memory")
+
+__all__ = ["PlacementPlan", "WorkingSetError", "mem_available_bytes"]
+
+GB = 10 ** 9
+
+
+class WorkingSetError(MemoryError):
+    """The configured caps cannot hold the working set; the message names the knob."""
+
+
+def mem_available_bytes() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _gb(n: int | float) -> str:
+    return f"{n / GB:.3f} GB"
+
+
+@dataclass
+class PlacementPlan:
+    precision: str
+    param_home: str           # device | cpu | nvme
+    optimizer_home: str       # none | cpu | nvme
+    depth: int
+    groups: list[GroupRecord]
+    host_cap: int | None
+    device_cap: int | None
+    optimizer_ring_bytes: int = 0
+    host: dict = field(default_factory=dict)      # item -> bytes
+    device: dict = field(default_factory=dict)
+    nvme: dict = field(default_factory=dict)
+    links: dict = field(default_factory=dict)     # link -> expected bytes per optimizer step
+
+    def compute(self, grad_accum: int) -> "PlacementPlan":
+        paged = [g for g in self.groups if g.home != "device"]
+        trainable = [g for g in self.groups if g.trainable]
+        param_bytes = sum(g.nbytes for g in self.groups)
+        largest = max((g.nbytes for g in paged), default=0)
+        n_train = sum(g.padded_numel for g in trainable)
+        fp32 = self.precision == "fp32"
+        # device tier
+        self.device["resident params"] = sum(g.nbytes for g in self.groups if g.home == "device")
+        if self.param_home == "nvme":
+            self.device["fetch window (largest group x (depth + 2))"] = largest * (self.depth + 2)
+        # host tier
+        if self.param_home == "cpu":
+            self.host["param home"] = param_bytes
+        if self.param_home == "nvme":
+            self.host["staging (init only)"] = largest
+        self.host["fp32 gradient accumulation"] = 4 * n_train
+        states = 2 if fp32 else 3            # fp32: the param home is the master
+        if self.optimizer_home in ("none", "cpu"):
+            self.host["optimizer states (fp32 m, v" + ("" if fp32 else ", master") + ")"] = \
+                states * 4 * n_train
+        self.host["optimizer tile ring"] = self.optimizer_ring_bytes
+        # nvme
+        if self.param_home == "nvme":
+            self.nvme["param home"] = sum(g.nbytes for g in paged)
+        if self.optimizer_home == "nvme":
+            self.nvme["optimizer states"] = states * 4 * n_train
+        # links per optimizer step (grad_accum micro-steps)
+        nvme_params = sum(g.nbytes for g in paged) if self.param_home == "nvme" else 0
+        rd = 2 * nvme_params * grad_accum          # forward + backward re-fetch
+        wr = 0
+        if self.optimizer_home == "nvme":           # exp_avg, exp_avg_sq
+            rd += 8 * n_train
+            wr += 8 * n_train
+        master_on_nvme = (fp32 and self.param_home == "nvme") or \
+            (not fp32 and self.optimizer_home == "nvme")
+        if master_on_nvme:
+            rd += 4 * n_train
+            wr += 4 * n_train
+        if not fp32 and self.param_home == "nvme":  # updated low-precision params
+            wr += sum(g.nbytes for g in trainable)
+        self.links = {"nvme_read": rd, "nvme_write": wr}
+        return self
+
+    @property
+    def host_total(self) -> int:
+        return sum(self.host.values())
+
+    @property
+    def device_total(self) -> int:
+        return sum(self.device.values())
+
+    @property
+    def nvme_total(self) -> int:
+        return sum(self.nvme.values())
+
+    def check(self) -> None:
+        """Raise :class:`WorkingSetError` naming what is needed and which knob to turn."""
+        host_cap = self.host_cap
+        source = "offload.host_memory_gb"
+        if host_cap is None:
+            host_cap = mem_available_bytes()
+            source = "available RAM (MemAvailable)"
+        if host_cap is not None and self.host_total > host_cap:
+            parts = ", ".join(f"{k} {_gb(v)}" for k, v in self.host.items() if v)
+            hints = ["raise offload.host_memory_gb"]
+            if self.param_home == "cpu":
+                hints.append('set offload.params to "nvme"')
+            if self.optimizer_home in ("none", "cpu"):
+                hints.append('set offload.optimizer to "nvme"')
+            raise WorkingSetError(
+                f"initialize: the host tier needs {_gb(self.host_total)} ({parts}) but "
+                f"{source} is {_gb(host_cap)}; " + " or ".join(hints))
+        if self.device_cap is not None and self.device_total > self.device_cap:
+            parts = ", ".join(f"{k} {_gb(v)}" for k, v in self.device.items() if v)
+            hints = ["raise offload.device_memory_gb"]
+            if self.param_home == "device":
+                hints.append('set offload.params to "cpu" or "nvme"')
+            if self.depth > 0 and self.param_home == "nvme":
+                hints.append("lower prefetch.depth")
+            raise WorkingSetError(
+                f"initialize: the device tier needs {_gb(self.device_total)} ({parts}) but "
+                f"offload.device_memory_gb is {_gb(self.device_cap)}; " + " or ".join(hints))
+
+    def describe(self) -> str:
+        lines = [f"placement plan: precision {self.precision}, params home {self.param_home}, "
+                 f"optimizer home {self.optimizer_home}, {len(self.groups)} groups "
+                 f"(largest {_gb(max((g.nbytes for g in self.groups), default=0))}), "
+                 f"prefetch depth {self.depth}"]
+        for tier, d, cap in (("device", self.device, self.device_cap),
+                             ("host", self.host, self.host_cap), ("nvme", self.nvme, None)):
+            items = "; ".join(f"{k} {_gb(v)}" for k, v in d.items() if v) or "nothing"
+            capstr = "" if cap is None else f" (cap {_gb(cap)})"
+            lines.append(f"  {tier}: {_gb(sum(d.values()))}{capstr}: {items}")
+        lines.append("  expected per optimizer step: " +
+                     ", ".join(f"{k} {_gb(v)}" for k, v in self.links.items()))
+        return "\n".join(lines)
+
+
+def nvme_dirs_ok(paths: list[str]) -> None:
+    """Create NVMe directories if missing (race-safe); raise with the path if impossible."""
+    for p in paths:
+        try:
+            os.makedirs(p, exist_ok=True)
+        except OSError as e:
+            raise OSError(e.errno, f"offload.nvme_paths: cannot create {p!r}: {e.strerror}; "
+                          f"choose a writable directory on a local NVMe/SSD") from e

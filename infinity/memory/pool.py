@@ -1,0 +1,111 @@
+"""Leased, reusable flat buffers for one memory tier, bounded by a byte budget.
+
+Buffers are allocated lazily (page-aligned, pinned when possible through
+``infinity.io.aligned_empty``), handed out with :meth:`BufferPool.lease` and given
+back with :meth:`BufferPool.give_back`; nothing is allocated per operation once the
+working set has been seen.  Buffers are kept per exact size class (bytes rounded up
+to 4096), so a pool serving a handful of group sizes reuses them exactly.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from .accounting import Accounting
+
+log = logging.getLogger("infinity.memory")
+
+__all__ = ["BufferPool", "PoolExhausted", "round_up", "aligned_buffer"]
+
+ALIGN = 4096
+
+
+def round_up(n: int, m: int) -> int:
+    return (int(n) + m - 1) // m * m
+
+
+def aligned_buffer(nbytes: int) -> torch.Tensor:
+    """A flat uint8 tensor of ``nbytes`` (multiple of 4096), page-aligned when possible."""
+    try:
+        from infinity.io import aligned_empty  # the I/O engineer's allocator
+    except ImportError:  # pragma: no cover - only while infinity.io is being written
+        aligned_empty = None
+    if aligned_empty is not None:
+        return aligned_empty(nbytes, torch.uint8)
+    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
+    off = (-raw.data_ptr()) % ALIGN
+    return raw[off:off + nbytes]
+
+
+class PoolExhausted(MemoryError):
+    """The pool's budget cannot hold another buffer of the requested size."""
+
+
+class BufferPool:
+    """Size-classed pool of flat byte buffers for one tier (``"device"`` or ``"host"``)."""
+
+    def __init__(self, tier: str, budget_bytes: int | None, accounting: Accounting):
+        self.tier = tier
+        self.budget = budget_bytes
+        self.acct = accounting
+        self._free: dict[int, list[torch.Tensor]] = {}
+        self.allocated = 0      # bytes held by the pool (leased + free)
+        self.leased = 0
+
+    def can_lease(self, nbytes: int) -> bool:
+        size = round_up(nbytes, ALIGN)
+        if self._free.get(size):
+            return True
+        if self.budget is None:
+            return True
+        spare = sum(round_up(k, 1) * len(v) for k, v in self._free.items())
+        return self.allocated - spare + size <= self.budget
+
+    def lease(self, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
+        """A flat tensor of ``dtype`` covering ``nbytes`` (rounded up to 4096)."""
+        size = round_up(nbytes, ALIGN)
+        lst = self._free.get(size)
+        if lst:
+            raw = lst.pop()
+        else:
+            if self.budget is not None and self.allocated + size > self.budget:
+                self._trim(self.allocated + size - self.budget)
+            if self.budget is not None and self.allocated + size > self.budget:
+                raise PoolExhausted(
+                    f"{self.tier} tier: cannot lease {size} bytes: {self.leased} bytes leased, "
+                    f"budget {self.budget} bytes")
+            raw = aligned_buffer(size)
+            self.allocated += size
+            self.acct.alloc(self.tier, size)
+        self.leased += size
+        esize = torch.empty((), dtype=dtype).element_size()
+        return raw.view(dtype)[: nbytes // esize]
+
+    def give_back(self, buf: torch.Tensor) -> None:
+        nbytes = buf.numel() * buf.element_size()
+        size = round_up(nbytes, ALIGN)
+        raw = buf.view(torch.uint8)
+        # rebuild the full-size raw view over the same storage start
+        raw = torch.empty(0, dtype=torch.uint8).set_(buf.untyped_storage(), buf.storage_offset()
+                                                     * buf.element_size(), (size,))
+        self._free.setdefault(size, []).append(raw)
+        self.leased -= size
+
+    def _trim(self, need: int) -> None:
+        """Drop free buffers (of any size) until ``need`` bytes are returned."""
+        for size in sorted(self._free, reverse=True):
+            lst = self._free[size]
+            while lst and need > 0:
+                lst.pop()
+                self.allocated -= size
+                self.acct.free(self.tier, size)
+                need -= size
+
+    def trim(self) -> None:
+        """Drop every free (not leased) buffer."""
+        self._trim(self.allocated - self.leased)
+
+    def close(self) -> None:
+        self._trim(self.allocated)
+        self._free.clear()

@@ -1,0 +1,192 @@
+"""One record per managed parameter group, with an explicit location state machine.
+
+A *group* is the flat concatenation of one module's direct parameters (tied weights
+are one group used by several modules).  Its *home* is where the authoritative copy
+lives between uses: ``"device"`` (always resident), ``"cpu"`` (a host buffer) or
+``"nvme"`` (an extent in a :class:`infinity.io.SwapSpace`).  Fetching it makes a
+device-tier buffer hold the values and points every parameter's ``.data`` at a view
+into that buffer; releasing points them back at an empty tensor.
+
+States (``Location``)::
+
+    NVME --begin_read--> READING --finish_read--> DEVICE      (NVMe home, read straight
+                                                               into the compute buffer)
+    HOST --begin_to_device--> TO_DEVICE --finish_to_device--> DEVICE   (host home)
+    DEVICE --release--> NVME | HOST                              (home copy is current)
+    HOST/DEVICE --begin_write--> WRITING --finish_write--> NVME (spilling a host copy)
+
+Transitions only happen through the methods below; each checks its precondition and
+raises :class:`StateError` naming the group and the actual state.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["Location", "StateError", "ParamSlot", "GroupRecord", "placeholder"]
+
+_PLACEHOLDERS: dict[torch.dtype, torch.Tensor] = {}
+
+
+def placeholder(dtype: torch.dtype, shape) -> torch.Tensor:
+    """What a released parameter's ``.data`` points at: its true shape over ONE NaN element
+    (zero strides), so ``p.shape``/``p.dtype`` stay right, autograd can accumulate a grad
+    into it, and any accidental use computes NaN instead of silently plausible numbers."""
+    t = _PLACEHOLDERS.get(dtype)
+    if t is None:
+        t = _PLACEHOLDERS[dtype] = torch.full((), float("nan"), dtype=dtype)
+    return t.expand(shape)
+
+
+class Location(enum.Enum):
+    NVME = "nvme"
+    READING = "reading"
+    HOST = "host"
+    TO_DEVICE = "to_device"
+    DEVICE = "device"
+    TO_HOST = "to_host"
+    WRITING = "writing"
+
+
+class StateError(RuntimeError):
+    """An operation was attempted on a record in the wrong state (a runtime bug)."""
+
+
+@dataclass
+class ParamSlot:
+    """Where one parameter lives inside its group's flat buffer."""
+    name: str
+    param: torch.nn.Parameter
+    offset: int          # element offset inside the group
+    numel: int
+    shape: torch.Size
+    trainable: bool
+
+
+@dataclass(eq=False)
+class GroupRecord:
+    """A flat group of parameters and its place in the memory tiers."""
+    gid: int
+    name: str                         # owning module's qualified name
+    slots: list[ParamSlot]
+    numel: int                        # sum of parameter sizes
+    padded_numel: int                 # rounded up for aligned I/O (and world size)
+    dtype: torch.dtype                # compute dtype of the fetched buffer
+    home: str                         # "device" | "cpu" | "nvme"
+    state: Location = Location.DEVICE
+    # storage
+    device_buf: torch.Tensor | None = None   # flat, padded_numel, compute dtype, when fetched
+    host_buf: torch.Tensor | None = None     # flat home copy when home == "cpu"
+    extent: object | None = None             # SwapSpace extent when home == "nvme"
+    pending: object | None = None            # in-flight I/O handle (READING/WRITING)
+    # bookkeeping used by the hooks
+    users: int = 0                    # modules currently executing with this group
+    saved_refs: int = 0               # autograd saved tensors that reference the buffer
+    grads_pending: set = field(default_factory=set)  # slot indices awaiting grads (backward)
+    hold_until_backward_end: bool = False
+    prefetched: bool = False          # fetched ahead of use by the prefetcher
+    grad_buf: torch.Tensor | None = None     # fp32 accumulation buffer (padded_numel)
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def nbytes(self) -> int:
+        return self.padded_numel * torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def trainable(self) -> bool:
+        return any(s.trainable for s in self.slots)
+
+    @property
+    def resident(self) -> bool:
+        """True when the parameters point at valid data (DEVICE)."""
+        return self.state is Location.DEVICE
+
+    def _need(self, *states: Location, op: str) -> None:
+        if self.state not in states:
+            want = " or ".join(s.name for s in states)
+            raise StateError(f"group {self.gid} ({self.name or '<root>'}): cannot {op} in state "
+                             f"{self.state.name}; it must be {want}")
+
+    # ------------------------------------------------------------------ transitions
+    def begin_read(self, buf: torch.Tensor, handle) -> None:
+        """NVME -> READING: an NVMe read into ``buf`` (the compute buffer) is in flight."""
+        self._need(Location.NVME, op="begin an NVMe read")
+        self.device_buf = buf
+        self.pending = handle
+        self.state = Location.READING
+
+    def finish_read(self) -> None:
+        """READING -> DEVICE once the read handle completed."""
+        self._need(Location.READING, op="finish an NVMe read")
+        self.pending = None
+        self.state = Location.DEVICE
+        self._point_params()
+
+    def begin_to_device(self, buf: torch.Tensor, handle=None) -> None:
+        """HOST -> TO_DEVICE: a host-to-device copy into ``buf`` is in flight (or done)."""
+        self._need(Location.HOST, op="begin a host-to-device copy")
+        self.device_buf = buf
+        self.pending = handle
+        self.state = Location.TO_DEVICE
+
+    def finish_to_device(self) -> None:
+        """TO_DEVICE -> DEVICE."""
+        self._need(Location.TO_DEVICE, op="finish a host-to-device copy")
+        self.pending = None
+        self.state = Location.DEVICE
+        self._point_params()
+
+    def release(self) -> torch.Tensor | None:
+        """DEVICE -> home (NVME or HOST). Returns the device buffer to give back to its pool.
+
+        Parameters never change during forward/backward, so the home copy is current and
+        nothing is written back (the optimizer updates the home directly).
+        """
+        if self.home == "device":
+            raise StateError(f"group {self.gid} ({self.name}): a device-homed group is never "
+                             f"released")
+        self._need(Location.DEVICE, op="release")
+        buf, self.device_buf = self.device_buf, None
+        for s in self.slots:
+            s.param.data = placeholder(self.dtype, s.shape)
+        self.state = Location.NVME if self.home == "nvme" else Location.HOST
+        self.prefetched = False
+        self.hold_until_backward_end = False
+        return buf
+
+    def begin_write(self, handle) -> None:
+        """HOST/DEVICE -> WRITING (spilling a copy to NVMe)."""
+        self._need(Location.HOST, Location.DEVICE, op="begin an NVMe write")
+        self.pending = handle
+        self.state = Location.WRITING
+
+    def finish_write(self) -> None:
+        self._need(Location.WRITING, op="finish an NVMe write")
+        self.pending = None
+        self.state = Location.NVME
+
+    def make_resident(self, buf: torch.Tensor) -> None:
+        """Initial placement of a device-homed group (always DEVICE afterwards)."""
+        if self.home != "device":
+            raise StateError(f"group {self.gid} ({self.name}): make_resident needs home 'device', "
+                             f"home is {self.home!r}")
+        self.device_buf = buf
+        self.state = Location.DEVICE
+        self._point_params()
+
+    def set_home_state(self) -> None:
+        """Initial state after the home copy has been written (params empty until fetched)."""
+        self.state = Location.NVME if self.home == "nvme" else Location.HOST
+        for s in self.slots:
+            s.param.data = placeholder(self.dtype, s.shape)
+
+    # ------------------------------------------------------------------ helpers
+    def _point_params(self) -> None:
+        buf = self.device_buf
+        for s in self.slots:
+            s.param.data = buf[s.offset:s.offset + s.numel].view(s.shape)
+
+    def view_of(self, slot: ParamSlot, flat: torch.Tensor) -> torch.Tensor:
+        return flat[slot.offset:slot.offset + slot.numel].view(slot.shape)

@@ -1,0 +1,214 @@
+"""Module, autograd and gradient hooks that page parameter groups around compute.
+
+* forward pre-hook: fetch the module's groups (through the prefetch coordinator);
+  forward post-hook: release them (outside backward).
+* saved-tensor hooks (pushed by the outermost managed module's forward in grad mode):
+  a tensor autograd saves that lives in a paged group's buffer (the parameter itself,
+  or a view such as ``weight.t()``) is packed as a small reference (group, offset,
+  sizes, strides) instead of pinning the buffer; unpacking it in backward fetches the
+  group again (prefetched from the trace) and rebuilds the view.  When the last
+  reference to a group is dropped in backward, the group is released.
+* post-accumulate-grad hooks: move each parameter's gradient into its group's fp32
+  accumulation buffer and free it.
+* Recomputation (activation checkpointing) runs forward hooks inside backward: the
+  groups it fetches are held until their gradients have arrived (trainable) or until
+  the end of that backward (frozen).
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from infinity.memory.manager import MemoryManager
+from infinity.memory.record import GroupRecord, Location
+from infinity.zero.groups import GroupPlan
+from infinity.zero.prefetch import PrefetchCoordinator
+
+log = logging.getLogger("infinity.zero")
+
+__all__ = ["ParamHooks", "in_backward"]
+
+
+def in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+class _SavedRef:
+    """A saved tensor that lives in a paged group's buffer, kept as coordinates only."""
+    __slots__ = ("owner", "g", "rel", "size", "stride", "__weakref__")
+
+    def __init__(self, owner: "ParamHooks", g: GroupRecord, t: torch.Tensor):
+        self.owner = owner
+        self.g = g
+        self.rel = t.storage_offset() - g.device_buf.storage_offset()
+        self.size = tuple(t.shape)
+        self.stride = tuple(t.stride())
+        g.saved_refs += 1
+
+    def __del__(self):
+        try:
+            self.owner._ref_dropped(self.g)
+        except Exception:  # never raise from a destructor (interpreter shutdown etc.)
+            pass
+
+
+class ParamHooks:
+    def __init__(self, model: nn.Module, plan: GroupPlan, manager: MemoryManager,
+                 coordinator: PrefetchCoordinator, on_grad):
+        self.model = model
+        self.plan = plan
+        self.mm = manager
+        self.coord = coordinator
+        self.on_grad = on_grad            # callable(group, slot, grad tensor)
+        self.handles: list = []
+        self._slot_of: dict[int, tuple[GroupRecord, int]] = {}
+        self._saved_ctx = []              # stack of entered saved_tensors_hooks contexts
+        self._fwd_depth = 0
+        self._bw_callback_queued = False
+        self.enabled = True
+
+    # ------------------------------------------------------------------ install
+    def install(self) -> None:
+        root = self.model
+        self.handles.append(root.register_forward_pre_hook(self._root_pre, prepend=True))
+        self.handles.append(root.register_forward_hook(self._root_post, always_call=True))
+        for mod, groups in self.plan.module_groups.items():
+            self.handles.append(mod.register_forward_pre_hook(self._make_pre(groups)))
+            self.handles.append(mod.register_forward_hook(self._make_post(groups),
+                                                          always_call=True))
+        for g in self.plan.groups:
+            for i, s in enumerate(g.slots):
+                self._slot_of[id(s.param)] = (g, i)
+                if s.trainable:
+                    self.handles.append(s.param.register_post_accumulate_grad_hook(self._grad_hook))
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+        while self._saved_ctx:
+            self._saved_ctx.pop().__exit__(None, None, None)
+
+    # ------------------------------------------------------------------ root
+    def _training_pass(self) -> bool:
+        return torch.is_grad_enabled() and self.model.training and not in_backward()
+
+    def _root_pre(self, module, args):
+        if in_backward():
+            return
+        if self._fwd_depth == 0:
+            if self._training_pass():
+                self.coord.begin_pass()
+            if torch.is_grad_enabled():
+                ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+                ctx.__enter__()
+                self._saved_ctx.append(ctx)
+            else:
+                self._saved_ctx.append(None)
+        self._fwd_depth += 1
+
+    def _root_post(self, module, args, output):
+        if in_backward():
+            return
+        self._fwd_depth -= 1
+        if self._fwd_depth == 0 and self._saved_ctx:
+            ctx = self._saved_ctx.pop()
+            if ctx is not None:
+                ctx.__exit__(None, None, None)
+
+    # ------------------------------------------------------------------ modules
+    def _make_pre(self, groups: list[GroupRecord]):
+        def pre(module, args):
+            bw = in_backward()
+            track = bw or self._training_pass()
+            for g in groups:
+                self.coord.use(g, track=track)
+                g.users += 1
+                if bw:
+                    self._mark_backward(g, recompute=True)
+        return pre
+
+    def _make_post(self, groups: list[GroupRecord]):
+        def post(module, args, output):
+            bw = in_backward()
+            for g in groups:
+                g.users -= 1
+                if g.users == 0 and not bw:
+                    self.mm.release(g)
+                elif g.users == 0 and bw:
+                    self._maybe_release_bw(g)
+        return post
+
+    # ------------------------------------------------------------------ saved tensors
+    def _pack(self, t: torch.Tensor):
+        try:
+            ptr = t.untyped_storage().data_ptr()
+        except Exception:  # sparse / nested / exotic subclasses: keep as is
+            return t
+        g = self.mm.group_of_storage(ptr)
+        if g is None or g.device_buf is None:
+            return t
+        if t.dtype != g.device_buf.dtype:
+            return t.clone()      # a reinterpreting view of a paged buffer: keep a copy
+        return _SavedRef(self, g, t)
+
+    def _unpack(self, x):
+        if not isinstance(x, _SavedRef):
+            return x
+        g = x.g
+        if not (g.state is Location.DEVICE):
+            self.coord.use(g, track=True)
+        else:
+            self.coord.use(g, track=True)
+        self._mark_backward(g, recompute=False)
+        buf = g.device_buf
+        return buf.as_strided(x.size, x.stride, buf.storage_offset() + x.rel)
+
+    def _ref_dropped(self, g: GroupRecord) -> None:
+        g.saved_refs -= 1
+        if g.saved_refs == 0 and in_backward():
+            self._maybe_release_bw(g)
+
+    # ------------------------------------------------------------------ backward
+    def _mark_backward(self, g: GroupRecord, *, recompute: bool) -> None:
+        if not self._bw_callback_queued:
+            self._bw_callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        if recompute:
+            g.hold_until_backward_end = True
+            g.grads_pending = {i for i, s in enumerate(g.slots) if s.trainable}
+
+    def _maybe_release_bw(self, g: GroupRecord) -> None:
+        if g.users == 0 and g.saved_refs == 0 and not g.hold_until_backward_end \
+                and not g.prefetched and g.state is Location.DEVICE:
+            self.mm.release(g)
+
+    def _grad_hook(self, p: torch.Tensor) -> None:
+        g, i = self._slot_of[id(p)]
+        grad = p.grad
+        p.grad = None
+        if grad is not None:
+            self.on_grad(g, g.slots[i], grad)
+        if in_backward() and not self._bw_callback_queued:
+            self._bw_callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        if g.hold_until_backward_end and g.grads_pending:
+            g.grads_pending.discard(i)
+            if not g.grads_pending:
+                g.hold_until_backward_end = False
+                self._maybe_release_bw(g)
+
+    def _end_backward(self) -> None:
+        self._bw_callback_queued = False
+        self.finish_backward()
+
+    def finish_backward(self) -> None:
+        """Release everything still fetched (called at the end of each backward)."""
+        for g in self.mm.groups:
+            g.hold_until_backward_end = False
+            g.grads_pending = set()
+            if g.users == 0 and self.mm.paged(g) and not g.prefetched:
+                self.mm.release(g)
+        self.coord.end_pass()

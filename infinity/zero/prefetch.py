@@ -1,0 +1,130 @@
+"""Trace-based prefetch: record the order groups are used in one micro-step, then fetch
+``depth`` groups ahead on later micro-steps.
+
+A *use* is a request for a group's values: a module's forward pre-hook (forward or
+recomputation) or the first unpack of a saved parameter view in backward.  Consecutive
+repeats collapse.  While the live order matches the recorded trace the coordinator keeps
+``depth`` upcoming groups in flight (bounded by the device budget); the first mismatch
+makes the rest of that micro-step fetch on demand (one DEBUG line) and the new order
+becomes the trace for the next micro-step.
+"""
+from __future__ import annotations
+
+import logging
+
+from infinity.memory.manager import MemoryManager
+from infinity.memory.record import GroupRecord, Location
+
+log = logging.getLogger("infinity.zero")
+
+__all__ = ["PrefetchCoordinator"]
+
+
+class PrefetchCoordinator:
+    def __init__(self, manager: MemoryManager, depth: int, accounting):
+        self.mm = manager
+        self.depth = int(depth)
+        self.acct = accounting
+        self.trace: list[int] | None = None
+        self.recording: list[int] = []
+        self.cursor = 0
+        self.divergent = False
+        self.in_pass = False
+        self.passes = 0
+        self._by_gid = {g.gid: g for g in manager.groups}
+
+    # ------------------------------------------------------------------ passes
+    def begin_pass(self) -> None:
+        """A training micro-step starts (forward with grad enabled)."""
+        if self.in_pass:
+            self.end_pass()
+        self.in_pass = True
+        self.recording = []
+        self.cursor = 0
+        self.divergent = False
+        self._prefetch_ahead()
+
+    def end_pass(self) -> None:
+        """The micro-step's backward finished: keep the order, drop unused prefetches."""
+        if not self.in_pass:
+            return
+        self.in_pass = False
+        self.passes += 1
+        complete = self.trace is not None and not self.divergent and \
+            self.cursor == len(self.trace)
+        if not complete and self.recording:
+            if self.trace is not None and not self.divergent:
+                log.debug("prefetch: micro-step used %d of %d traced groups; re-recording",
+                          self.cursor, len(self.trace))
+            self.trace = list(self.recording)
+        for g in self.mm.groups:
+            if g.prefetched and g.users == 0:
+                self.mm.release(g)
+                self.acct.count("prefetch_unused")
+
+    # ------------------------------------------------------------------ uses
+    def use(self, g: GroupRecord, *, track: bool = True) -> None:
+        """Make ``g`` resident (blocking) and keep the prefetch window full."""
+        if track and self.in_pass:
+            self._advance(g)
+        if self.mm.paged(g):
+            if g.prefetched:
+                g.prefetched = False
+                self.acct.count("prefetched_fetches")
+            elif g.state not in (Location.DEVICE, Location.READING, Location.TO_DEVICE):
+                self.acct.count("on_demand_fetches" if (track and self.in_pass)
+                                else "untracked_fetches")
+                if not self.mm.fetch_async(g, allow_overflow=False):
+                    self._evict_for(g)
+                    self.mm.fetch_async(g, allow_overflow=True)
+            self.mm.wait_resident(g)
+        if track and self.in_pass and not self.divergent:
+            self._prefetch_ahead()
+
+    def _advance(self, g: GroupRecord) -> None:
+        if self.recording and self.recording[-1] == g.gid:
+            return
+        self.recording.append(g.gid)
+        if self.trace is None or self.divergent:
+            return
+        if self.cursor < len(self.trace) and self.trace[self.cursor] == g.gid:
+            self.cursor += 1
+            return
+        self.divergent = True
+        self.acct.count("divergent_steps")
+        log.debug("prefetch: order diverged from the trace at position %d (group %d %r); "
+                  "fetching on demand for the rest of this micro-step", self.cursor, g.gid, g.name)
+
+    def _prefetch_ahead(self) -> None:
+        if self.trace is None or self.depth <= 0:
+            return
+        seen = 0
+        for gid in self.trace[self.cursor:]:
+            if seen >= self.depth:
+                break
+            seen += 1
+            g = self._by_gid[gid]
+            if not self.mm.paged(g) or g.state in (Location.DEVICE, Location.READING,
+                                                   Location.TO_DEVICE):
+                continue
+            if not self.mm.fetch_async(g, allow_overflow=False):
+                break
+            g.prefetched = True
+
+    def _evict_for(self, g: GroupRecord) -> None:
+        """Free device budget for ``g`` by dropping prefetched-but-unused groups, the one
+        needed furthest in the future first."""
+        trace = self.trace or []
+        upcoming = trace[self.cursor:] if not self.divergent else []
+
+        def next_use(c: GroupRecord) -> int:
+            try:
+                return upcoming.index(c.gid)
+            except ValueError:
+                return 1 << 30
+        cands = [c for c in self.mm.groups if c.prefetched and c.users == 0 and c is not g]
+        for c in sorted(cands, key=next_use, reverse=True):
+            self.mm.release(c)
+            self.acct.count("prefetch_evicted")
+            if self.mm.device_pool.can_lease(g.nbytes):
+                return
