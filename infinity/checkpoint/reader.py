@@ -8,6 +8,7 @@ import hashlib
 import logging
 import os
 import stat
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -19,6 +20,7 @@ from .safetensors_stream import read_header
 log = logging.getLogger("infinity.checkpoint")
 
 _HASH_CHUNK = 8 << 20
+_MAX_VERIFY_THREADS = 8
 
 
 def resolve_tag(root, tag=None):
@@ -129,38 +131,19 @@ class CheckpointReader:
         header and data SHA-256, and a safetensors header that agrees with the
         manifest. Raises CheckpointError naming the first bad file."""
         files = self.manifest["files"]
-        for fname in sorted(files):
-            fi = files[fname]
-            p = self._file_path(fname)
-            try:
-                st = os.lstat(p)
-            except FileNotFoundError:
-                raise CheckpointError(f"checkpoint file {p} is missing; the checkpoint "
-                                      f"{self.path} is incomplete, load another tag") from None
-            if not stat.S_ISREG(st.st_mode):
-                raise CheckpointError(f"checkpoint file {p} is not a regular file")
-            if st.st_size != fi["size"]:
-                raise CheckpointError(f"checkpoint file {p} has {st.st_size} bytes, the manifest "
-                                      f"records {fi['size']}: the file is truncated or corrupt")
-            fd = self._fd(fname)
-            hh, hd = hashlib.sha256(), hashlib.sha256()
-            pos, ds = 0, fi["data_start"]
-            while pos < fi["size"]:
-                n = min(_HASH_CHUNK, fi["size"] - pos)
-                if pos < ds:
-                    n = min(n, ds - pos)
-                buf = os.pread(fd, n, pos)
-                if len(buf) != n:
-                    raise CheckpointError(f"checkpoint file {p}: short read at {pos}")
-                (hh if pos < ds else hd).update(buf)
-                pos += n
-            if hh.hexdigest() != fi["header_sha256"] or hd.hexdigest() != fi["data_sha256"]:
-                raise CheckpointError(f"checkpoint file {p} is corrupt (SHA-256 mismatch in its "
-                                      f"{'header' if hh.hexdigest() != fi['header_sha256'] else 'data'}); "
-                                      f"load another tag")
-            data_start, entries, _ = read_header(fd, p, st.st_size)
-            if data_start != ds:
-                raise CheckpointError(f"{p}: header length disagrees with the manifest")
+        names = sorted(files)
+        workers = max(1, min(len(names), os.cpu_count() or 1, _MAX_VERIFY_THREADS))
+        for fname in names:  # open every fd up front (not thread safe to create lazily)
+            self._lstat_regular(fname, files[fname])
+            self._fd(fname)
+        if workers > 1:
+            with ThreadPoolExecutor(workers, thread_name_prefix="infinity-ckpt-verify") as ex:
+                results = list(ex.map(self._hash_file_safe, names))
+        else:
+            results = [self._hash_file_safe(n) for n in names]
+        for err in results:  # report the first bad file in name order
+            if err is not None:
+                raise err
         # cross-check manifest pieces against the safetensors headers
         headers = {}
         for name, t in self._tensors.items():
@@ -174,6 +157,49 @@ class CheckpointReader:
                                           f"the manifest for tensor {name!r}")
         self.verified = True
         return True
+
+    def _lstat_regular(self, fname, fi):
+        p = self._file_path(fname)
+        try:
+            st = os.lstat(p)
+        except FileNotFoundError:
+            raise CheckpointError(f"checkpoint file {p} is missing; the checkpoint "
+                                  f"{self.path} is incomplete, load another tag") from None
+        if not stat.S_ISREG(st.st_mode):
+            raise CheckpointError(f"checkpoint file {p} is not a regular file")
+        if st.st_size != fi["size"]:
+            raise CheckpointError(f"checkpoint file {p} has {st.st_size} bytes, the manifest "
+                                  f"records {fi['size']}: the file is truncated or corrupt")
+
+    def _hash_file_safe(self, fname):
+        try:
+            self._hash_file(fname)
+        except CheckpointError as e:
+            return e
+        return None
+
+    def _hash_file(self, fname):
+        fi = self.manifest["files"][fname]
+        p = self._file_path(fname)
+        fd = self._fds[fname]
+        hh, hd = hashlib.sha256(), hashlib.sha256()
+        pos, ds = 0, fi["data_start"]
+        while pos < fi["size"]:
+            n = min(_HASH_CHUNK, fi["size"] - pos)
+            if pos < ds:
+                n = min(n, ds - pos)
+            buf = os.pread(fd, n, pos)
+            if len(buf) != n:
+                raise CheckpointError(f"checkpoint file {p}: short read at {pos}")
+            (hh if pos < ds else hd).update(buf)
+            pos += n
+        if hh.hexdigest() != fi["header_sha256"] or hd.hexdigest() != fi["data_sha256"]:
+            raise CheckpointError(f"checkpoint file {p} is corrupt (SHA-256 mismatch in its "
+                                  f"{'header' if hh.hexdigest() != fi['header_sha256'] else 'data'}); "
+                                  f"load another tag")
+        data_start, _, _ = read_header(fd, p, fi["size"])
+        if data_start != ds:
+            raise CheckpointError(f"{p}: header length disagrees with the manifest")
 
     # -- queries -----------------------------------------------------------------
     def names(self):

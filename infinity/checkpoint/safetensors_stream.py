@@ -21,6 +21,8 @@ import json
 import os
 import struct
 import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -29,6 +31,17 @@ from .errors import CheckpointError
 from .fsutil import fsync_fd, open_private_file, write_all
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # same bound as the reference implementation
+_OVERLAP_MIN = 1 << 20
+_POOL = None
+_POOL_LOCK = threading.Lock()
+
+
+def _hash_pool():
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = ThreadPoolExecutor(1, thread_name_prefix="infinity-ckpt-hash")
+        return _POOL
 
 if sys.byteorder != "little":  # pragma: no cover - no big-endian CI
     raise ImportError("infinity.checkpoint supports little-endian hosts only")
@@ -103,8 +116,16 @@ class SafetensorsStreamWriter:
             raise CheckpointError(f"{self.path}: header space ({self.data_start} bytes) exhausted "
                                   f"by tensor {key!r}; use a larger header_reserve")
         begin = self.data_start + self._data_bytes
-        write_all(self._fd, mv, self.path)
-        self._data_hash.update(mv)
+        if nbytes >= _OVERLAP_MIN:
+            # hash on a helper thread while this one writes (both release the GIL)
+            fut = _hash_pool().submit(self._data_hash.update, mv)
+            try:
+                write_all(self._fd, mv, self.path)
+            finally:
+                fut.result()
+        else:
+            write_all(self._fd, mv, self.path)
+            self._data_hash.update(mv)
         self._parts.append(part)
         self._header_len += 1 + len(part)
         self._keys.add(key)
