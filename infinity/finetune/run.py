@@ -138,8 +138,9 @@ def finetune(opts, *, reporter_streams=None):
     t_start = time.perf_counter()
     result = None
     aborted = False
+    stopper = GracefulStop()
     try:
-        with GracefulStop() as stopper:
+        with stopper:
             engine = infinity.initialize(model, cfg)
             try:
                 del model  # the engine owns the parameters now
@@ -166,10 +167,13 @@ def finetune(opts, *, reporter_streams=None):
                 _close_uninterrupted(engine)
     except ck.CheckpointUnavailable as e:
         raise FinetuneError(str(e)) from e
-    except KeyboardInterrupt:
+    except BaseException as e:
+        # A second Ctrl-C may surface wrapped (e.g. raised inside an autograd hook).
+        if not (isinstance(e, KeyboardInterrupt) or stopper.aborted):
+            raise
         aborted = True
         reporter.summary(stop_reason="aborted by a second Ctrl-C (engine closed, swap removed)")
-        raise
+        raise KeyboardInterrupt from None
     finally:
         if not aborted and result is None:
             reporter.close()

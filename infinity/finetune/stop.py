@@ -29,6 +29,7 @@ def collective_device():
 class GracefulStop:
     def __init__(self, signals=(signal.SIGINT, signal.SIGTERM)):
         self.requested = False
+        self.aborted = False
         self.reason = None
         self._count = 0
         self._signals = signals
@@ -44,6 +45,7 @@ class GracefulStop:
                         "(press Ctrl-C again to abort now)", name)
             return
         log.warning("%s received again: aborting", name)
+        self.aborted = True
         raise KeyboardInterrupt
 
     def request(self, reason="requested"):
