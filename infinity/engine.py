@@ -236,6 +236,20 @@ class Engine:
         self._check_open()
         return save_pretrained(self, directory, max_shard_bytes=max_shard_bytes)
 
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, directory, tag=None, **kw):
+        """Atomic sharded checkpoint ``directory/<tag>`` (default ``step-<N>``); see
+        ``infinity.checkpoint.save_checkpoint`` for ``kw`` (async_, shard_bytes, ...)."""
+        from infinity.checkpoint.engine_state import save_engine_checkpoint
+        self._check_open()
+        return save_engine_checkpoint(self, directory, tag, **kw)
+
+    def load_checkpoint(self, directory, tag=None, **kw):
+        """Verify then load ``directory/<tag>`` (default: ``latest``); returns its meta."""
+        from infinity.checkpoint.engine_state import load_engine_checkpoint
+        self._check_open()
+        return load_engine_checkpoint(self, directory, tag, **kw)
+
     # ------------------------------------------------------------------ lifetime
     def _check_open(self) -> None:
         if self._closed:
