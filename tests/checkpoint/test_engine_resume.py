@@ -102,3 +102,37 @@ def test_cross_offload_config_and_export(tmp_path):
     assert set(exported) == set(dict(m1.named_parameters()))
     with CheckpointReader(tmp_path / "ck") as r:
         assert r.meta["step"] == 2 and r.meta["precision"] == "fp32"
+
+
+def test_resume_in_a_new_process_through_engine_methods(tmp_path):
+    """engine.save_checkpoint in this process, engine.load_checkpoint in a child."""
+    import json
+    import subprocess
+    import sys
+
+    import infinity
+    from infinity.checkpoint import CheckpointReader
+    here = os.path.dirname(__file__)
+    sys.path.insert(0, here)
+    try:
+        import resume_child as rc
+    finally:
+        sys.path.remove(here)
+    swap = str(tmp_path / "swap")
+    with infinity.initialize(rc.model(0), rc.config("nvme", swap)) as e1:
+        straight = rc.train(e1, 6, 0)
+        ref = _state(e1)
+    with infinity.initialize(rc.model(0), rc.config("nvme", swap)) as e2:
+        assert rc.train(e2, 3, 0) == straight[:3]
+        h = e2.save_checkpoint(tmp_path / "ck")
+        assert h.tag == "step-3"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
+    p = subprocess.run([sys.executable, os.path.join(here, "resume_child.py"), str(tmp_path / "ck"),
+                        "nvme", swap], capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert json.loads(p.stdout.strip().splitlines()[-1]) == straight[3:]
+    with CheckpointReader(tmp_path / "ck", "end") as r:
+        r.verify()
+        assert r.meta["step"] == 6
+        for n, t in ref.items():
+            assert torch.equal(r.read(n), t), n
