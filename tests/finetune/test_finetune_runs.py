@@ -1,0 +1,86 @@
+"""`infinity finetune` runs in-process (``infinity.finetune.run.finetune``, what the CLI
+calls): pretrained weights, save/resume, profile. Child-process behaviour (stdout,
+signals, exit codes) is in test_finetune_cli.py."""
+import io
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("infinity.engine", reason="the offload engine is not in this build yet")
+
+from infinity.finetune.run import FinetuneOptions, finetune  # noqa: E402
+
+
+def _run(tmp_path, swap, **kw):
+    out, err = io.StringIO(), io.StringIO()
+    opts = FinetuneOptions(**dict(dict(nvme_paths=[str(tmp_path / swap)], batch_tokens=256,
+                                       seq_len=64, json_lines=True), **kw))
+    res = finetune(opts, reporter_streams={"stdout": out, "stderr": err})
+    recs = [json.loads(line) for line in out.getvalue().splitlines()]
+    assert [r["step"] for r in recs] == [r["step"] for r in res["records"]]
+    return recs, err.getvalue(), res
+
+
+def _no_files(path):
+    return not any(p.is_file() for p in path.rglob("*")) if path.exists() else True
+
+
+def test_pretrained_directory_starts_from_its_weights(tmp_path, tiny_config):
+    """Step 1's loss equals the saved model's loss on batch 0: the weights were streamed in."""
+    from infinity.data import ByteTokenizer, TokenBatcher, load_texts
+    from infinity.finetune.model import resolve_model
+
+    torch.manual_seed(123)
+    model, _ = resolve_model(tiny_config("gpt2"))
+    with torch.no_grad():  # make it clearly not a fresh init
+        model.transformer.wte.weight.mul_(3.0)
+    d = tmp_path / "pretrained"
+    model.save_pretrained(str(d), safe_serialization=True)
+    x = TokenBatcher(load_texts(None), ByteTokenizer(), seq_len=64, batch_size=2, seed=0).batch(0)
+    with torch.no_grad():
+        expected = model(input_ids=x, labels=x).loss.item()
+    recs, _, _ = _run(tmp_path, "swap", model=str(d), steps=2, batch_tokens=128)
+    assert recs[0]["loss"] == pytest.approx(expected, rel=1e-4)
+    assert _no_files(tmp_path / "swap")
+
+
+def test_save_and_resume_continue_the_loss_curve(tmp_path, tiny_config):
+    from infinity.engine import Engine
+
+    if not hasattr(Engine, "save_checkpoint"):
+        pytest.skip("engine.save_checkpoint is not in this build yet")
+    model = tiny_config("llama")
+    full, _, _ = _run(tmp_path, "s1", model=model, steps=6)
+    ck = tmp_path / "ck"
+    first, _, res = _run(tmp_path, "s2", model=model, steps=3, save=str(ck), save_every=1, keep_last=2)
+    assert res["result"].saved == ["step-00000001", "step-00000002", "step-00000003"]
+    assert sorted(p.name for p in ck.iterdir() if p.name.startswith("step-")) == \
+        ["step-00000002", "step-00000003"]
+    assert (ck / "latest").read_text().strip() == "step-00000003"
+    resumed, err, _ = _run(tmp_path, "s2", model=model, steps=6, save=str(ck), resume=True)
+    ref = [x["loss"] for x in full]
+    assert [x["step"] for x in resumed] == [4, 5, 6]
+    assert [x["loss"] for x in first] == pytest.approx(ref[:3], rel=1e-5)
+    assert [x["loss"] for x in resumed] == pytest.approx(ref[3:], rel=1e-4)
+    assert (ck / "latest").read_text().strip() == "step-00000006"
+    assert _no_files(tmp_path / "s1") and _no_files(tmp_path / "s2")
+
+
+def test_profile_dir_gets_a_trace_and_a_plot(tmp_path, tiny_config):
+    from infinity.engine import Engine
+
+    if not hasattr(Engine, "profile"):
+        pytest.skip("engine.profile is not in this build yet")
+    prof = tmp_path / "prof" / "run1"
+    recs, err, _ = _run(tmp_path, "swap", model=tiny_config("llama"), steps=2, batch_tokens=128,
+                        profile=str(prof))
+    assert len(recs) == 2
+    files = sorted(p.name for p in prof.iterdir())
+    traces = [f for f in files if f.endswith(".json")]
+    pngs = [f for f in files if f.endswith(".png")]
+    assert traces and pngs, files
+    for t in traces:
+        json.loads((prof / t).read_text())
+    assert (prof / pngs[0]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert _no_files(tmp_path / "swap")
