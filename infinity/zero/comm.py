@@ -1,0 +1,216 @@
+"""Collectives for ZeRO partitioning over ``torch.distributed`` (gloo on CPU, NCCL on CUDA).
+
+* :func:`ensure_process_group` creates the default process group from the environment
+  (``torchrun`` sets ``WORLD_SIZE``, ``RANK``, ``MASTER_ADDR``, ``MASTER_PORT``) when
+  ``WORLD_SIZE`` > 1 and none exists yet, with ``dist_timeout_s`` as the timeout.
+* :class:`Comm` owns two extra process groups over the same ranks: ``param`` (parameter
+  all-gathers, issued only by the fetch worker thread) and ``grad`` (gradient
+  reductions, issued only by the training thread).  Collectives are matched across ranks
+  by their order *within one process group*; keeping each group to a single issuing
+  thread keeps that order identical on every rank while both overlap.
+* Every collective returns a :class:`CommHandle` (``wait()``), or waits itself when
+  ``async_op=False``.  A failure — including a peer that died or stopped participating,
+  which gloo/NCCL turn into an error after the process-group timeout — raises
+  :class:`CollectiveError` naming this rank, the collective, the tensor and the timeout.
+
+Both gloo and NCCL support ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` in the
+torch this project pins (checked: torch 2.13 gloo); if a backend lacks
+``reduce_scatter_tensor``, :meth:`Comm.reduce_scatter_sum` falls back to an all-reduce of
+the full buffer followed by taking this rank's slice (same result, twice the traffic).
+"""
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger("infinity.zero")
+
+__all__ = ["CollectiveError", "CommHandle", "Comm", "ensure_process_group", "env_world_size"]
+
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or \
+    getattr(dist, "reduce_scatter_tensor", None)
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed or timed out (usually: another rank died or diverged)."""
+
+
+def env_world_size() -> int:
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError as e:
+        raise ValueError(f"WORLD_SIZE={os.environ.get('WORLD_SIZE')!r} is not an integer") from e
+
+
+def ensure_process_group(timeout_s: float) -> bool:
+    """Create the default process group from the environment if ``WORLD_SIZE`` > 1 and none
+    exists.  Returns True when this call created it (the caller then destroys it)."""
+    if dist.is_available() and dist.is_initialized():
+        return False
+    ws = env_world_size()
+    if ws <= 1:
+        return False
+    if not dist.is_available():
+        raise RuntimeError(f"WORLD_SIZE={ws} but this torch build has no torch.distributed")
+    missing = [k for k in ("RANK", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing:
+        raise RuntimeError(f"WORLD_SIZE={ws} but {', '.join(missing)} not set; launch with "
+                           f"torchrun (or set RANK, MASTER_ADDR and MASTER_PORT)")
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=float(timeout_s)))
+    log.info("created the %s process group: rank %d of %d (timeout %ss)", backend,
+             dist.get_rank(), ws, timeout_s)
+    return True
+
+
+class CommHandle:
+    """An in-flight collective; ``wait()`` blocks, runs the completion action once, and
+    raises :class:`CollectiveError` with context on failure."""
+    __slots__ = ("comm", "work", "what", "post", "t0", "done_", "link", "nbytes")
+
+    def __init__(self, comm: "Comm", work, what: str, post=None, link=None, nbytes=0):
+        self.comm = comm
+        self.work = work
+        self.what = what
+        self.post = post
+        self.t0 = time.perf_counter()
+        self.done_ = False
+        self.link = link
+        self.nbytes = nbytes
+
+    def wait(self) -> None:
+        if self.done_:
+            return
+        try:
+            if self.work is not None:
+                self.work.wait()
+        except Exception as e:
+            self.done_ = True
+            raise self.comm.error(self.what, e) from e
+        self.done_ = True
+        self.comm.account(self.link, self.nbytes, self.t0)
+        if self.post is not None:
+            post, self.post = self.post, None
+            post()
+
+
+class Comm:
+    """Rank/world facts and the collectives ZeRO needs, over the default process group."""
+
+    def __init__(self, *, timeout_s: float = 600.0, accounting=None, timeline=None):
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError("Comm: no torch.distributed process group; call "
+                               "ensure_process_group() or launch with torchrun")
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.backend = dist.get_backend()
+        self.timeout_s = float(timeout_s)
+        self.acct = accounting
+        self.timeline = timeline
+        td = datetime.timedelta(seconds=self.timeout_s)
+        # new_group is itself collective: every rank creates them in the same order
+        self.groups = {"default": None,
+                       "param": dist.new_group(timeout=td),
+                       "grad": dist.new_group(timeout=td)}
+        self.device = torch.device("cuda", torch.cuda.current_device()) \
+            if self.backend == "nccl" else torch.device("cpu")
+
+    # ------------------------------------------------------------------ errors, accounting
+    def error(self, what: str, e: BaseException) -> CollectiveError:
+        return CollectiveError(
+            f"rank {self.rank} of {self.world_size} ({self.backend}): {what} failed: {e}. "
+            f"Another rank probably raised, died or stopped calling collectives (each waits "
+            f"at most dist_timeout_s={self.timeout_s:g}s); see that rank's error first")
+
+    def account(self, link: str | None, nbytes: int, t0: float) -> None:
+        if link is None:
+            return
+        t1 = time.perf_counter()
+        if self.acct is not None:
+            self.acct.link(link, nbytes, t1 - t0)
+        tl = self.timeline
+        if tl is not None and getattr(tl, "enabled", False):
+            tl.add(link, link, t0, t1, nbytes)
+
+    def _run(self, fn, what: str, async_op: bool, post=None, link=None, nbytes=0):
+        try:
+            work = fn()
+        except Exception as e:
+            raise self.error(what, e) from e
+        h = CommHandle(self, work, what, post, link, nbytes)
+        if not async_op:
+            h.wait()
+            return None
+        return h
+
+    # ------------------------------------------------------------------ collectives
+    def all_gather_into(self, out: torch.Tensor, shard: torch.Tensor, *, group: str = "param",
+                        async_op: bool = False, name: str = "") -> CommHandle | None:
+        """``out`` (W x shard numel) receives every rank's ``shard`` in rank order."""
+        if out.numel() != shard.numel() * self.world_size:
+            raise ValueError(f"all_gather: output has {out.numel()} elements, expected "
+                             f"{self.world_size} x {shard.numel()}")
+        pg = self.groups[group]
+        nbytes = out.numel() * out.element_size()
+        what = f"all_gather of {name or 'tensor'} ({nbytes} bytes, group {group!r})"
+        return self._run(lambda: _all_gather(out, shard, group=pg, async_op=async_op),
+                         what, async_op, link="allgather", nbytes=nbytes)
+
+    def reduce_scatter_sum(self, out: torch.Tensor, full: torch.Tensor, *, group: str = "grad",
+                           async_op: bool = False, post=None, name: str = "") -> CommHandle | None:
+        """``out`` (shard) receives this rank's slice of the sum over ranks of ``full``."""
+        if full.numel() != out.numel() * self.world_size:
+            raise ValueError(f"reduce_scatter: input has {full.numel()} elements, expected "
+                             f"{self.world_size} x {out.numel()}")
+        pg = self.groups[group]
+        nbytes = full.numel() * full.element_size()
+        what = f"reduce_scatter of {name or 'tensor'} ({nbytes} bytes, group {group!r})"
+        if _reduce_scatter is not None:
+            fn = lambda: _reduce_scatter(out, full, op=dist.ReduceOp.SUM, group=pg,
+                                         async_op=async_op)
+            return self._run(fn, what, async_op, post, link="reduce_scatter", nbytes=nbytes)
+        lo = self.rank * out.numel()
+
+        def post_slice():
+            out.copy_(full[lo:lo + out.numel()])
+            if post is not None:
+                post()
+        fn = lambda: dist.all_reduce(full, op=dist.ReduceOp.SUM, group=pg, async_op=async_op)
+        return self._run(fn, what + " [all_reduce fallback]", async_op, post_slice,
+                         link="reduce_scatter", nbytes=nbytes)
+
+    def all_reduce_sum(self, t: torch.Tensor, *, group: str = "grad", async_op: bool = False,
+                       post=None, name: str = "") -> CommHandle | None:
+        pg = self.groups[group]
+        nbytes = t.numel() * t.element_size()
+        what = f"all_reduce of {name or 'tensor'} ({nbytes} bytes, group {group!r})"
+        return self._run(lambda: dist.all_reduce(t, op=dist.ReduceOp.SUM, group=pg,
+                                                 async_op=async_op),
+                         what, async_op, post, link="reduce_scatter", nbytes=nbytes)
+
+    def all_reduce_scalar(self, x: float, *, name: str = "scalar") -> float:
+        t = torch.tensor([float(x)], dtype=torch.float64, device=self.device)
+        self.all_reduce_sum(t, group="default", name=name)
+        return float(t.item())
+
+    def barrier(self, name: str = "barrier") -> None:
+        t = torch.zeros(1, device=self.device)
+        self.all_reduce_sum(t, group="default", name=name)
+
+    def close(self) -> None:
+        for k in ("param", "grad"):
+            pg = self.groups.get(k)
+            if pg is not None:
+                try:
+                    dist.destroy_process_group(pg)
+                except Exception as e:  # best effort while tearing down after an error
+                    log.debug("comm: destroying the %s group failed: %s", k, e)
+                self.groups[k] = None

@@ -1,0 +1,114 @@
+"""Wiring ZeRO stages 1-3 into the engine when the world has more than one rank.
+
+:class:`ZeroSetup` is what the engine asks at ``initialize`` time: the process group
+(created from the environment if needed, with ``dist_timeout_s``), the stage, this rank,
+and the partitioned memory manager / optimizer classes.  At world size 1 there is
+nothing to partition and the engine runs its single-process path (every stage behaves
+identically there).
+
+:func:`gathered_state_dict` returns the full (unpadded) parameter values on every rank,
+one group at a time, for tests and consolidated exports.  Like every collective API it
+must be called by all ranks.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from infinity.zero.comm import Comm, ensure_process_group
+from infinity.zero.partition import Partition
+
+log = logging.getLogger("infinity.zero")
+
+__all__ = ["ZeroSetup", "gathered_state_dict"]
+
+
+class ZeroSetup:
+    """Process group + stage for one engine; ``None`` from :meth:`from_config` at world size 1."""
+
+    def __init__(self, comm: Comm, stage: int, created_pg: bool):
+        self.comm = comm
+        self.stage = int(stage)
+        self.created_pg = created_pg
+        self.rank = comm.rank
+        self.world_size = comm.world_size
+        self.part = Partition(comm.rank, comm.world_size)
+
+    @classmethod
+    def from_config(cls, cfg, *, accounting=None, timeline=None) -> "ZeroSetup | None":
+        import torch.distributed as dist
+        created = ensure_process_group(cfg.dist_timeout_s)
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return None
+        stage = int(cfg.zero_stage)
+        if stage not in (1, 2, 3):
+            raise ValueError(f"zero_stage must be 1, 2 or 3, got {stage!r}")
+        if stage < 3 and cfg.offload.params != "none":
+            raise ValueError(f"offload.params={cfg.offload.params!r} needs zero_stage 3 "
+                             f"(stage {stage} keeps a full copy of the parameters on every rank)")
+        comm = Comm(timeout_s=cfg.dist_timeout_s, accounting=accounting, timeline=timeline)
+        log.info("ZeRO stage %d over %d ranks (%s), this is rank %d", stage, comm.world_size,
+                 comm.backend, comm.rank)
+        return cls(comm, stage, created)
+
+    def memory_manager(self, groups, **kw):
+        if self.stage == 3:
+            from infinity.zero.partitioned_memory import PartitionedMemoryManager
+            return PartitionedMemoryManager(groups, comm=self.comm, **kw)
+        from infinity.memory.manager import MemoryManager
+        return MemoryManager(groups, **kw)
+
+    def optimizer(self, model, cfg, groups, names, **kw):
+        from infinity.zero.partitioned_optimizer import PartitionedOptimizer
+        return PartitionedOptimizer(model, cfg, groups, names, comm=self.comm,
+                                    stage=self.stage, **kw)
+
+    def close(self) -> None:
+        self.comm.close()
+
+
+def _shard_values(engine, g, lo: int, hi: int) -> torch.Tensor:
+    """This rank's shard of group ``g`` as fp32 (the master when there is one)."""
+    out = torch.empty(hi - lo, dtype=torch.float32)
+    if g.trainable:
+        engine.store.read_master(engine.opt.key(g), out)
+        return out
+    zero = engine.zero
+    if zero.stage < 3:
+        return out.copy_(g.device_buf[lo:hi])
+    if g.home == "nvme":
+        from infinity.memory.pool import aligned_buffer
+        esize = torch.empty((), dtype=g.dtype).element_size()
+        raw = aligned_buffer((hi - lo) * esize)
+        engine.swap.read(g.extent, raw.view(g.dtype)).wait()
+        return out.copy_(raw.view(g.dtype))
+    return out.copy_(g.host_buf)
+
+
+def gathered_state_dict(engine) -> dict[str, torch.Tensor]:
+    """``{name: fp32 tensor}`` of every parameter (first name of tied ones), gathered from
+    all ranks group by group.  Collective: call it on every rank."""
+    zero = getattr(engine, "zero", None)
+    res: dict[str, torch.Tensor] = {}
+    for g in engine.plan.groups:
+        if zero is None:
+            lo, hi = 0, g.padded_numel
+            full = _shard_values_single(engine, g)
+        else:
+            lo, hi = zero.part.range(g.padded_numel)
+            mine = _shard_values(engine, g, lo, hi)
+            full = torch.empty(g.padded_numel, dtype=torch.float32)
+            zero.comm.all_gather_into(full, mine, group="default",
+                                      name=f"state of group {g.gid}")
+        for s in g.slots:
+            res[s.name] = full[s.offset:s.offset + s.numel].view(s.shape).clone()
+    return res
+
+
+def _shard_values_single(engine, g) -> torch.Tensor:
+    sd = engine.state_dict()
+    full = torch.zeros(g.padded_numel, dtype=torch.float32)
+    for s in g.slots:
+        full[s.offset:s.offset + s.numel].copy_(sd[s.name].reshape(-1))
+    return full

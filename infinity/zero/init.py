@@ -1,0 +1,461 @@
+"""``infinity.Init(config)``: build a model straight into its offloaded home.
+
+While the context is active, every ``nn.Module`` subclass's ``__init__`` is wrapped:
+when the *outermost* ``__init__`` of a module returns (its own init functions have run,
+on CPU, with the normal RNG stream), the module's direct parameters are moved to their
+home and each ``param.data`` becomes a placeholder of the right shape and dtype (one NaN
+element with zero strides, as for a released engine group).  So at most one module's
+parameters are materialised at a time, and the same seed gives exactly the weights of
+eager construction.
+
+Homes (``offload.params``): ``"nvme"`` writes each parameter to a swap file of this
+rank (``<nvme_path>/init/infinity-rank<r>/``, private, unlinked, removed when the last
+parameter has been adopted); ``"cpu"`` and ``"none"`` keep one compact host tensor per
+parameter.  Each managed parameter has one :class:`InitRecord` in a registry keyed by the
+parameter's id (no attributes are attached to the parameter).
+
+Code that touches parameters after their module's ``__init__`` (Hugging Face
+``post_init()`` re-initialises every module with ``_init_weights``) is handled by
+faulting the module's parameters back in around each ``_initialize_weights(module)`` call
+and storing the result again, one module at a time.  Any other in-place write to an
+offloaded parameter fails loudly (the placeholder is not writable), never silently.
+
+``initialize(model, config)`` adopts the parameters group by group
+(:func:`adopting`): their values are streamed back from the Init home into the engine's
+homes and the Init copy is freed.  :func:`load_safetensors` streams a checkpoint into an
+Init-built model tensor by tensor.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import os
+import threading
+import weakref
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from infinity.memory.record import placeholder
+
+log = logging.getLogger("infinity.zero")
+
+__all__ = ["Init", "InitRecord", "adopting", "is_managed", "materialized", "load_safetensors",
+           "managed_count"]
+
+_RECORDS: dict[int, "InitRecord"] = {}
+_LOCK = threading.RLock()
+_ACTIVE: "Init | None" = None
+
+
+class InitRecord:
+    """Where one Init-managed parameter's values live until ``initialize`` adopts them."""
+    __slots__ = ("pid", "store", "shape", "dtype", "numel", "host", "extent", "finalizer")
+
+    def __init__(self, store: "_InitStore", p: torch.Tensor):
+        self.pid = id(p)
+        self.store = store
+        self.shape = p.shape
+        self.dtype = p.dtype
+        self.numel = p.numel()
+        self.host = None
+        self.extent = None
+        self.finalizer = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+
+
+class _InitStore:
+    """The homes of the parameters built under one ``Init``: host tensors or a swap space."""
+
+    def __init__(self, home: str, cfg, rank: int):
+        self.home = "nvme" if home == "nvme" else "cpu"
+        self.cfg = cfg
+        self.rank = rank
+        self.aio = self.swap = None
+        self.live = 0
+        self.context_open = True
+        self.bytes_written = 0
+
+    def _open_swap(self):
+        from infinity.io import AioEngine, SwapSpace
+        a = self.cfg.aio
+        paths = [os.path.join(p, "init") for p in self.cfg.offload.nvme_paths]
+        for p in paths:
+            try:
+                os.makedirs(p, exist_ok=True)
+            except OSError as e:
+                raise OSError(e.errno, f"infinity.Init: cannot create {p!r}: {e.strerror}; "
+                                       f"set offload.nvme_paths to a writable directory") from e
+        self.aio = AioEngine(a.block_size, a.queue_depth, a.threads, a.engine)
+        self.swap = SwapSpace(paths, self.aio, rank=self.rank)
+
+    def put(self, rec: InitRecord, value: torch.Tensor) -> None:
+        """Store ``value`` (the parameter's data) as ``rec``'s home copy."""
+        value = value.detach()
+        if self.home == "cpu":
+            if rec.host is None:
+                rec.host = value.contiguous().clone() if not value.is_contiguous() or \
+                    value.device.type != "cpu" else value
+            else:
+                rec.host.copy_(value)
+            return
+        if self.swap is None:
+            self._open_swap()
+        from infinity.memory.pool import aligned_buffer, round_up
+        nbytes = round_up(max(rec.nbytes, 1), 4096)
+        if rec.extent is None:
+            rec.extent = self.swap.allocate(nbytes)
+        raw = aligned_buffer(nbytes)
+        raw[rec.nbytes:].zero_()
+        raw[: rec.nbytes].view(rec.dtype).copy_(value.reshape(-1))
+        self.swap.write(rec.extent, raw).wait()
+        self.bytes_written += nbytes
+
+    def get(self, rec: InitRecord) -> torch.Tensor:
+        """A tensor with ``rec``'s values (the host copy itself for the cpu home)."""
+        if rec.host is not None:
+            return rec.host.view(rec.shape)
+        from infinity.memory.pool import aligned_buffer, round_up
+        raw = aligned_buffer(round_up(max(rec.nbytes, 1), 4096))
+        self.swap.read(rec.extent, raw).wait()
+        return raw[: rec.nbytes].view(rec.dtype).view(rec.shape)
+
+    def drop(self, rec: InitRecord) -> None:
+        if rec.extent is not None and self.swap is not None and not self.swap.closed:
+            self.swap.free(rec.extent)
+        rec.extent = None
+        rec.host = None
+        self.live -= 1
+        self.maybe_close()
+
+    def maybe_close(self) -> None:
+        if self.live <= 0 and not self.context_open:
+            self.close()
+
+    def close(self) -> None:
+        if self.swap is not None:
+            self.swap.close()
+            self.swap = None
+        if self.aio is not None:
+            self.aio.close()
+            self.aio = None
+
+
+def _forget(pid: int) -> None:
+    with _LOCK:
+        rec = _RECORDS.pop(pid, None)
+    if rec is not None:
+        try:
+            rec.store.drop(rec)
+        except Exception as e:  # finalizers must not raise
+            log.debug("Init: freeing the home of a dropped parameter failed: %s", e)
+
+
+def is_managed(p: torch.Tensor) -> bool:
+    return id(p) in _RECORDS and _RECORDS[id(p)].finalizer is not None and \
+        _RECORDS[id(p)].finalizer.alive
+
+
+def managed_count() -> int:
+    return len(_RECORDS)
+
+
+def _record(p: torch.Tensor) -> InitRecord | None:
+    rec = _RECORDS.get(id(p))
+    if rec is None or rec.finalizer is None or not rec.finalizer.alive:
+        return None
+    return rec
+
+
+# ---------------------------------------------------------------------- fault in / adopt
+@contextlib.contextmanager
+def materialized(params, *, write_back: bool = True):
+    """Temporarily give Init-managed ``params`` their real values (``p.data``); on exit the
+    (possibly modified) values are stored again and the placeholders restored."""
+    recs = []
+    for p in params:
+        rec = _record(p)
+        if rec is not None:
+            p.data = rec.store.get(rec)
+            recs.append((p, rec))
+    try:
+        yield
+    finally:
+        for p, rec in recs:
+            if write_back and (rec.host is None or p.data.data_ptr() != rec.host.data_ptr()):
+                rec.store.put(rec, p.data)
+            p.data = placeholder(rec.dtype, rec.shape)
+
+
+class _FaultInMode(TorchFunctionMode):
+    """While Init is active: any torch operation that receives an offloaded parameter
+    (``init.normal_(child.weight)``, ``child.weight.data`` ...) first gets the parameter's
+    real values back (``p.data``); they stay materialised until the current scope ends (an
+    outermost module ``__init__`` or a Hugging Face ``_initialize_weights`` call) and are
+    then stored again."""
+
+    def __init__(self, ctx: "Init"):
+        super().__init__()
+        self.ctx = ctx
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if _RECORDS:
+            for a in (*args, *kwargs.values()):
+                if isinstance(a, nn.Parameter):
+                    self.ctx._fault_in(a)
+                elif isinstance(a, (list, tuple)):
+                    for b in a:
+                        if isinstance(b, nn.Parameter):
+                            self.ctx._fault_in(b)
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def adopting(slots):
+    """Used by ``initialize`` for one parameter group: Init-managed parameters of ``slots``
+    hold their real values inside the block; afterwards their Init home is freed (the
+    engine has copied them into its own homes)."""
+    params = [s.param for s in slots if _record(s.param) is not None]
+    if not params:
+        yield
+        return
+    recs = [_record(p) for p in params]
+    for p, rec in zip(params, recs):
+        p.data = rec.store.get(rec) if rec.host is None else rec.host.view(rec.shape)
+    try:
+        yield
+    finally:
+        for p, rec in zip(params, recs):
+            if rec.finalizer is not None:
+                rec.finalizer.detach()
+            _forget(rec.pid)
+
+
+def load_safetensors(model: nn.Module, files, *, strict: bool = True) -> list[str]:
+    """Stream safetensors ``files`` into ``model`` tensor by tensor (names as in
+    ``model.named_parameters()``).  Init-managed parameters are written to their Init home
+    without materialising the model; ordinary parameters are copied in place.  Returns the
+    checkpoint keys that matched no parameter; with ``strict`` a missing parameter raises."""
+    from safetensors import safe_open
+    if isinstance(files, (str, os.PathLike)):
+        files = [files]
+    params = dict(model.named_parameters(remove_duplicate=False))
+    seen, unexpected = set(), []
+    for fp in files:
+        with safe_open(os.fspath(fp), framework="pt", device="cpu") as f:
+            for key in f.keys():
+                p = params.get(key)
+                if p is None:
+                    unexpected.append(key)
+                    continue
+                t = f.get_tensor(key)
+                if tuple(t.shape) != tuple(p.shape):
+                    raise ValueError(f"load_safetensors: {fp}: {key} has shape "
+                                     f"{tuple(t.shape)}, the model expects {tuple(p.shape)}")
+                rec = _record(p)
+                with torch.no_grad():
+                    if rec is not None:
+                        rec.store.put(rec, t.to(rec.dtype))
+                    else:
+                        p.data.copy_(t)
+                seen.add(id(p))
+                del t
+    if strict:
+        missing = [n for n, p in params.items() if id(p) not in seen]
+        if missing:
+            raise ValueError(f"load_safetensors: {len(missing)} parameter(s) not in "
+                             f"{[os.fspath(x) for x in files]}, e.g. {missing[:5]}")
+    return unexpected
+
+
+# ---------------------------------------------------------------------- the context
+class Init:
+    """Context manager: modules built inside have their parameters in their offloaded
+    home (see module doc).  ``config``: dict, JSON/YAML path, InfinityConfig or None."""
+
+    def __init__(self, config=None, *, enabled: bool = True):
+        from infinity.config import InfinityConfig
+        self.cfg = InfinityConfig.load(config)
+        self.enabled = bool(enabled)
+        self.store: _InitStore | None = None
+        self._patched: list[tuple[type, object]] = []
+        self._constructing: set[int] = set()
+        self._orig_init_subclass = None
+        self._orig_hf = None
+        self.params_managed = 0
+        self._faulted: dict[int, tuple] = {}     # id(p) -> (p, record): materialised again
+        self._mode = None
+
+    # ------------------------------------------------------------------ enter / exit
+    def __enter__(self) -> "Init":
+        global _ACTIVE
+        if not self.enabled:
+            return self
+        with _LOCK:
+            if _ACTIVE is not None:
+                raise RuntimeError("infinity.Init: already inside an Init context (nesting is "
+                                   "not supported)")
+            rank = 0
+            import torch.distributed as dist
+            if dist.is_available() and dist.is_initialized():
+                rank = dist.get_rank()
+            else:
+                rank = int(os.environ.get("RANK", "0") or 0)
+            self.store = _InitStore(self.cfg.offload.params, self.cfg, rank)
+            try:
+                self._patch()
+                self._mode = _FaultInMode(self)
+                self._mode.__enter__()
+            except BaseException:
+                self._unpatch()
+                raise
+            _ACTIVE = self
+        return self
+
+    def __exit__(self, *exc) -> None:
+        global _ACTIVE
+        if not self.enabled:
+            return
+        with _LOCK:
+            if self._mode is not None:
+                self._mode.__exit__(None, None, None)
+                self._mode = None
+            self._unpatch()
+            try:
+                self._flush_faulted()
+            finally:
+                _ACTIVE = None
+            self._constructing.clear()
+            if self.store is not None:
+                self.store.context_open = False
+                self.store.maybe_close()
+
+    # ------------------------------------------------------------------ patching
+    def _all_module_classes(self):
+        seen, todo = set(), [nn.Module]
+        while todo:
+            c = todo.pop()
+            if c in seen:
+                continue
+            seen.add(c)
+            todo.extend(c.__subclasses__())
+        return seen
+
+    def _wrap_class(self, cls) -> None:
+        orig = cls.__dict__.get("__init__")
+        if orig is None or getattr(orig, "_infinity_init_wrapper", False):
+            return
+        ctx = self
+
+        @functools.wraps(orig)
+        def __init__(module, *args, **kwargs):
+            outer = id(module) not in ctx._constructing
+            if outer:
+                ctx._constructing.add(id(module))
+            try:
+                orig(module, *args, **kwargs)
+            finally:
+                if outer:
+                    ctx._constructing.discard(id(module))
+            if outer:
+                ctx._flush_faulted()
+                ctx._offload_module(module)
+        __init__._infinity_init_wrapper = True
+        cls.__init__ = __init__
+        self._patched.append((cls, orig))
+
+    def _patch(self) -> None:
+        for cls in self._all_module_classes():
+            self._wrap_class(cls)
+        # classes defined while the context is active (e.g. modeling code imported lazily)
+        self._orig_init_subclass = nn.Module.__dict__.get("__init_subclass__")
+        ctx = self
+
+        def __init_subclass__(cls, **kw):
+            super(nn.Module, cls).__init_subclass__(**kw)
+            ctx._wrap_class(cls)
+        nn.Module.__init_subclass__ = classmethod(__init_subclass__)
+        self._patch_transformers()
+
+    def _patch_transformers(self) -> None:
+        import sys
+        mu = sys.modules.get("transformers.modeling_utils")
+        if mu is None:
+            try:
+                import transformers.modeling_utils as mu  # noqa: F811
+            except Exception:  # transformers absent or broken: nothing to patch
+                return
+        base = mu.PreTrainedModel
+        ctx = self
+        orig = base.__dict__.get("_initialize_weights")
+        if orig is None:
+            return
+
+        @functools.wraps(orig)
+        def _initialize_weights(model, module, *args, **kwargs):
+            try:
+                return orig(model, module, *args, **kwargs)
+            finally:
+                ctx._flush_faulted()
+        base._initialize_weights = _initialize_weights
+        self._orig_hf = (base, orig)
+
+    def _unpatch(self) -> None:
+        for cls, orig in reversed(self._patched):
+            cls.__init__ = orig
+        self._patched.clear()
+        if self._orig_init_subclass is not None:
+            nn.Module.__init_subclass__ = self._orig_init_subclass
+        elif "__init_subclass__" in nn.Module.__dict__:
+            del nn.Module.__init_subclass__
+        self._orig_init_subclass = None
+        if self._orig_hf is not None:
+            base, orig = self._orig_hf
+            base._initialize_weights = orig
+            self._orig_hf = None
+
+    # ------------------------------------------------------------------ fault in
+    def _fault_in(self, p: nn.Parameter) -> None:
+        if id(p) in self._faulted:
+            return
+        rec = _record(p)
+        if rec is None:
+            return
+        with torch._C.DisableTorchFunction():
+            p.data = rec.store.get(rec)
+        self._faulted[id(p)] = (p, rec)
+
+    def _flush_faulted(self) -> None:
+        """Store every parameter materialised since the last flush and restore its
+        placeholder (only those still managed: an adopted or dropped one is skipped)."""
+        items, self._faulted = list(self._faulted.values()), {}
+        with torch._C.DisableTorchFunction():
+            for p, rec in items:
+                if _record(p) is rec:
+                    if rec.host is None or p.data.data_ptr() != rec.host.data_ptr():
+                        rec.store.put(rec, p.data)
+                    p.data = placeholder(rec.dtype, rec.shape)
+
+    # ------------------------------------------------------------------ offload
+    def _offload_module(self, module: nn.Module) -> None:
+        for name, p in module._parameters.items():
+            if p is None or _record(p) is not None or p.device.type == "meta":
+                continue
+            if p.device.type != "cpu":
+                raise RuntimeError(f"infinity.Init: parameter {type(module).__name__}.{name} "
+                                   f"was created on {p.device}; build the model on CPU")
+            rec = InitRecord(self.store, p)
+            self.store.put(rec, p.data)
+            with _LOCK:
+                _RECORDS[rec.pid] = rec
+                self.store.live += 1
+            rec.finalizer = weakref.finalize(p, _forget, rec.pid)
+            with torch._C.DisableTorchFunction():
+                p.data = placeholder(p.dtype, p.shape)
+            self.params_managed += 1

@@ -1,0 +1,221 @@
+"""The engine's optimizer side across data-parallel ranks (ZeRO stages 1, 2 and 3).
+
+Every rank owns the shard ``[lo, hi)`` of each flat group (:mod:`infinity.zero.partition`)
+and keeps the fp32 master, ``exp_avg`` and ``exp_avg_sq`` of that shard only (key
+``"g<gid>"`` in the optimizer state store, ``hi - lo`` elements).
+
+* stage 1: every rank accumulates the full fp32 gradient of each group over its
+  micro-batches; at the accumulation boundary the gradients are summed across ranks
+  (all-reduce, divided by the world size), each rank updates its shard, and the updated
+  parameters are all-gathered back into every rank's full (replicated) parameter buffer.
+* stage 2: the gradient is partitioned too.  During backward a group's gradients land in
+  a transient full-size buffer; as soon as every trainable parameter of the group has its
+  gradient, an *asynchronous* reduce-scatter leaves this rank only its averaged slice,
+  added into a persistent shard-sized accumulation buffer, while backward continues with
+  the next groups.  At the end of backward the outstanding reductions are waited for
+  (and groups that received no gradient on this rank are reduced too, with zeros, in
+  group order, so every rank issues the same collectives).  After the step the updated
+  parameters are all-gathered as in stage 1.
+* stage 3: as stage 2, but the parameter home itself is partitioned
+  (:class:`infinity.zero.partitioned_memory.PartitionedMemoryManager`): the shard the
+  optimizer updates *is* this rank's home shard, so nothing is gathered after the step.
+
+Averaging: each rank's loss is the mean over its own micro-batch; dividing the summed
+gradients by the world size gives the gradient of the mean loss over the global batch.
+The gradient norm used for clipping and fp16 overflow checks is the global one (the
+squared shard norms are summed across ranks), so every rank takes the same decision.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from infinity.engine_optimizer import EngineOptimizer
+from infinity.memory.record import GroupRecord, ParamSlot
+from infinity.zero.comm import Comm, CommHandle
+from infinity.zero.partition import Partition, clip_segments
+
+log = logging.getLogger("infinity.zero")
+
+__all__ = ["PartitionedOptimizer"]
+
+# at most this many group reductions in flight during backward (each holds a full-size
+# fp32 buffer until it completes)
+MAX_INFLIGHT_REDUCTIONS = 4
+
+
+class _ShardGradPool:
+    """Hands EngineOptimizer shard-sized gradient buffers (stages 2 and 3) instead of
+    full-size ones, so the full fp32 gradient of the model is never allocated."""
+
+    def __init__(self, pool, world_size: int):
+        self.pool = pool
+        self.world_size = world_size
+
+    def lease(self, nbytes, dtype):
+        return self.pool.lease(nbytes // self.world_size, dtype)
+
+    def __getattr__(self, name):
+        return getattr(self.pool, name)
+
+
+class PartitionedOptimizer(EngineOptimizer):
+    def __init__(self, model, cfg, groups: list[GroupRecord], names: dict[int, str], *,
+                 comm: Comm, stage: int, store, swap, host_pool, accounting, timeline=None,
+                 lr_scheduler=None):
+        if stage not in (1, 2, 3):
+            raise ValueError(f"zero_stage must be 1, 2 or 3, got {stage!r}")
+        self.comm = comm
+        self.stage = stage
+        self.part = Partition(comm.rank, comm.world_size)
+        self.real_pool = host_pool
+        grad_pool = host_pool if stage == 1 else _ShardGradPool(host_pool, comm.world_size)
+        super().__init__(model, cfg, groups, names, store=store, swap=swap,
+                         host_pool=grad_pool, accounting=accounting, timeline=timeline,
+                         lr_scheduler=lr_scheduler)
+        self.host_pool = host_pool
+        # per-backward reduction state (stages 2, 3)
+        self._full: dict[int, torch.Tensor] = {}        # gid -> transient full fp32 grads
+        self._missing: dict[int, set] = {}              # gid -> slot indices still to come
+        self._launched: set[int] = set()                # gids reduced in this backward
+        self._inflight: list[CommHandle] = []
+        self._flush_queued = False
+        self._trainable_slots = {g.gid: {i for i, s in enumerate(g.slots) if s.trainable}
+                                 for g in self.groups}
+        self._slot_index = {id(s): i for g in self.groups for i, s in enumerate(g.slots)}
+
+    # ------------------------------------------------------------------ shards
+    def shard(self, g: GroupRecord) -> tuple[int, int]:
+        return self.part.range(g.padded_numel)
+
+    def _param_shard(self, g: GroupRecord):
+        """The low-precision or fp32 parameter values this rank updates in place."""
+        lo, hi = self.shard(g)
+        if self.stage == 3:
+            return {"cpu": g.host_buf, "nvme": g.extent}[g.home]
+        if g.home != "device":
+            raise ValueError(f"zero_stage {self.stage}: parameters must stay on the device "
+                             f"(offload.params 'none'); group {g.name!r} has home {g.home!r}. "
+                             f"Use zero_stage 3 to offload parameters")
+        return g.device_buf[lo:hi]
+
+    # ------------------------------------------------------------------ registration
+    def register(self, g: GroupRecord, init_fp32: torch.Tensor | None) -> None:
+        key = self.key(g)
+        lo, hi = self.shard(g)
+        if self.precision == "fp32":
+            self.store.add(key, hi - lo, external_master=self._param_shard(g))
+        else:
+            self.store.add(key, hi - lo, init=init_fp32[lo:hi] if init_fp32 is not None else None)
+
+    # ------------------------------------------------------------------ gradients
+    def accumulate(self, g: GroupRecord, slot: ParamSlot, grad: torch.Tensor) -> None:
+        if self.stage == 1:
+            return super().accumulate(g, slot, grad)
+        full = self._full.get(g.gid)
+        if full is None:
+            full = self.real_pool.lease(g.padded_numel * 4, torch.float32)
+            full.zero_()
+            self._full[g.gid] = full
+            self._missing[g.gid] = set(self._trainable_slots[g.gid])
+        full[slot.offset:slot.offset + slot.numel].add_(grad.reshape(-1))
+        missing = self._missing[g.gid]
+        missing.discard(self._slot_index[id(slot)])
+        self._queue_flush()
+        if not missing and g.gid not in self._launched:
+            self._reduce(g)
+
+    def _queue_flush(self) -> None:
+        if self._flush_queued:
+            return
+        if torch._C._current_graph_task_id() == -1:
+            return  # outside backward: flushed by finish_backward() / the step
+        self._flush_queued = True
+        torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
+
+    def _reduce(self, g: GroupRecord) -> None:
+        """Start the asynchronous reduce-scatter of ``g``'s full gradient into its shard."""
+        self._launched.add(g.gid)
+        full = self._full.pop(g.gid, None)
+        self._missing.pop(g.gid, None)
+        if full is None:       # no gradient on this rank in this backward: contribute zeros
+            full = self.real_pool.lease(g.padded_numel * 4, torch.float32)
+            full.zero_()
+        lo, hi = self.shard(g)
+        out = self.real_pool.lease((hi - lo) * 4, torch.float32)
+        inv = 1.0 / self.comm.world_size
+        shard_acc = g.grad_buf
+
+        def done(full=full, out=out, shard_acc=shard_acc):
+            shard_acc.add_(out, alpha=inv)
+            self.real_pool.give_back(out)
+            self.real_pool.give_back(full)
+        h = self.comm.reduce_scatter_sum(out, full, async_op=True, post=done,
+                                         name=f"gradients of group {g.gid} ({g.name or '<root>'})")
+        self._inflight.append(h)
+        while len(self._inflight) > MAX_INFLIGHT_REDUCTIONS:
+            self._inflight.pop(0).wait()
+
+    def finish_backward(self) -> None:
+        """Reduce what is left of this backward (group order) and wait for everything."""
+        self._flush_queued = False
+        if self.stage == 1:
+            return
+        for g in self.groups:
+            if g.gid not in self._launched:
+                self._reduce(g)
+        self._launched.clear()
+        while self._inflight:
+            self._inflight.pop(0).wait()
+
+    def zero_grad(self) -> None:
+        for full in self._full.values():
+            self.real_pool.give_back(full)
+        self._full.clear()
+        self._missing.clear()
+        super().zero_grad()
+
+    def grad_norm(self) -> float:
+        """Global L2 norm of the averaged gradient (squared shard norms summed over ranks)."""
+        local = 0.0
+        for g in self.groups:
+            lo, hi = self.shard(g)
+            gb = g.grad_buf[lo:hi] if self.stage == 1 else g.grad_buf
+            n = float(torch.linalg.vector_norm(gb))
+            local += n * n
+        return self.comm.all_reduce_scalar(local, name="squared gradient norm") ** 0.5
+
+    # ------------------------------------------------------------------ the step
+    def boundary_step(self) -> bool:
+        if self.stage == 1:
+            inv = 1.0 / self.comm.world_size
+            for g in self.groups:
+                self.comm.all_reduce_sum(g.grad_buf, name=f"gradients of group {g.gid}")
+                g.grad_buf.mul_(inv)
+        else:
+            self.finish_backward()   # no-op when backward already flushed
+        applied = super().boundary_step()
+        if applied and self.stage in (1, 2):
+            for g in self.groups:
+                lo, hi = self.shard(g)
+                buf = g.device_buf
+                self.comm.all_gather_into(buf, buf[lo:hi].clone(), group="default",
+                                          name=f"updated parameters of group {g.gid}")
+        return applied
+
+    def _item(self, g: GroupRecord, lrs: list[float], wds: list[float]):
+        from infinity.optim.offload_step import StepItem
+        it = super()._item(g, lrs, wds)
+        lo, hi = self.shard(g)
+        segs = clip_segments(it.segments, lo, hi)
+        grad = g.grad_buf[lo:hi] if self.stage == 1 else g.grad_buf
+        param_out = it.param_out
+        sink = it.param_sink
+        if self.precision != "fp32":
+            if self.stage == 3 and g.home == "nvme":
+                param_out = None   # the parent's sink writes shard-relative offsets to g.extent
+            else:
+                param_out = self._param_shard(g)
+                sink = None
+        return StepItem(it.key, grad, segs, param_out=param_out, param_sink=sink)
