@@ -76,6 +76,9 @@ def register(sub):
     k.add_argument("--tile-numel", type=int, help="optimizer tile elements (default 4194304)")
     k.add_argument("--state-dtype", choices=("fp32", "bf16"), help="Adam moments dtype (default fp32)")
     k.add_argument("--grouping", choices=("module", "block"), help="parameter groups (default module)")
+    k.add_argument("--activations", choices=("megatron", "eager"),
+                   help="activation model: megatron (fused GPU kernels, Korthikanti et al.) or eager "
+                        "(PyTorch eager, measured); default eager CPU-only, megatron with GPUs")
     k.add_argument("--grad-spill", action="store_true",
                    help="what-if: page fp32 gradients to NVMe when the host is short "
                         "(DeepSpeed ZeRO-Infinity does; infinity's engine does not yet)")
@@ -135,7 +138,7 @@ def run(args):
                        prefetch_depth=args.prefetch_depth, grad_accum=args.grad_accum,
                        host_cap_gb=args.host_cap, tile_numel=args.tile_numel,
                        state_dtype=args.state_dtype, grouping=args.grouping,
-                       grad_spill=args.grad_spill or None,
+                       grad_spill=args.grad_spill or None, activation_model=args.activations,
                        configs=[_home_pair(t) for t in args.only] if args.only else None)
     except (EstimateError, ConfigError) as e:
         raise CLIError(str(e)) from e

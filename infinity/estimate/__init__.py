@@ -174,6 +174,8 @@ def _knobs_from(config, overrides):
         raise EstimateError(f"zero_stage must be 1, 2 or 3, got {k.zero_stage!r}")
     if k.state_dtype not in ("fp32", "bf16"):
         raise EstimateError(f"state_dtype must be fp32 or bf16, got {k.state_dtype!r}")
+    if k.activation_model not in (None, "megatron", "eager"):
+        raise EstimateError(f"activation_model must be 'megatron' or 'eager', got {k.activation_model!r}")
     if k.grouping not in GROUPINGS:
         raise EstimateError(f"grouping must be one of {GROUPINGS}, got {k.grouping!r}")
     for name in ("prefetch_depth",):
@@ -194,7 +196,7 @@ def local_machine(nvme_path="."):
 def estimate(model=None, *, params=None, layers=None, hidden=None, seq=2048, batch=1, vocab=None,
              heads=None, machine=None, config=None, precision=None, zero_stage=None,
              prefetch_depth=None, grad_accum=None, host_cap_gb=None, tile_numel=None,
-             state_dtype=None, grouping=None, grad_spill=None, configs=None):
+             state_dtype=None, grouping=None, grad_spill=None, activation_model=None, configs=None):
     """Estimate memory per tier and step time for every valid offload configuration.
 
     model: an ``nn.Module`` (ideally built on the meta device), a factory (callable or
@@ -239,7 +241,7 @@ def estimate(model=None, *, params=None, layers=None, hidden=None, seq=2048, bat
                                      prefetch_depth=prefetch_depth, grad_accum=grad_accum,
                                      host_cap_gb=host_cap_gb, tile_numel=tile_numel,
                                      state_dtype=state_dtype, grouping=grouping,
-                                     grad_spill=grad_spill))
+                                     grad_spill=grad_spill, activation_model=activation_model))
     valid = valid_configs(knobs)
     if configs is not None:
         want = [tuple(c) for c in configs]

@@ -59,6 +59,7 @@ class Knobs:
     grad_accum: int = 1                # [gradient_accumulation_steps]
     host_cap_gb: float | None = None   # [offload.host_memory_gb]
     grouping: str = "module"           # how params are flattened into groups
+    activation_model: str | None = None  # "megatron" | "eager" (None: eager CPU-only, megatron GPU)
     grad_spill: bool = False           # page fp32 grads to NVMe when the host is short (what-if:
                                        # DeepSpeed ZeRO-Infinity does this; infinity's engine not yet)
 
@@ -105,26 +106,50 @@ def valid_configs(knobs):
     return [(p, o) for p in HOMES for o in HOMES if p == "none" or knobs.zero_stage == 3]
 
 
-def activation_items(spec, knobs):
+ACTIVATION_MODELS = ("megatron", "eager")
+
+
+def activation_items(spec, knobs, model="megatron"):
     """Per-GPU activation memory with and without activation checkpointing.
 
-    Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models"
-    (arXiv:2205.05198), eq. 1: one transformer layer stores ``S*B*H*(34 + 5*a*S/H)`` bytes of
-    activations with 16-bit activations (2-byte elements, 1-byte dropout masks); ``x2`` for fp32.
-    Without attention heads given, ``a = H/128``. With full activation checkpointing each
-    layer keeps only its 16-bit input (``2*S*B*H`` bytes, x2 for fp32) and one layer's full
-    activations exist at a time during recomputation. The logits add ``S*B*V*4*2`` bytes
-    (fp32 logits and their gradient) when V is known.
+    ``"megatron"`` (fused kernels, GPU): Korthikanti et al. 2022, "Reducing Activation
+    Recomputation in Large Transformer Models" (arXiv:2205.05198), eq. 1: one transformer
+    layer stores ``S*B*H*(34 + 5*a*S/H)`` bytes with 16-bit activations (x2 for fp32);
+    the logits add ``S*B*V*8`` (fp32 logits and their gradient). Checkpointing keeps each
+    layer's 16-bit input (``2*S*B*H``) plus one layer's full activations.
+
+    ``"eager"`` (PyTorch eager, Hugging Face models, measured on CPU; see docs/estimator.md
+    "Activation constants"): one layer ``S*B*H*(140 + 16*a*S/H)`` bytes in fp32 (x0.625 in
+    bf16/fp16), ``L+1`` layers' worth at the backward peak, the loss ``S*B*V*24`` bytes (fp32
+    upcast, shifted copy, log-softmax and their gradients) plus ``2*V*H*4`` for the
+    transient output-embedding gradients. Checkpointing: ``L*S*B*H*lp`` of layer inputs plus
+    two layers' full activations and the loss.
+
+    Without attention heads given, ``a = H/128``.
     """
     S, B, H, L = spec.seq, spec.batch, spec.hidden, spec.layers
     a = spec.heads or max(1, H // 128)
+    V = spec.vocab or 0
+    if model == "eager":
+        f = 1.0 if knobs.precision == "fp32" else 0.625
+        per_layer = int(S * B * H * (140 + 16 * a * S / H) * f)
+        loss = S * B * V * 24 + 2 * V * H * 4
+        fs = "" if f == 1.0 else "0.625*"
+        lg = " + S*B*V*24 + 2*V*H*4" if V else ""
+        full = Item("device", "activations (no checkpointing)", (L + 1) * per_layer + loss,
+                    f"{fs}(L+1)*S*B*H*(140 + 16*a*S/H){lg}  [eager, a={a}]")
+        ckpt = Item("device", "activations (checkpointing)", L * S * B * H * knobs.lp + 2 * per_layer + loss,
+                    f"L*S*B*H*lp + {fs}2*S*B*H*(140 + 16*a*S/H){lg}")
+        return {"none": full, "checkpointing": ckpt}
+    if model != "megatron":
+        raise ValueError(f"activation model must be one of {ACTIVATION_MODELS}, got {model!r}")
     scale = 2 if knobs.precision == "fp32" else 1
     per_layer = int(S * B * H * (34 + 5 * a * S / H)) * scale
-    logits = S * B * spec.vocab * 8 if spec.vocab else 0
-    lg = " + S*B*V*8" if spec.vocab else ""
+    logits = S * B * V * 8
+    lg = " + S*B*V*8" if V else ""
     sc = "2*" if scale == 2 else ""
     full = Item("device", "activations (no checkpointing)", L * per_layer + logits,
-                f"{sc}L*S*B*H*(34 + 5*a*S/H){lg}  [a={a}]")
+                f"{sc}L*S*B*H*(34 + 5*a*S/H){lg}  [Korthikanti et al., a={a}]")
     ckpt = Item("device", "activations (checkpointing)", L * 2 * S * B * H * scale + per_layer + logits,
                 f"{sc}(L*2*S*B*H + S*B*H*(34 + 5*a*S/H)){lg}")
     return {"none": full, "checkpointing": ckpt}
@@ -208,9 +233,12 @@ def plan_memory(spec, machine, knobs, params_home, optimizer_home):
     sink = lp if (not master_is_param and params_home == "nvme") else 0
     per_slot = (8 if swap else 0) + (2 * sb if optimizer_home == "nvme" else 0) + sink
     if per_slot:
-        T, D = knobs.tile_numel, knobs.pipeline_depth
+        # a tile never spans two partitions (groups): pages of a slot beyond the largest group
+        # are allocated but never touched, so resident bytes use min(T, Gmax)
+        D = knobs.pipeline_depth
+        T = min(knobs.tile_numel, -(-G // 2048) * 2048)
         add(Item("pinned", "optimizer tile ring", r * D * T * per_slot,
-                 f"r*D*T*{per_slot}  [D={D}, T={T}]"))
+                 f"r*D*min(T,Gmax)*{per_slot}  [D={D}, T={knobs.tile_numel}]"))
 
     # ---------------------------------------------------------------- NVMe grads if host is short
     if grad_item is not None:
@@ -226,7 +254,8 @@ def plan_memory(spec, machine, knobs, params_home, optimizer_home):
             pl.notes.append("what-if: gradients paged to NVMe because the host cannot hold the fp32 "
                             "grad partition (infinity's engine keeps them in host memory today)")
 
-    pl.activations = activation_items(spec, knobs)
+    act_model = knobs.activation_model or ("eager" if machine.cpu_only else "megatron")
+    pl.activations = activation_items(spec, knobs, act_model)
     return pl
 
 

@@ -32,8 +32,8 @@ LANE_LABELS = {
 }
 
 # Counter names understood as prefetch hits / on-demand fetches (timeline counters or stats).
-_HIT_KEYS = ("prefetched", "prefetch_hits", "prefetch_hit", "fetch_prefetched")
-_MISS_KEYS = ("on_demand", "prefetch_misses", "prefetch_miss", "fetch_on_demand", "on_demand_fetches")
+_HIT_KEYS = ("prefetched", "prefetched_fetches", "prefetch_hits", "prefetch_hit", "fetch_prefetched")
+_MISS_KEYS = ("on_demand", "on_demand_fetches", "prefetch_misses", "prefetch_miss", "fetch_on_demand")
 
 
 # ---------------------------------------------------------------------- interval algebra

@@ -1,0 +1,228 @@
+"""Check `infinity estimate` against measurements on this machine.
+
+For each configuration a child process builds a small GPT-2 (transformers, from a
+config), trains it with the infinity engine, and reports
+
+* host memory: the steady-state peak RSS above the torch baseline. Baseline = the
+  process's RSS after importing torch/transformers/infinity and running one plain-PyTorch
+  forward/backward of a tiny GPT-2 (so lazily loaded kernels and thread pools count as
+  torch's), before building the model.
+  The peak is the kernel's high-water mark (VmHWM, what ``ru_maxrss`` reports) over
+  steady-state steps, reset with ``/proc/self/clear_refs`` (5) after the warm-up step so
+  the one-off initialisation peak (the eagerly built fp32 model and its copy into the
+  homes) is excluded; ``ru_maxrss`` above the baseline over the whole run is printed too.
+* NVMe bytes per step over one steady-state step (not the first two: Adam moments are
+  not read before they have been written): what the kernel saw the process read from and
+  write to the block layer (``/proc/self/io`` ``read_bytes``/``write_bytes``, all threads
+  including io_uring workers; O_DIRECT, so no page cache in between), and, for
+  comparison, the engine's own ``engine.stats()`` ``nvme_read_bytes``/``nvme_write_bytes``.
+
+and the parent compares them with ``infinity.estimate`` for the same model, machine
+(CPU-only, so the device tier is host memory) and settings. The predicted host figure
+is pinned + pageable + device (activations without checkpointing), excluding the
+estimator's OS/runtime reserve and the initialisation-only staging buffer.
+
+    .venv/bin/python tools/validate_estimator.py            # default configurations
+    .venv/bin/python tools/validate_estimator.py --quick    # smaller model, 3 configurations
+"""
+import argparse
+import ctypes
+import gc
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+CONFIGS = [
+    ("fp32", "none", "none"),
+    ("fp32", "cpu", "cpu"),
+    ("bf16", "cpu", "nvme"),
+    ("bf16", "nvme", "nvme"),
+    ("fp32", "nvme", "nvme"),
+]
+
+
+def _status_kb(field):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def _proc_io():
+    """Bytes this process sent to / fetched from the block layer (all threads, incl. io_uring workers)."""
+    out = {}
+    with open("/proc/self/io") as f:
+        for line in f:
+            k, v = line.split(":")
+            out[k.strip()] = int(v)
+    return out
+
+
+def _trim():
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:
+        pass
+
+
+def child(spec):
+    import resource
+
+    import torch
+    import transformers  # noqa: F401  (part of the baseline)
+
+    import infinity
+    import infinity.io  # noqa: F401  (extensions loaded: part of the baseline)
+    import infinity.optim  # noqa: F401
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.set_num_threads(1)
+    # torch-only baseline: the runtime after one plain-PyTorch forward/backward of a tiny
+    # model of the same family (lazily loaded kernels, thread pools, allocator arenas)
+    tiny = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2, n_positions=32))
+    t = torch.randint(0, 64, (2, 16))
+    tiny(input_ids=t, labels=t).loss.backward()
+    del tiny, t
+    _trim()
+    base = _status_kb("VmRSS")
+    torch.manual_seed(0)
+    cfg = GPT2Config(**spec["model"])
+    model = GPT2LMHeadModel(cfg)
+    model.config.use_cache = False
+    conf = {"precision": spec["precision"],
+            "offload": {"params": spec["params"], "optimizer": spec["optimizer"],
+                        "nvme_paths": [spec["swap"]]},
+            "prefetch": {"depth": spec["depth"]}}
+    eng = infinity.initialize(model, conf)
+    del model
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, cfg.vocab_size, (spec["batch"], spec["seq"]), generator=g)
+
+    def step():
+        out = eng(input_ids=x, labels=x)
+        eng.backward(out.loss)
+        eng.step()
+        return float(out.loss.detach())
+
+    step()                       # warm-up: records the module order, writes m/v once
+    step()                       # first step that reads m/v back
+    _trim()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")             # reset VmHWM to the current RSS
+    s0, io0 = eng.stats(), _proc_io()
+    loss = step()
+    s1, io1 = eng.stats(), _proc_io()
+    loss = step()
+    hwm = _status_kb("VmHWM")
+    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    res = {"base_rss": base, "steady_hwm": hwm, "maxrss": maxrss,
+           "nvme_read": s1["nvme_read_bytes"] - s0["nvme_read_bytes"],
+           "nvme_write": s1["nvme_write_bytes"] - s0["nvme_write_bytes"],
+           "proc_read": io1["read_bytes"] - io0["read_bytes"],
+           "proc_write": io1["write_bytes"] - io0["write_bytes"],
+           "loss": loss, "engine_plan_host": eng.placement.host_total}
+    eng.close()
+    print(json.dumps(res))
+
+
+def predict(spec):
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from infinity.estimate import Machine, estimate, spec_from_module
+    with torch.device("meta"):
+        model = GPT2LMHeadModel(GPT2Config(**spec["model"]))
+    ms = spec_from_module(model, seq=spec["seq"], batch=spec["batch"])
+    est = estimate(ms, machine=Machine(gpus=0, host_mem_gb=1000, nvme_gb=1000),
+                   precision=spec["precision"], prefetch_depth=spec["depth"],
+                   configs=[(spec["params"], spec["optimizer"])])
+    c = est.configs[0]
+    init_only = sum(i.nbytes for i in c.plan.items if "initialisation only" in i.name)
+    host = c.totals["pinned"] + c.totals["pageable"] + c.totals["device_none"] - init_only
+    tr = c.steps["none"].traffic
+    return {"host": host, "nvme_read": tr["nvme_read"], "nvme_write": tr["nvme_write"],
+            "params": ms.params}
+
+
+def _ratio(pred, meas):
+    if meas == 0 and pred == 0:
+        return "  exact"
+    if meas == 0:
+        return "   n/a"
+    return f"{pred / meas:6.3f}"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--quick", action="store_true", help="smaller model, 3 configurations")
+    ap.add_argument("--json", action="store_true", help="print the rows as JSON")
+    args = ap.parse_args()
+    if args.child:
+        child(json.loads(args.child))
+        return 0
+    if args.quick:
+        model = dict(vocab_size=4096, n_embd=256, n_layer=4, n_head=4, n_positions=128)
+        configs = [CONFIGS[1], CONFIGS[2], CONFIGS[3]]
+    else:
+        model = dict(vocab_size=8192, n_embd=512, n_layer=6, n_head=8, n_positions=256)
+        configs = CONFIGS
+    rows = []
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for precision, params, optimizer in configs:
+        with tempfile.TemporaryDirectory(prefix="validate-est-", dir=root) as swap:
+            spec = {"model": model, "precision": precision, "params": params,
+                    "optimizer": optimizer, "swap": swap, "depth": 2, "seq": 64, "batch": 2}
+            t0 = time.perf_counter()
+            p = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", json.dumps(spec)],
+                               capture_output=True, text=True, timeout=900)
+            if p.returncode != 0:
+                print(f"{precision} {params}/{optimizer}: child failed:\n{p.stderr[-3000:]}", file=sys.stderr)
+                continue
+            meas = json.loads(p.stdout.strip().splitlines()[-1])
+            pred = predict(spec)
+            rows.append({"config": f"{precision} params={params} optimizer={optimizer}",
+                         "params": pred["params"], "seconds": time.perf_counter() - t0,
+                         "pred_host": pred["host"], "meas_host": meas["steady_hwm"] - meas["base_rss"],
+                         "meas_host_maxrss": meas["maxrss"] - meas["base_rss"],
+                         "pred_nvme_read": pred["nvme_read"], "meas_nvme_read": meas["proc_read"],
+                         "stats_nvme_read": meas["nvme_read"],
+                         "pred_nvme_write": pred["nvme_write"], "meas_nvme_write": meas["proc_write"],
+                         "stats_nvme_write": meas["nvme_write"]})
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    MB = 1e6
+    print(f"model: GPT-2 {model}, {rows[0]['params'] / 1e6:.1f}M params, seq 64, batch 2, prefetch depth 2"
+          if rows else "no rows")
+    print("host = steady-state peak RSS above the torch baseline (MB); NVMe = MB per step, measured by "
+          "the kernel (/proc/self/io), engine.stats() in brackets")
+    print(f"{'configuration':<34}{'host pred':>10}{'meas':>8}{'ratio':>7}"
+          f"{'rd pred':>10}{'meas':>8}{'[stats]':>9}{'ratio':>7}"
+          f"{'wr pred':>10}{'meas':>8}{'[stats]':>9}{'ratio':>7}")
+    ok = 0
+    for r in rows:
+        good = all(
+            (r[f"pred_{k}"] == r[f"meas_{k}"] == 0) or
+            (r[f"meas_{k}"] > 0 and abs(r[f"pred_{k}"] / r[f"meas_{k}"] - 1) <= 0.15)
+            for k in ("host", "nvme_read", "nvme_write"))
+        ok += good
+        print(f"{r['config']:<34}{r['pred_host'] / MB:>10.1f}{r['meas_host'] / MB:>8.1f}"
+              f"{_ratio(r['pred_host'], r['meas_host']):>7}"
+              f"{r['pred_nvme_read'] / MB:>10.1f}{r['meas_nvme_read'] / MB:>8.1f}"
+              f"{'[' + format(r['stats_nvme_read'] / MB, '.1f') + ']':>9}"
+              f"{_ratio(r['pred_nvme_read'], r['meas_nvme_read']):>7}"
+              f"{r['pred_nvme_write'] / MB:>10.1f}{r['meas_nvme_write'] / MB:>8.1f}"
+              f"{'[' + format(r['stats_nvme_write'] / MB, '.1f') + ']':>9}"
+              f"{_ratio(r['pred_nvme_write'], r['meas_nvme_write']):>7}  {'within 15 %' if good else 'OFF'}")
+    print(f"{ok} of {len(rows)} configurations within 15 % on host memory and NVMe bytes per step")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
