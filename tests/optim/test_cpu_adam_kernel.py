@@ -406,3 +406,68 @@ def test_numpy_and_tensor_scalars_accepted():
     iopt.adam_step(*b.values(), step=2, lr=float(np.float32(1e-2)), beta1=0.9, beta2=0.999, eps=1e-8,
                    weight_decay=0.0)
     assert torch.equal(a["param"], b["param"]) and not torch.equal(a["param"], torch.zeros(8))
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_grad_loads_are_exact(simd, grad_dtype):
+    """With beta1 = 0, exp_avg after one step is exactly the fp32 gradient: checks the bf16/fp16
+    -> fp32 conversion of every ISA bit for bit, subnormals and extremes included."""
+    bits = torch.arange(0, 1 << 16, dtype=torch.int32).to(torch.int16).view(grad_dtype)
+    f = bits.float()
+    # every finite value of the format except -0 (g - (g - m) * 0 turns -0 into +0, correctly)
+    g = bits[torch.isfinite(f) & ~((f == 0) & torch.signbit(f))].contiguous()
+    n = g.numel()
+    for level in LEVELS:
+        simd(level)
+        m, v = torch.full((n,), 3.0), torch.zeros(n)
+        iopt.adam_step(torch.zeros(n), g, m, v, step=1, lr=1e-3, beta1=0.0, beta2=0.999, eps=1e-8,
+                       weight_decay=0.0)
+        assert torch.equal(m.view(torch.int32), g.float().view(torch.int32)), level
+
+
+def _fork_child_step(q):
+    # numpy-backed tensors and no torch parallel ops: torch's own OpenMP pool does not
+    # survive fork (a torch limitation); this checks that ours does
+    import numpy as np
+    n = 300_000
+    p = torch.from_numpy(np.ones(n, dtype=np.float32))
+    g = torch.from_numpy(np.ones(n, dtype=np.float32))
+    m = torch.from_numpy(np.zeros(n, dtype=np.float32))
+    v = torch.from_numpy(np.zeros(n, dtype=np.float32))
+    iopt.adam_step(p, g, m, v, step=1, lr=0.5, beta1=0.9, beta2=0.999, eps=0.0, weight_decay=0.0)
+    q.put(float(p.numpy().astype(np.float64).sum()))
+
+
+def test_pool_survives_fork():
+    """A forked child (DataLoader workers, spawned ranks using fork) gets a fresh thread pool."""
+    import multiprocessing as mp
+    n = 300_000
+    iopt.adam_step(torch.ones(n), torch.ones(n), torch.zeros(n), torch.zeros(n), step=1, lr=0.5, beta1=0.9,
+                   beta2=0.999, eps=0.0, weight_decay=0.0)  # the parent's pool is running
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    proc = ctx.Process(target=_fork_child_step, args=(q,))
+    proc.start()
+    proc.join(60)
+    alive = proc.is_alive()
+    if alive:
+        proc.kill()
+    assert not alive, "child deadlocked in the Adam thread pool after fork"
+    assert proc.exitcode == 0
+    assert q.get(timeout=5) == pytest.approx(n * 0.5)  # 1 - lr * m_hat/sqrt(v_hat) = 1 - 0.5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("adamw,wd", [(True, 0.0), (True, 0.1), (False, 0.0), (False, 0.1)])
+@pytest.mark.parametrize("grad_scale", [1.0, 0.25])
+@pytest.mark.parametrize("out_dtype", [None, torch.bfloat16, torch.float16])
+def test_full_matrix(simd, grad_dtype, adamw, wd, grad_scale, out_dtype):
+    for level in LEVELS:
+        simd(level)
+        for n in SIZES:
+            ours, ref, out = run_pair(n, adamw=adamw, wd=wd, grad_dtype=grad_dtype, grad_scale=grad_scale,
+                                      eps=1e-3 if grad_scale != 1.0 else 1e-8, out_dtype=out_dtype)
+            assert rel(ours, ref) < TOL_FP32, (level, n)
+            if out_dtype is not None:
+                assert torch.equal(out.view(torch.int16), ours.to(out_dtype).view(torch.int16)), (level, n)
