@@ -13,7 +13,8 @@ Kept in the checkpoint package so the engine only needs two delegating methods
 
 One parameter is in host memory at a time (one staging buffer reused). Loading
 writes masters and states back through the store, refreshes the low-precision
-compute copies at each parameter's home, and restores counters/scaler/RNG. The
+compute copies and the frozen parameters at each parameter's home, copies the
+buffers, and restores counters/scaler/scheduler/RNG. The
 names and shapes are the model's, so a checkpoint loads under another offload
 configuration or precision (fp32 masters are always saved).
 """
@@ -171,6 +172,12 @@ class EngineCheckpoint:
                 reader.read(f"optim.{s.name}.{which}", out=buf)
                 self.store.write_state(key, which, buf, start=s.offset)
         for g, items in by_group.values():
+            self._write_home(g, items)
+        frozen = {}
+        for g, s in self._frozen_slots():  # after the masters: a group may hold both kinds
+            t = reader.read(s.name).reshape(-1).to(g.dtype)
+            frozen.setdefault(g.gid, (g, []))[1].append((s, t))
+        for g, items in frozen.values():
             self._write_home(g, items)
         with torch.no_grad():
             for name, mod, bn, b in self._buffers():

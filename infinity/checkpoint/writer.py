@@ -266,6 +266,14 @@ def finalize(root, tag, tmpdir, world_size, meta, parts=None):
     return m
 
 
+def _rename(a, b):
+    try:
+        os.rename(a, b)
+    except OSError as e:
+        raise CheckpointError(f"cannot rename {a} -> {b}: {os.strerror(e.errno)} "
+                              f"(errno {e.errno})") from e
+
+
 def commit(root, tag, tmpdir):
     """Atomically install ``tmpdir`` as ``root/<tag>`` and update ``root/latest``."""
     final = os.path.join(root, tag)
@@ -275,13 +283,13 @@ def commit(root, tag, tmpdir):
             remove_tree(tmpdir)  # now holds the old checkpoint
         else:
             trash = os.path.join(root, trash_dir_name(tag, os.getpid()))
-            os.rename(final, trash)
+            _rename(final, trash)
             fsync_dir(root)
-            os.rename(tmpdir, final)
+            _rename(tmpdir, final)
             fsync_dir(root)
             remove_tree(trash)
     else:
-        os.rename(tmpdir, final)
+        _rename(tmpdir, final)
         fsync_dir(root)
     atomic_write_text(os.path.join(root, mf.LATEST_NAME), tag + "\n")
     log.info("checkpoint %s committed", final)

@@ -136,3 +136,37 @@ def test_resume_in_a_new_process_through_engine_methods(tmp_path):
         assert r.meta["step"] == 6
         for n, t in ref.items():
             assert torch.equal(r.read(n), t), n
+
+
+@pytest.mark.parametrize("offload", ["cpu", "nvme"])
+def test_frozen_params_and_buffers(tmp_path, offload):
+    """Frozen params (read from their home) and BatchNorm running stats are saved,
+    exported under model names, and buffers are restored on load."""
+    from infinity.engine import initialize
+
+    def build(seed):
+        torch.manual_seed(seed)
+        m = nn.Sequential(nn.Linear(16, 24), nn.BatchNorm1d(24), nn.ReLU(), nn.Linear(24, 4))
+        m[0].requires_grad_(False)  # a frozen base
+        return m
+
+    swap = str(tmp_path / "swap")
+    m1 = build(0)
+    frozen = {n: p.detach().clone() for n, p in m1.named_parameters() if not p.requires_grad}
+    with initialize(m1, _cfg(offload, swap)) as e1:
+        _train(e1, 2, 0)
+        e1.save_checkpoint(tmp_path / "ck")
+        bufs = {n: b.clone() for n, b in m1.named_buffers()}
+        after = _train(e1, 2, 2)
+    assert bufs["1.num_batches_tracked"].item() == 2
+    m2 = build(9)
+    with initialize(m2, _cfg(offload, swap)) as e2:
+        e2.load_checkpoint(tmp_path / "ck")
+        for n, b in m2.named_buffers():
+            assert torch.equal(b, bufs[n]), n
+        assert _train(e2, 2, 2) == after
+    export_model(tmp_path / "ck", tmp_path / "out")
+    exported = load_exported(tmp_path / "out")
+    assert set(exported) == set(dict(m1.named_parameters())) | set(bufs)
+    for n, t in frozen.items():
+        assert torch.equal(exported[n], t), n
