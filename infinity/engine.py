@@ -15,7 +15,7 @@ from infinity.config import InfinityConfig
 from infinity.engine_optimizer import EngineOptimizer
 from infinity.memory.accounting import Accounting
 from infinity.memory.manager import MemoryManager
-from infinity.memory.plan import PlacementPlan, nvme_dirs_ok
+from infinity.memory.plan import PlacementPlan, nvme_dirs_ok, remove_if_empty
 from infinity.memory.pool import BufferPool
 from infinity.zero.groups import build_groups
 from infinity.zero.hooks import ParamHooks
@@ -82,7 +82,7 @@ class Engine:
         needs_nvme = param_home == "nvme" or cfg.offload.optimizer == "nvme"
         if needs_nvme:
             from infinity.io import AioEngine, SwapSpace
-            nvme_dirs_ok(cfg.offload.nvme_paths)
+            self._created_dirs = nvme_dirs_ok(cfg.offload.nvme_paths)
             a = cfg.aio
             self.aio = AioEngine(a.block_size, a.queue_depth, a.threads, a.engine)
             self.swap = SwapSpace(cfg.offload.nvme_paths, self.aio)
@@ -134,6 +134,7 @@ class Engine:
         if staging is not None:
             self.host_pool.give_back(staging)
             self.host_pool.trim()
+        self.opt.alloc_grads()
         self.coord = PrefetchCoordinator(self.mm, cfg.prefetch.depth, self.acct)
         self.hooks = ParamHooks(model, gp, self.mm, self.coord, self.opt.accumulate)
         self.hooks.install()
@@ -275,6 +276,7 @@ class Engine:
                 log.error("engine.close: closing %s failed: %s", what, e)
         if getattr(self, "host_pool", None) is not None:
             self.host_pool.close()
+        remove_if_empty(getattr(self, "_created_dirs", []))
         if errors:
             what, e = errors[0]
             raise RuntimeError(f"engine.close: closing {what} failed: {e}") from e

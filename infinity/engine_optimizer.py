@@ -66,8 +66,13 @@ class EngineOptimizer:
         self.boundaries = 0          # accumulation boundaries reached (applied + skipped)
         self.last_grad_norm = 0.0
         self.last_step_seconds = 0.0
+        self.host_pool = host_pool
+
+    def alloc_grads(self) -> None:
+        """Lease the fp32 gradient accumulation buffers (after the params were placed, so
+        the model's original tensors are already gone)."""
         for g in self.groups:
-            g.grad_buf = host_pool.lease(g.padded_numel * 4, torch.float32)
+            g.grad_buf = self.host_pool.lease(g.padded_numel * 4, torch.float32)
             g.grad_buf.zero_()
 
     # ------------------------------------------------------------------ registration

@@ -152,11 +152,29 @@ class PlacementPlan:
         return "\n".join(lines)
 
 
-def nvme_dirs_ok(paths: list[str]) -> None:
-    """Create NVMe directories if missing (race-safe); raise with the path if impossible."""
+def nvme_dirs_ok(paths: list[str]) -> list[str]:
+    """Create NVMe directories if missing (race-safe); raise with the path if impossible.
+    Returns the directories this call created (to remove at close when left empty)."""
+    created = []
     for p in paths:
+        missing = []
+        d = os.path.abspath(p)
+        while d and not os.path.exists(d):
+            missing.append(d)
+            d = os.path.dirname(d)
         try:
             os.makedirs(p, exist_ok=True)
+            created.extend(missing)
         except OSError as e:
             raise OSError(e.errno, f"offload.nvme_paths: cannot create {p!r}: {e.strerror}; "
                           f"choose a writable directory on a local NVMe/SSD") from e
+    return created
+
+
+def remove_if_empty(dirs: list[str]) -> None:
+    """Remove directories created for swap (deepest first) when nothing else is in them."""
+    for d in dirs:
+        try:
+            os.rmdir(d)
+        except OSError:
+            pass

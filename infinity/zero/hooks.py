@@ -136,7 +136,7 @@ class ParamHooks:
             for g in groups:
                 g.users -= 1
                 if g.users == 0 and not bw:
-                    self.mm.release(g)
+                    self.coord.release(g)
                 elif g.users == 0 and bw:
                     self._maybe_release_bw(g)
         return post
@@ -158,10 +158,7 @@ class ParamHooks:
         if not isinstance(x, _SavedRef):
             return x
         g = x.g
-        if not (g.state is Location.DEVICE):
-            self.coord.use(g, track=True)
-        else:
-            self.coord.use(g, track=True)
+        self.coord.use(g, track=True, kind="unpack")
         self._mark_backward(g, recompute=False)
         buf = g.device_buf
         return buf.as_strided(x.size, x.stride, buf.storage_offset() + x.rel)
@@ -183,7 +180,7 @@ class ParamHooks:
     def _maybe_release_bw(self, g: GroupRecord) -> None:
         if g.users == 0 and g.saved_refs == 0 and not g.hold_until_backward_end \
                 and not g.prefetched and g.state is Location.DEVICE:
-            self.mm.release(g)
+            self.coord.release(g)
 
     def _grad_hook(self, p: torch.Tensor) -> None:
         g, i = self._slot_of[id(p)]

@@ -27,6 +27,7 @@ class PrefetchCoordinator:
         self.acct = accounting
         self.trace: list[int] | None = None
         self.recording: list[int] = []
+        self._last_event = None
         self.cursor = 0
         self.divergent = False
         self.in_pass = False
@@ -40,6 +41,7 @@ class PrefetchCoordinator:
             self.end_pass()
         self.in_pass = True
         self.recording = []
+        self._last_event = None
         self.cursor = 0
         self.divergent = False
         self._prefetch_ahead()
@@ -63,10 +65,12 @@ class PrefetchCoordinator:
                 self.acct.count("prefetch_unused")
 
     # ------------------------------------------------------------------ uses
-    def use(self, g: GroupRecord, *, track: bool = True) -> None:
-        """Make ``g`` resident (blocking) and keep the prefetch window full."""
+    def use(self, g: GroupRecord, *, track: bool = True, kind: str = "module") -> None:
+        """Make ``g`` resident (blocking) and keep the prefetch window full.
+        ``kind``: "module" (a module call: always one trace event) or "unpack" (saved
+        views unpacked in backward: back-to-back repeats are one event)."""
         if track and self.in_pass:
-            self._advance(g)
+            self._advance(g, kind)
         if self.mm.paged(g):
             if g.prefetched:
                 g.prefetched = False
@@ -81,9 +85,19 @@ class PrefetchCoordinator:
         if track and self.in_pass and not self.divergent:
             self._prefetch_ahead()
 
-    def _advance(self, g: GroupRecord) -> None:
-        if self.recording and self.recording[-1] == g.gid:
+    def release(self, g: GroupRecord) -> None:
+        """Release ``g`` unless the trace needs it again within the prefetch window, in
+        which case it stays resident as if prefetched (no re-read)."""
+        if self.in_pass and not self.divergent and self.trace is not None and self.depth > 0 \
+                and g.gid in self.trace[self.cursor:self.cursor + self.depth]:
+            g.prefetched = True
             return
+        self.mm.release(g)
+
+    def _advance(self, g: GroupRecord, kind: str) -> None:
+        if kind == "unpack" and self._last_event == ("unpack", g.gid):
+            return          # several saved views of one group unpacked back to back
+        self._last_event = (kind, g.gid)
         self.recording.append(g.gid)
         if self.trace is None or self.divergent:
             return
