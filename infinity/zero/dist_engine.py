@@ -97,6 +97,7 @@ class PartitionedEngine(Engine):
         if staging is not None:
             self.host_pool.give_back(staging)
             self.host_pool.trim()
+        self.opt.alloc_grads()
         self.coord = PrefetchCoordinator(self.mm, cfg.prefetch.depth, self.acct)
         self.hooks = ParamHooks(model, gp, self.mm, self.coord, self.opt.accumulate)
         self.hooks.install()

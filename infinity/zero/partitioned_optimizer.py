@@ -45,21 +45,6 @@ __all__ = ["PartitionedOptimizer"]
 MAX_INFLIGHT_REDUCTIONS = 4
 
 
-class _ShardGradPool:
-    """Hands EngineOptimizer shard-sized gradient buffers (stages 2 and 3) instead of
-    full-size ones, so the full fp32 gradient of the model is never allocated."""
-
-    def __init__(self, pool, world_size: int):
-        self.pool = pool
-        self.world_size = world_size
-
-    def lease(self, nbytes, dtype):
-        return self.pool.lease(nbytes // self.world_size, dtype)
-
-    def __getattr__(self, name):
-        return getattr(self.pool, name)
-
-
 class PartitionedOptimizer(EngineOptimizer):
     def __init__(self, model, cfg, groups: list[GroupRecord], names: dict[int, str], *,
                  comm: Comm, stage: int, store, swap, host_pool, accounting, timeline=None,
@@ -69,12 +54,9 @@ class PartitionedOptimizer(EngineOptimizer):
         self.comm = comm
         self.stage = stage
         self.part = Partition(comm.rank, comm.world_size)
-        self.real_pool = host_pool
-        grad_pool = host_pool if stage == 1 else _ShardGradPool(host_pool, comm.world_size)
         super().__init__(model, cfg, groups, names, store=store, swap=swap,
-                         host_pool=grad_pool, accounting=accounting, timeline=timeline,
+                         host_pool=host_pool, accounting=accounting, timeline=timeline,
                          lr_scheduler=lr_scheduler)
-        self.host_pool = host_pool
         # per-backward reduction state (stages 2, 3)
         self._full: dict[int, torch.Tensor] = {}        # gid -> transient full fp32 grads
         self._missing: dict[int, set] = {}              # gid -> slot indices still to come
@@ -100,6 +82,16 @@ class PartitionedOptimizer(EngineOptimizer):
                              f"Use zero_stage 3 to offload parameters")
         return g.device_buf[lo:hi]
 
+    def alloc_grads(self) -> None:
+        """Stage 1: full-size fp32 accumulation buffers; stages 2, 3: this rank's shard
+        only (the full model gradient is never allocated)."""
+        if self.stage == 1:
+            return super().alloc_grads()
+        for g in self.groups:
+            lo, hi = self.shard(g)
+            g.grad_buf = self.host_pool.lease((hi - lo) * 4, torch.float32)
+            g.grad_buf.zero_()
+
     # ------------------------------------------------------------------ registration
     def register(self, g: GroupRecord, init_fp32: torch.Tensor | None) -> None:
         key = self.key(g)
@@ -115,7 +107,7 @@ class PartitionedOptimizer(EngineOptimizer):
             return super().accumulate(g, slot, grad)
         full = self._full.get(g.gid)
         if full is None:
-            full = self.real_pool.lease(g.padded_numel * 4, torch.float32)
+            full = self.host_pool.lease(g.padded_numel * 4, torch.float32)
             full.zero_()
             self._full[g.gid] = full
             self._missing[g.gid] = set(self._trainable_slots[g.gid])
@@ -140,17 +132,17 @@ class PartitionedOptimizer(EngineOptimizer):
         full = self._full.pop(g.gid, None)
         self._missing.pop(g.gid, None)
         if full is None:       # no gradient on this rank in this backward: contribute zeros
-            full = self.real_pool.lease(g.padded_numel * 4, torch.float32)
+            full = self.host_pool.lease(g.padded_numel * 4, torch.float32)
             full.zero_()
         lo, hi = self.shard(g)
-        out = self.real_pool.lease((hi - lo) * 4, torch.float32)
+        out = self.host_pool.lease((hi - lo) * 4, torch.float32)
         inv = 1.0 / self.comm.world_size
         shard_acc = g.grad_buf
 
         def done(full=full, out=out, shard_acc=shard_acc):
             shard_acc.add_(out, alpha=inv)
-            self.real_pool.give_back(out)
-            self.real_pool.give_back(full)
+            self.host_pool.give_back(out)
+            self.host_pool.give_back(full)
         h = self.comm.reduce_scatter_sum(out, full, async_op=True, post=done,
                                          name=f"gradients of group {g.gid} ({g.name or '<root>'})")
         self._inflight.append(h)
@@ -171,7 +163,7 @@ class PartitionedOptimizer(EngineOptimizer):
 
     def zero_grad(self) -> None:
         for full in self._full.values():
-            self.real_pool.give_back(full)
+            self.host_pool.give_back(full)
         self._full.clear()
         self._missing.clear()
         super().zero_grad()

@@ -1,0 +1,90 @@
+"""One rank of a ZeRO test run (spawned by harness.run_ranks). Spec (JSON):
+
+    {"runs": [{"name", "config", "steps", "batch", "model"}...], "fail_rank": int|None,
+     "fail_after_steps": int}
+
+For each run: build the seeded model, train ``steps`` steps with this rank's slice of a
+seeded global batch, record the global mean loss per step and the gathered final
+parameters (written to ``<out>.<name>.safetensors``).
+"""
+import json
+import os
+import sys
+import traceback
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from zero_models import make_model, make_batches  # noqa: E402
+
+
+def main():
+    spec_path, out_path = sys.argv[1], sys.argv[2]
+    spec = json.loads(open(spec_path).read())
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+    import infinity
+    from safetensors.torch import save_file
+    from infinity.zero.distributed import gathered_state_dict
+    from infinity.zero.comm import ensure_process_group
+    rank = int(os.environ["RANK"])
+    ws = int(os.environ["WORLD_SIZE"])
+    result = {"rank": rank, "runs": {}}
+    for run in spec["runs"]:
+        cfg = run["config"]
+        ensure_process_group(cfg.get("dist_timeout_s", 60))
+        torch.manual_seed(1234)
+        model = make_model(run["model"])
+        eng = make_engine(model, cfg)
+        losses = []
+        gas = cfg.get("gradient_accumulation_steps", 1)
+        try:
+            for step, micro in enumerate(make_batches(run["model"], run["steps"] * gas,
+                                                      run["batch"])):
+                if spec.get("fail_rank") == rank and step >= spec.get("fail_after_steps", 0):
+                    raise RuntimeError(f"injected failure on rank {rank} at step {step}")
+                x, y = micro
+                n = x.shape[0] // ws
+                xs, ys = x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]
+                out = eng(xs)
+                loss = torch.nn.functional.mse_loss(out.float(), ys)
+                eng.backward(loss)
+                eng.step()
+                t = loss.detach().clone().reshape(1)
+                dist.all_reduce(t)
+                losses.append(float(t) / ws)
+            sd = gathered_state_dict(eng)
+            stats = eng.stats()
+        finally:
+            eng.close()
+        if rank == 0:
+            save_file({k: v.contiguous() for k, v in sd.items()}, f"{out_path}.{run['name']}.safetensors")
+        swap_left = []
+        for p in cfg.get("offload", {}).get("nvme_paths", []):
+            if os.path.isdir(p):
+                swap_left += os.listdir(p)
+        result["runs"][run["name"]] = {"losses": losses, "swap_left": swap_left,
+                                       "nvme_read_bytes": stats.get("nvme_read_bytes", 0),
+                                       "allgather_bytes": stats.get("allgather_bytes", 0),
+                                       "reduce_scatter_bytes": stats.get("reduce_scatter_bytes", 0)}
+    with open(out_path, "w") as f:
+        json.dump(result, f)
+    dist.destroy_process_group()
+
+
+def make_engine(model, cfg):
+    import infinity
+    import infinity.engine as E
+    if hasattr(E, "ZeroSetup"):          # partitioning integrated into the engine
+        return infinity.initialize(model, cfg)
+    from infinity.zero.dist_engine import PartitionedEngine
+    return PartitionedEngine(model, cfg)
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except BaseException:
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(3)

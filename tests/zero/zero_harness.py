@@ -1,0 +1,74 @@
+"""Spawn N ranks of a child script as ``torchrun`` would (RANK, WORLD_SIZE, MASTER_ADDR,
+MASTER_PORT, LOCAL_RANK in the environment), each with a hard timeout; always kill
+what is left on the way out."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent.parent
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RankResult:
+    def __init__(self, rank, returncode, stdout, stderr, seconds, result):
+        self.rank = rank
+        self.returncode = returncode
+        self.stdout = stdout
+        self.stderr = stderr
+        self.seconds = seconds
+        self.result = result
+
+    def __repr__(self):
+        return (f"RankResult(rank={self.rank}, rc={self.returncode}, {self.seconds:.1f}s, "
+                f"stderr tail={self.stderr[-2000:]!r})")
+
+
+def run_ranks(script: str, spec: dict, tmp_path, *, world_size: int = 2,
+              timeout: float = 120.0) -> list[RankResult]:
+    """Run ``script`` (a file in tests/zero) on ``world_size`` ranks with ``spec`` (JSON).
+    Each rank writes ``<out>/rank<r>.json``; returns one RankResult per rank."""
+    out = Path(tmp_path) / f"ranks-{time.monotonic_ns()}"
+    out.mkdir(parents=True)
+    spec_path = out / "spec.json"
+    spec_path.write_text(json.dumps(spec))
+    port = free_port()
+    procs = []
+    t0 = time.monotonic()
+    try:
+        for r in range(world_size):
+            env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world_size),
+                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+                       PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+            procs.append(subprocess.Popen(
+                [sys.executable, str(HERE / script), str(spec_path), str(out / f"rank{r}.json")],
+                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        results = []
+        for r, p in enumerate(procs):
+            left = max(1.0, timeout - (time.monotonic() - t0))
+            try:
+                so, se = p.communicate(timeout=left)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                so, se = p.communicate()
+                se += f"\n[harness] rank {r} killed after the {timeout}s test timeout"
+            res_file = out / f"rank{r}.json"
+            res = json.loads(res_file.read_text()) if res_file.exists() else None
+            results.append(RankResult(r, p.returncode, so, se, time.monotonic() - t0, res))
+        return results
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()

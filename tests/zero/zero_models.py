@@ -1,0 +1,45 @@
+"""Seeded models and data shared by the ZeRO tests and their spawned ranks."""
+import torch
+from torch import nn
+
+
+class AwkwardNet(nn.Module):
+    """Odd sizes (nothing a multiple of the world size or the alignment), a norm, a
+    frozen parameter and a tied weight."""
+
+    def __init__(self, d_in=13, d=37, depth=3, d_out=5):
+        super().__init__()
+        self.inp = nn.Linear(d_in, d)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(d), nn.Linear(d, 2 * d + 1), nn.GELU(),
+                          nn.Linear(2 * d + 1, d)) for _ in range(depth))
+        self.frozen = nn.Linear(d, d)
+        self.frozen.requires_grad_(False)
+        self.head = nn.Linear(d, d_out)
+        self.shared = nn.Linear(d_out, d_out, bias=False)
+        self.shared2 = nn.Linear(d_out, d_out, bias=False)
+        self.shared2.weight = self.shared.weight      # tied
+
+    def forward(self, x):
+        h = self.inp(x)
+        for b in self.blocks:
+            h = h + b(h)
+        h = h + 0.1 * self.frozen(h)
+        o = self.head(h)
+        return self.shared2(self.shared(o)) + o
+
+
+def make_model(kind="awkward"):
+    if kind == "awkward":
+        return AwkwardNet()
+    raise ValueError(kind)
+
+
+def make_batches(kind, n, batch, seed=99):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        x = torch.randn(batch, 13, generator=g)
+        y = torch.randn(batch, 5, generator=g)
+        out.append((x, y))
+    return out
