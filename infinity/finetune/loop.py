@@ -65,8 +65,9 @@ def _lr(engine, stats):
     return float(lr) if isinstance(lr, (int, float)) else float("nan")
 
 
-def run(engine, batcher, opts, reporter, stopper, checkpointer=None):
-    """Train from ``opts.start_step + 1`` to ``opts.steps``. Returns :class:`LoopResult`."""
+def run(engine, batcher, opts, reporter, stopper, checkpointer=None, timeline=None):
+    """Train from ``opts.start_step + 1`` to ``opts.steps``. Returns :class:`LoopResult`.
+    ``timeline`` (an ``infinity.profile.Timeline`` or None) gets a mark at each step start."""
     step = opts.start_step
     saved = []
     stop_reason = "completed"
@@ -76,6 +77,8 @@ def run(engine, batcher, opts, reporter, stopper, checkpointer=None):
             stop_reason = f"{stopper.reason}: stopped cleanly after step {step}"
             break
         lr = _lr(engine, None)
+        if timeline is not None:
+            timeline.mark_step(step_no)
         t0 = time.perf_counter()
         loss_sum = 0.0
         tokens = 0

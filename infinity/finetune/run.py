@@ -141,7 +141,12 @@ def finetune(opts, *, reporter_streams=None):
     stopper = GracefulStop()
     try:
         with stopper:
-            engine = infinity.initialize(model, cfg)
+            timeline = None
+            if opts.profile:
+                from infinity.profile import Timeline
+
+                timeline = Timeline(rank=rank)  # disabled until the profile session enables it
+            engine = infinity.initialize(model, cfg, timeline=timeline)
             try:
                 del model  # the engine owns the parameters now
                 start = 0
@@ -153,15 +158,17 @@ def finetune(opts, *, reporter_streams=None):
                                       "nothing to do")
                 prof = contextlib.nullcontext()
                 if opts.profile:
-                    if not hasattr(engine, "profile"):
-                        raise FinetuneError("--profile is not available yet in this build "
-                                            "(engine.profile() missing)")
-                    os.makedirs(opts.profile, exist_ok=True)
-                    prof = engine.profile(opts.profile)
+                    bench = None
+                    if opts.use_bench_io:
+                        from infinity.finetune.settings import find_bench_io_result
+
+                        bench, _ = find_bench_io_result(cfg["offload"]["nvme_paths"])
+                    prof = _profile_session(engine, timeline, opts.profile, rank, bench)
                 lopts = loop.LoopOptions(steps=opts.steps, start_step=start, grad_accum=gas,
                                          save_every=opts.save_every, world_size=world)
                 with prof:
-                    result = loop.run(engine, batcher, lopts, reporter, stopper, checkpointer)
+                    result = loop.run(engine, batcher, lopts, reporter, stopper, checkpointer,
+                                      timeline=timeline)
                 stats = engine.stats()
             finally:
                 _close_uninterrupted(engine)
@@ -188,6 +195,23 @@ def finetune(opts, *, reporter_streams=None):
     reporter.summary(stop_reason=None if result.stop_reason == "completed" else result.stop_reason,
                      extra=extra)
     return {"records": reporter.records, "result": result, "stats": stats}
+
+
+def _profile_session(engine, timeline, directory, rank, bench_io_file=None):
+    """``engine.profile(dir)`` when the engine has it, else a ``ProfileSession`` over the
+    timeline given to ``initialize`` (with the bench-io result, if any, as the GB/s
+    ceiling). Each rank > 0 writes to ``dir/rank<r>``."""
+    if rank:
+        directory = os.path.join(directory, f"rank{rank}")
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as e:
+        raise FinetuneError(f"--profile: cannot create {directory}: {e.strerror or e}") from e
+    if hasattr(engine, "profile"):
+        return engine.profile(directory)
+    from infinity.profile import ProfileSession
+
+    return ProfileSession(timeline, directory, stats_fn=engine.stats, ceilings=bench_io_file)
 
 
 def _close_uninterrupted(engine):

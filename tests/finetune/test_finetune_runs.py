@@ -68,10 +68,6 @@ def test_save_and_resume_continue_the_loss_curve(tmp_path, tiny_config):
 
 
 def test_profile_dir_gets_a_trace_and_a_plot(tmp_path, tiny_config):
-    from infinity.engine import Engine
-
-    if not hasattr(Engine, "profile"):
-        pytest.skip("engine.profile is not in this build yet")
     prof = tmp_path / "prof" / "run1"
     recs, err, _ = _run(tmp_path, "swap", model=tiny_config("llama"), steps=2, batch_tokens=128,
                         profile=str(prof))
