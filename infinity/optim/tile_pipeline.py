@@ -246,26 +246,43 @@ class TilePipeline:
             s.mark_valid.clear()
 
     # -- the loop -----------------------------------------------------------
+    @staticmethod
+    def writes_done(slot: Slot) -> bool:
+        """True when every write on the slot has landed (without blocking)."""
+        for h in slot.writes:
+            done = getattr(h, "done", None)
+            if done is None or not done():
+                return False
+        return True
+
     def run(self, tasks: List[TileTask], hp: dict) -> None:
+        """Read-ahead of ``depth - 2`` tiles (at least 1), issued only into slots whose
+        writes have landed, so the loop blocks on a write only when the very tile to
+        compute next needs its slot; writes of the previous tiles overlap the compute."""
         if not tasks:
             return
         slots = self.slots
         depth = len(slots)
+        ahead = max(1, depth - 2)
+        total = len(tasks)
+        nxt = 0                      # next tile whose reads are not issued yet
         try:
-            self.issue_reads(tasks[0], slots[0])
             for i, task in enumerate(tasks):
-                if i + 1 < len(tasks):
-                    nxt = slots[(i + 1) % depth]
-                    self.current = nxt.task
-                    self.drain_writes(nxt)          # tile i+1-depth leaves the slot
-                    self.current = tasks[i + 1]
-                    self.issue_reads(tasks[i + 1], nxt)
+                while nxt < total and nxt <= i + ahead:
+                    slot = slots[nxt % depth]
+                    if nxt > i and not self.writes_done(slot):
+                        break                        # never block for read-ahead
+                    self.current = slot.task
+                    self.drain_writes(slot)          # tile nxt-depth leaves the slot
+                    self.current = tasks[nxt]
+                    self.issue_reads(tasks[nxt], slot)
+                    nxt += 1
                 slot = slots[i % depth]
                 self.current = task
                 self.wait_reads(slot)
                 self.compute(task, slot, hp)
                 self.issue_writes(task, slot)
-            for k in range(len(tasks), len(tasks) + depth):
+            for k in range(total, total + depth):
                 self.current = slots[k % depth].task
                 self.drain_writes(slots[k % depth])
         except BaseException:
