@@ -19,6 +19,7 @@ Protocol the engine implements::
     save_checkpoint(obj, dir, tag=None, *, step=None, shard_bytes=1 << 30,
                     async_=False, max_host_bytes=1 << 30) -> SaveHandle
     load_checkpoint(obj, dir, tag=None, *, strict=True) -> meta dict
+    delete_checkpoint(dir, tag, *, allow_latest=False)   # atomic disappearance
 """
 from .api import (Checkpointable, SaveHandle, default_tag, load_checkpoint, save_checkpoint,
                   wait_pending)
@@ -27,7 +28,8 @@ from .export import export_model
 from .reader import CheckpointReader, list_tags, resolve_tag
 from .rng import rng_state_from_json, rng_state_to_json
 from .writer import Piece
+from .writer import delete as delete_checkpoint
 
 __all__ = ["CheckpointError", "CheckpointReader", "Checkpointable", "Piece", "SaveHandle",
-           "default_tag", "export_model", "list_tags", "load_checkpoint", "resolve_tag",
+           "default_tag", "delete_checkpoint", "export_model", "list_tags", "load_checkpoint", "resolve_tag",
            "rng_state_from_json", "rng_state_to_json", "save_checkpoint", "wait_pending"]

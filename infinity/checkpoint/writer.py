@@ -74,7 +74,7 @@ def cleanup_stale(root):
         return
     for name in names:
         kind = None
-        for prefix in (".tmp-", ".trash-", ".latest.tmp-"):
+        for prefix in (".tmp-", ".trash-", ".deleted-", ".latest.tmp-"):
             if name.startswith(prefix):
                 kind = prefix
                 break
@@ -293,3 +293,25 @@ def commit(root, tag, tmpdir):
         fsync_dir(root)
     atomic_write_text(os.path.join(root, mf.LATEST_NAME), tag + "\n")
     log.info("checkpoint %s committed", final)
+
+
+def delete(root, tag, *, allow_latest=False):
+    """Remove checkpoint ``root/<tag>`` so that it disappears atomically: rename it to
+    ``root/.deleted-<tag>-<pid>`` (fsync), then delete that. A crash leaves at most a
+    hidden leftover that the next save removes, never a half-deleted tag. Refuses to
+    delete the tag ``latest`` names unless ``allow_latest``."""
+    mf.check_tag(tag)
+    final = os.path.join(root, tag)
+    if not os.path.isdir(final):
+        raise CheckpointError(f"checkpoint {final} does not exist")
+    if not allow_latest:
+        try:
+            with open(os.path.join(root, mf.LATEST_NAME), encoding="utf-8") as f:
+                if f.read(1024).strip() == tag:
+                    raise CheckpointError(f"refusing to delete {final}: 'latest' points to it")
+        except FileNotFoundError:
+            pass
+    gone = os.path.join(root, f".deleted-{tag}-{os.getpid()}")
+    _rename(final, gone)
+    fsync_dir(root)
+    remove_tree(gone)

@@ -166,3 +166,19 @@ def test_kill9_during_save_few_trials(tmp_path):
 def test_kill9_during_save_matrix(tmp_path):
     mid_save = _run_kill_matrix(tmp_path, trials=24, seed=int(time.time()))
     assert mid_save > 0  # the kills did land inside saves (temp dirs were left behind)
+
+
+def test_delete_checkpoint_atomic_and_protects_latest(tmp_path, dict_state):
+    from infinity.checkpoint import delete_checkpoint
+    for s in (1, 2):
+        save_checkpoint(dict_state({"a": torch.full((3,), float(s))}, {"step": s}), tmp_path)
+    with pytest.raises(CheckpointError, match="'latest' points to it"):
+        delete_checkpoint(tmp_path, "step-2")
+    delete_checkpoint(tmp_path, "step-1")
+    assert sorted(os.listdir(tmp_path)) == ["latest", "step-2"]
+    with pytest.raises(CheckpointError, match="does not exist"):
+        delete_checkpoint(tmp_path, "step-1")
+    # a crash mid-delete leaves only a hidden leftover, removed by the next save
+    (tmp_path / f".deleted-step-0-{_dead_pid()}").mkdir()
+    save_checkpoint(dict_state({"a": torch.ones(1)}, {"step": 3}), tmp_path)
+    assert sorted(os.listdir(tmp_path)) == ["latest", "step-2", "step-3"]
