@@ -1,4 +1,6 @@
 // AVX-512 (F/BW/VL/DQ + F16C) Adam/AdamW kernel: 16 lanes, masked tails.
+// Loads and stores are unaligned (no peeling): any element offset works, and on
+// aligned buffers (torch allocations, the 4096-aligned NVMe tiles) they cost nothing.
 // Compiled with -mavx512f -mavx512bw -mavx512vl -mavx512dq -mfma -mf16c (setup.py);
 // only called after CPUID says the CPU has these (dispatch.cpp).
 #include <immintrin.h>

@@ -16,11 +16,8 @@ mixed precision (bf16 grads in, fp32 master + states, bf16 params out; 28 B/elem
              (torch's best equivalent)
 """
 import json
-import logging
 import statistics
 import time
-
-log = logging.getLogger("infinity.bench")
 
 BYTES_PER_ELEM = 28  # fp32 step: 4 reads + 3 writes of 4 bytes; mixed: 4+2+8 in, 4+8+2 out
 

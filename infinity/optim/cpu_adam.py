@@ -13,13 +13,9 @@ The decay mode of a group lives in torch's key ``decoupled_weight_decay``;
 is an extension torch does not have (a torch optimizer loading such a state dict
 would bias-correct).
 """
-import logging
-
 import torch
 
 from .functional import adam_step
-
-log = logging.getLogger("infinity.optim")
 
 _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

@@ -471,3 +471,27 @@ def test_full_matrix(simd, grad_dtype, adamw, wd, grad_scale, out_dtype):
             assert rel(ours, ref) < TOL_FP32, (level, n)
             if out_dtype is not None:
                 assert torch.equal(out.view(torch.int16), ours.to(out_dtype).view(torch.int16)), (level, n)
+
+
+def test_override_naming_a_missing_isa_is_an_error():
+    """INFINITY_SIMD naming an ISA the CPU lacks must fail loudly (simulated CPU without AVX-512)."""
+    from infinity.optim import functional as F
+
+    class CpuWithoutAvx512:
+        selected = None
+
+        def cpu_supports(self, name):
+            return name != "avx512"
+
+        def cpu_features(self):
+            return [("avx2", True), ("avx512f", False)]
+
+        def select_simd(self, name):
+            self.selected = name
+
+    ext = CpuWithoutAvx512()
+    with pytest.raises(iopt.SimdUnavailableError, match=r"INFINITY_SIMD='avx512'.*cannot run the avx512.*scalar, avx2"):
+        F._apply_simd(ext, "avx512", source="INFINITY_SIMD='avx512'")
+    assert ext.selected is None
+    F._apply_simd(ext, "avx2", source="test")
+    assert ext.selected == "avx2"
