@@ -248,7 +248,7 @@ def plan_memory(spec, machine, knobs, params_home, optimizer_home):
         cap = _host_cap(machine, knobs)
         if knobs.grad_spill and cap is not None and host_now > cap and optimizer_home == "nvme":
             pl.items.remove(grad_item)
-            add(Item("nvme", "grad accumulation (fp32, NVMe: host cap too small)",
+            add(Item("nvme", "grad accumulation (fp32, NVMe)",
                      grad_item.nbytes, grad_item.formula))
             pl.grads_on_nvme = True
             pl.notes.append("what-if: gradients paged to NVMe because the host cannot hold the fp32 "

@@ -100,7 +100,7 @@ def test_grads_spill_to_nvme_when_host_cap_is_small():
     small.grad_spill = True                                                    # the what-if
     pl = plan_memory(small_spec(), m, small, "nvme", "nvme")
     assert pl.grads_on_nvme
-    assert items(pl)[("nvme", "grad accumulation (fp32, NVMe: host cap too small)")] == 4_000_000
+    assert items(pl)[("nvme", "grad accumulation (fp32, NVMe)")] == 4_000_000
 
 
 def test_valid_configs():
