@@ -43,6 +43,10 @@ def main():
                                                       run["batch"])):
                 if spec.get("fail_rank") == rank and step >= spec.get("fail_after_steps", 0):
                     raise RuntimeError(f"injected failure on rank {rank} at step {step}")
+                if spec.get("stall_rank") == rank and step >= spec.get("fail_after_steps", 0):
+                    import time
+                    time.sleep(spec["stall_seconds"])     # alive but not participating
+                    os._exit(4)
                 x, y = micro
                 n = x.shape[0] // ws
                 xs, ys = x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]

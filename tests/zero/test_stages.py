@@ -44,7 +44,7 @@ def reference(cfg, steps=STEPS, batch=BATCH):
     for i, (x, y) in enumerate(batches):
         loss = torch.nn.functional.mse_loss(model(x), y)
         (loss / gas).backward()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         if (i + 1) % gas == 0:
             if c.gradient_clipping > 0:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), c.gradient_clipping)

@@ -1,0 +1,43 @@
+"""A rank that raises (or stalls) makes every other rank fail with a CollectiveError that
+names the rank and the collective, within ``dist_timeout_s`` — never a hang."""
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from zero_harness import run_ranks  # noqa: E402
+
+TIMEOUT_S = 3
+HARNESS_TIMEOUT = 120     # only a hang reaches this
+
+
+def _spec(tmp_path, **kw):
+    cfg = {"zero_stage": 3, "dist_timeout_s": TIMEOUT_S,
+           "offload": {"params": "cpu", "optimizer": "cpu",
+                       "nvme_paths": [str(tmp_path / "swap")]}}
+    spec = {"runs": [{"name": "fail", "model": "awkward", "steps": 6, "batch": 8,
+                      "config": cfg}], "fail_after_steps": 2}
+    spec.update(kw)
+    return spec
+
+
+def _check_survivor(r):
+    assert r.returncode not in (0, None), r
+    assert "killed after" not in r.stderr, f"rank {r.rank} hung: {r}"
+    assert "CollectiveError" in r.stderr and f"rank {r.rank} of 2" in r.stderr, r
+
+
+def test_exception_in_one_rank_ends_the_other(tmp_path):
+    res = run_ranks("dist_child.py", _spec(tmp_path, fail_rank=1), tmp_path,
+                    timeout=HARNESS_TIMEOUT)
+    assert res[1].returncode != 0 and "injected failure on rank 1" in res[1].stderr, res[1]
+    _check_survivor(res[0])
+
+
+def test_stalled_rank_times_out(tmp_path):
+    """Rank 1 stays alive but stops calling collectives: rank 0 errors after the timeout."""
+    res = run_ranks("dist_child.py", _spec(tmp_path, stall_rank=1, stall_seconds=3 * TIMEOUT_S),
+                    tmp_path, timeout=HARNESS_TIMEOUT)
+    _check_survivor(res[0])
+    assert "timed out" in res[0].stderr.lower() or "timeout" in res[0].stderr.lower(), res[0]
