@@ -119,9 +119,14 @@ class _AsyncSave(SaveHandle):
                 self._cv.wait()
             if self._error is not None:
                 raise self._error
-            copy = tensor.detach().to("cpu", copy=True)
-            self._queued += nbytes
+            self._queued += nbytes  # reserve, then copy outside the lock
             self.peak_queued_bytes = max(self.peak_queued_bytes, self._queued)
+        try:
+            copy = tensor.detach().to("cpu", copy=True)
+        except BaseException:
+            with self._cv:
+                self._queued -= nbytes
+            raise
         self._q.put((name, copy, piece, nbytes))
 
     def end(self, ok=True):

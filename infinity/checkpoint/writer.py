@@ -34,6 +34,7 @@ import logging
 import os
 import time
 
+from . import dtypes
 from . import manifest as mf
 from .errors import CheckpointError
 from .fsutil import (atomic_write_text, exchange, fsync_dir, fsync_fd, make_private_dir,
@@ -175,7 +176,6 @@ class RankShardWriter:
         if self.accounting is not None:
             self.accounting.link("nvme_write", nbytes, dt)
         self.bytes_written += nbytes
-        from . import dtypes
         st = dtypes.to_st(tensor.dtype)
         ent = self.tensors.get(name)
         if ent is None:

@@ -170,3 +170,22 @@ def test_frozen_params_and_buffers(tmp_path, offload):
     assert set(exported) == set(dict(m1.named_parameters())) | set(bufs)
     for n, t in frozen.items():
         assert torch.equal(exported[n], t), n
+
+
+def test_async_save_through_engine_is_a_consistent_snapshot(tmp_path):
+    from infinity.checkpoint import CheckpointReader
+    from infinity.engine import initialize
+    swap = str(tmp_path / "swap")
+    with initialize(_model(0), _cfg("nvme", swap)) as e:
+        _train(e, 2, 0)
+        ref = _state(e)
+        h = e.save_checkpoint(tmp_path / "ck", async_=True, max_host_bytes=600)
+        _train(e, 2, 2)  # keeps changing masters and states while the save may still write
+        assert h.wait() == str(tmp_path / "ck" / "step-2")
+        assert h.peak_queued_bytes <= 33 * 16 * 4  # bound (a single larger tensor alone)
+        changed = _state(e)
+    with CheckpointReader(tmp_path / "ck") as r:
+        r.verify()
+        for n, t in ref.items():
+            assert torch.equal(r.read(n), t), n
+    assert any(not torch.equal(changed[n], ref[n]) for n in ref)
