@@ -72,6 +72,7 @@ def run(engine, batcher, opts, reporter, stopper, checkpointer=None, timeline=No
     saved = []
     stop_reason = "completed"
     prev_bytes = link_bytes(engine.stats())
+    reporter.start()
     for step_no in range(opts.start_step + 1, opts.steps + 1):
         if stopper.should_stop():
             stop_reason = f"{stopper.reason}: stopped cleanly after step {step}"

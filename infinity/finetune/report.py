@@ -69,11 +69,25 @@ class Reporter:
         self._t_start = time.perf_counter()
         if progress is None:
             progress = enabled and hasattr(self.stderr, "isatty") and self.stderr.isatty()
-        if progress:
-            from tqdm import tqdm
+        self._progress = progress
+        self._initial = 0
 
-            self._bar = tqdm(total=total_steps, file=self.stderr, unit="step", dynamic_ncols=True,
-                             leave=True)
+    def _ensure_bar(self):
+        """Created at the first step, so setup time and setup logs stay off the bar."""
+        if self._bar is not None or not self._progress:
+            return
+        import os
+        import shutil
+
+        from tqdm import tqdm
+
+        try:  # the width of the terminal stderr is on (0 on a size-less pty: fall back)
+            cols = os.get_terminal_size(self.stderr.fileno()).columns
+        except (OSError, ValueError, AttributeError):
+            cols = 0
+        cols = cols or shutil.get_terminal_size((120, 24)).columns or 120
+        self._bar = tqdm(total=self.total_steps, initial=self._initial, file=self.stderr,
+                         unit="step", ncols=cols, leave=True)
 
     def info(self, msg):
         if self.enabled:
@@ -82,10 +96,13 @@ class Reporter:
             else:
                 print(msg, file=self.stderr, flush=True)
 
+    def start(self):
+        """Training begins (shows the progress bar on a terminal)."""
+        self._ensure_bar()
+
     def set_initial(self, step):
-        if self._bar is not None and step:
-            self._bar.n = step
-            self._bar.refresh()
+        """Steps already done (resume): the bar starts there."""
+        self._initial = step
 
     def step(self, rec):
         """``rec``: step, loss, lr, grad_norm, tokens, tokens_per_s, step_time_s,
@@ -102,7 +119,8 @@ class Reporter:
                 print(json.dumps(flat), file=self.stdout, flush=True)
             except BrokenPipeError:
                 self._stdout_closed()
-        links = " ".join(f"{_LINK_LABEL[k]} {rec['gbps'][k]:.2f}GB/s" for k in LINKS
+        self._ensure_bar()
+        links = " ".join(f"{_LINK_LABEL[k]} {rec['gbps'][k]:.3g} GB/s" for k in LINKS
                          if rec["bytes"].get(k))
         gn = rec.get("grad_norm")
         gn_s = f"{gn:.3f}" if _finite(gn) else "n/a"
