@@ -189,3 +189,31 @@ def test_async_save_through_engine_is_a_consistent_snapshot(tmp_path):
         for n, t in ref.items():
             assert torch.equal(r.read(n), t), n
     assert any(not torch.equal(changed[n], ref[n]) for n in ref)
+
+
+def test_export_from_engine_checkpoint_loads_in_transformers(tmp_path):
+    """GPT-2 (tied embeddings) trained with NVMe offload: `export` of its checkpoint is
+    loaded by transformers' from_pretrained and gives the engine's logits exactly."""
+    transformers = pytest.importorskip("transformers")
+    from infinity.engine import initialize
+    cfg = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=16, vocab_size=64, n_positions=32,
+                                  bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    m = transformers.GPT2LMHeadModel(cfg)
+    ids = torch.randint(0, 64, (2, 8))
+    swap = str(tmp_path / "swap")
+    with initialize(m, {"offload": {"params": "nvme", "optimizer": "nvme", "nvme_paths": [swap]}}) as e:
+        for _ in range(2):
+            out = e(input_ids=ids, labels=ids)
+            e.backward(out.loss)
+            e.step()
+        e.save_checkpoint(tmp_path / "ck")
+        m.eval()
+        with torch.no_grad():
+            ref = e(input_ids=ids).logits.clone()
+    export_model(tmp_path / "ck", tmp_path / "out")
+    cfg.save_pretrained(tmp_path / "out")
+    m2 = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "out").eval()
+    with torch.no_grad():
+        got = m2(input_ids=ids).logits
+    assert torch.equal(got, ref)
