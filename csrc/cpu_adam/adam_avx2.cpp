@@ -1,5 +1,5 @@
-// AVX2 (+FMA, F16C) Adam/AdamW kernel: 8 lanes; the tail (< 8 elements) is
-// staged through stack buffers and run through the same vector code, so every
+// AVX2 (+FMA, F16C) Adam/AdamW kernel: 8 lanes; the head up to param's 32-byte
+// boundary and the tail (< 8 elements each) are staged through stack buffers and run through the same vector code, so every
 // element sees identical arithmetic whatever the length or alignment.
 // Compiled with -mavx2 -mfma -mf16c (setup.py); only called after CPUID says so.
 #include <immintrin.h>
@@ -97,18 +97,10 @@ inline void step8(const AdamArgs& a, const Consts& c, size_t i) {
 
 inline size_t esize(int dtype) { return dtype == kF32 ? 4 : (dtype == kNone ? 0 : 2); }
 
+// Runs r < W elements starting at i through the vector body, staged in zero-padded
+// stack buffers: the head (peeling) and the tail see exactly the arithmetic of the body.
 template <int G, int S, int O>
-void kernel(const AdamArgs& a, size_t begin, size_t end) {
-    const Consts c(a);
-    size_t i = begin;
-    for (; i + 2 * W <= end; i += 2 * W) {
-        step8<G, S, O>(a, c, i);
-        step8<G, S, O>(a, c, i + W);
-    }
-    for (; i + W <= end; i += W) step8<G, S, O>(a, c, i);
-    if (i == end) return;
-    // Tail: stage through zero-padded stack buffers, run the vector body, copy back.
-    const size_t r = end - i;
+void staged(const AdamArgs& a, const Consts& c, size_t i, size_t r) {
     alignas(32) float p[W] = {};
     alignas(32) unsigned char g[W * 4] = {}, m[W * 4] = {}, v[W * 4] = {}, o[W * 4] = {};
     const size_t gs = esize(G), ss = esize(S), os = esize(O);
@@ -123,6 +115,25 @@ void kernel(const AdamArgs& a, size_t begin, size_t end) {
     std::memcpy(static_cast<unsigned char*>(a.exp_avg) + i * ss, m, r * ss);
     std::memcpy(static_cast<unsigned char*>(a.exp_avg_sq) + i * ss, v, r * ss);
     if (os) std::memcpy(static_cast<unsigned char*>(a.param_out) + i * os, o, r * os);
+}
+
+template <int G, int S, int O>
+void kernel(const AdamArgs& a, size_t begin, size_t end) {
+    const Consts c(a);
+    size_t i = begin;
+    // Peel up to the next 32-byte boundary of param so the body's fp32 accesses do not
+    // split cache lines.
+    const size_t mis = (reinterpret_cast<uintptr_t>(a.param + i) & 31u) / sizeof(float);
+    if (mis != 0 && (reinterpret_cast<uintptr_t>(a.param + i) & 3u) == 0 && end - i > W) {
+        staged<G, S, O>(a, c, i, W - mis);
+        i += W - mis;
+    }
+    for (; i + 2 * W <= end; i += 2 * W) {
+        step8<G, S, O>(a, c, i);
+        step8<G, S, O>(a, c, i + W);
+    }
+    for (; i + W <= end; i += W) step8<G, S, O>(a, c, i);
+    if (i < end) staged<G, S, O>(a, c, i, end - i);
 }
 
 template <int G, int S>

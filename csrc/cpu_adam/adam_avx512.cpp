@@ -1,6 +1,6 @@
 // AVX-512 (F/BW/VL/DQ + F16C) Adam/AdamW kernel: 16 lanes, masked tails.
-// Loads and stores are unaligned (no peeling): any element offset works, and on
-// aligned buffers (torch allocations, the 4096-aligned NVMe tiles) they cost nothing.
+// Loads and stores are unaligned, so any element offset works; a masked head step
+// first brings param to a 64-byte boundary (peeling).
 // Compiled with -mavx512f -mavx512bw -mavx512vl -mavx512dq -mfma -mf16c (setup.py);
 // only called after CPUID says the CPU has these (dispatch.cpp).
 #include <immintrin.h>
@@ -124,6 +124,14 @@ template <int G, int S, int O>
 void kernel(const AdamArgs& a, size_t begin, size_t end) {
     const Consts c(a);
     size_t i = begin;
+    // Peel: one masked step up to the next 64-byte boundary of param (the widest
+    // stream), so the main loop's fp32 loads/stores do not split cache lines.
+    const size_t mis = (reinterpret_cast<uintptr_t>(a.param + i) & 63u) / sizeof(float);
+    if (mis != 0 && (reinterpret_cast<uintptr_t>(a.param + i) & 3u) == 0 && end - i > W) {
+        const size_t head = W - mis;
+        step16<G, S, O, true>(a, c, i, static_cast<__mmask16>((1u << head) - 1u));
+        i += head;
+    }
     for (; i + 2 * W <= end; i += 2 * W) {
         step16<G, S, O, false>(a, c, i, 0xffff);
         step16<G, S, O, false>(a, c, i + W, 0xffff);
