@@ -66,6 +66,7 @@ class Reporter:
         self.records = []
         self.stdout_broken = False
         self._bar = None
+        self._redirect = None
         self._t_start = time.perf_counter()
         if progress is None:
             progress = enabled and hasattr(self.stderr, "isatty") and self.stderr.isatty()
@@ -88,6 +89,15 @@ class Reporter:
         cols = cols or shutil.get_terminal_size((120, 24)).columns or 120
         self._bar = tqdm(total=self.total_steps, initial=self._initial, file=self.stderr,
                          unit="step", ncols=cols, leave=True)
+        try:  # library log lines print above the bar instead of through it
+            import logging
+
+            from tqdm.contrib.logging import logging_redirect_tqdm
+
+            self._redirect = logging_redirect_tqdm(loggers=[logging.getLogger("infinity")])
+            self._redirect.__enter__()
+        except ImportError:
+            self._redirect = None
 
     def info(self, msg):
         if self.enabled:
@@ -150,6 +160,9 @@ class Reporter:
         print("stdout was closed: stopping at the next step boundary", file=self.stderr, flush=True)
 
     def close(self):
+        if self._redirect is not None:
+            self._redirect.__exit__(None, None, None)
+            self._redirect = None
         if self._bar is not None:
             self._bar.close()
             self._bar = None

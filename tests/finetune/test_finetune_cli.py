@@ -67,10 +67,10 @@ def test_cli_error_exit_code_and_no_traceback(tmp_path, ft):
     assert r.stdout == ""
 
 
-def _start(ft, tmp_path, tiny_config, swap, steps=10000):
+def _start(ft, tmp_path, tiny_config, swap, *extra, steps=10000):
     return subprocess.Popen(
         ft.cmd("--model", tiny_config("llama"), "--nvme-path", str(swap), "--steps", str(steps),
-               "--batch-tokens", "256", "--seq-len", "64", "--json"),
+               "--batch-tokens", "256", "--seq-len", "64", "--json", *extra),
         cwd=tmp_path, env=ft.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -90,7 +90,8 @@ def _wait_for_steps(proc, n, timeout=180):
 
 def test_sigint_stops_at_a_step_boundary_and_removes_swap(tmp_path, tiny_config, ft):
     swap = tmp_path / "swap"
-    proc = _start(ft, tmp_path, tiny_config, swap)
+    ck = tmp_path / "ck"
+    proc = _start(ft, tmp_path, tiny_config, swap, "--save", str(ck))
     seen = _wait_for_steps(proc, 2)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=120)
@@ -100,6 +101,7 @@ def test_sigint_stops_at_a_step_boundary_and_removes_swap(tmp_path, tiny_config,
     assert [x["step"] for x in seen] == list(range(1, last + 1))
     assert last < 10000
     assert f"stopped cleanly after step {last}" in err
+    assert (ck / "latest").read_text().strip() == f"step-{last:08d}"  # saved on the way out
     assert ft.files_under(swap) == []
 
 
