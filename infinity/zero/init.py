@@ -380,18 +380,22 @@ class Init:
         def __init_subclass__(cls, **kw):
             super(nn.Module, cls).__init_subclass__(**kw)
             ctx._wrap_class(cls)
+            if cls.__name__ == "PreTrainedModel" and cls.__module__ == "transformers.modeling_utils":
+                ctx._patch_transformers(cls)
         nn.Module.__init_subclass__ = classmethod(__init_subclass__)
         self._patch_transformers()
 
-    def _patch_transformers(self) -> None:
+    def _patch_transformers(self, base=None) -> None:
+        """Fault-in scope around Hugging Face's per-module ``_initialize_weights`` (patched
+        now if transformers is imported, else when its PreTrainedModel class is defined)."""
         import sys
-        mu = sys.modules.get("transformers.modeling_utils")
-        if mu is None:
-            try:
-                import transformers.modeling_utils as mu  # noqa: F811
-            except Exception:  # transformers absent or broken: nothing to patch
+        if self._orig_hf is not None:
+            return
+        if base is None:
+            mu = sys.modules.get("transformers.modeling_utils")
+            if mu is None:
                 return
-        base = mu.PreTrainedModel
+            base = mu.PreTrainedModel
         ctx = self
         orig = base.__dict__.get("_initialize_weights")
         if orig is None:

@@ -1,0 +1,210 @@
+"""infinity.Init: same weights as eager construction, bounded peak RSS, clean patching."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import infinity
+from infinity.zero.init import Init, adopting, is_managed, managed_count, materialized
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+class Inner(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.a = nn.Linear(d, 2 * d + 1)
+        self.norm = nn.LayerNorm(2 * d + 1)
+        self.scale = nn.Parameter(torch.randn(3, d))
+
+    def forward(self, x):
+        return self.norm(self.a(x)) + self.scale.sum()
+
+
+class Outer(nn.Module):
+    """Nested modules, a direct parameter, a tied weight, a parent that re-initialises a
+    child's parameter after constructing it (as HF post_init does)."""
+
+    def __init__(self, d=9):
+        super().__init__()
+        self.emb = nn.Embedding(11, d)
+        self.inner = nn.ModuleList(Inner(d) for _ in range(2))
+        self.head = nn.Linear(d, 11, bias=False)
+        self.head.weight = self.emb.weight
+        self.bias = nn.Parameter(torch.zeros(5))
+        with torch.no_grad():
+            self.inner[1].a.weight.mul_(0.5)          # touches an already-offloaded param
+        nn.init.normal_(self.inner[0].a.bias, std=0.3)
+
+
+def _hf_models():
+    from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
+    return {
+        "llama": lambda: AutoModelForCausalLM.from_config(LlamaConfig(
+            vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2)),
+        "gpt2": lambda: AutoModelForCausalLM.from_config(GPT2Config(
+            vocab_size=96, n_embd=32, n_layer=2, n_head=4, n_positions=16,
+            bos_token_id=0, eos_token_id=0)),
+    }
+
+
+def _values(model):
+    """name -> values of every parameter, read through their Init home if managed."""
+    out = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        with materialized([p], write_back=False):
+            out[name] = p.detach().clone()
+    return out
+
+
+def _config(home, tmp_path):
+    return {"zero_stage": 3, "offload": {"params": home, "nvme_paths": [str(tmp_path / "swap")]}}
+
+
+@pytest.mark.parametrize("home", ["cpu", "nvme"])
+@pytest.mark.parametrize("kind", ["outer", "llama", "gpt2"])
+def test_same_weights_as_eager(kind, home, tmp_path):
+    build = Outer if kind == "outer" else _hf_models()[kind]
+    torch.manual_seed(7)
+    eager = build()
+    ref = {k: v.detach().clone() for k, v in eager.named_parameters(remove_duplicate=False)}
+    torch.manual_seed(7)
+    before = managed_count()
+    with Init(_config(home, tmp_path)) as ctx:
+        model = build()
+    assert ctx.params_managed > 0
+    for name, p in model.named_parameters():
+        assert is_managed(p), f"{name} was not offloaded"
+        assert torch.isnan(p.data).all(), f"{name} still holds its values in memory"
+    got = _values(model)
+    assert set(got) == set(ref)
+    for k in ref:
+        assert torch.equal(got[k], ref[k]), f"{kind}/{home}: {k} differs from eager construction"
+    # tied weights stay one parameter
+    pids = {id(p) for p in model.parameters()}
+    assert len(pids) == len({id(p) for p in eager.parameters()})
+    del model, p
+    import gc
+    gc.collect()
+    assert managed_count() == before, "dropping the model must free its Init homes"
+    if home == "nvme":
+        assert not any(os.scandir(tmp_path / "swap" / "init")), "Init swap dir not removed"
+
+
+@pytest.mark.parametrize("home", ["cpu", "nvme"])
+def test_initialize_adopts_and_trains_like_eager(home, tmp_path):
+    """An Init-built model handed to initialize() trains exactly like the eager one."""
+    cfg = {"zero_stage": 3, "precision": "fp32",
+           "optimizer": {"lr": 1e-2},
+           "offload": {"params": home, "optimizer": home,
+                       "nvme_paths": [str(tmp_path / "swap")]}}
+    x = torch.randn(6, 9)
+    torch.manual_seed(3)
+    ref_model = Inner(9)
+    with Init(cfg):
+        torch.manual_seed(3)
+        model = Inner(9)
+    import copy
+    cfg2 = copy.deepcopy(cfg)
+    cfg2["offload"]["nvme_paths"] = [str(tmp_path / "swap2")]
+    engines = [_engine(ref_model, cfg), _engine(model, cfg2)]
+    try:
+        losses = []
+        for eng in engines:
+            ls = []
+            for _ in range(3):
+                loss = eng(x).pow(2).mean()
+                eng.backward(loss)
+                eng.step()
+                ls.append(float(loss.detach()))
+            losses.append(ls)
+        assert losses[0] == losses[1]
+        sd0, sd1 = engines[0].state_dict(), engines[1].state_dict()
+        for k in sd0:
+            assert torch.equal(sd0[k], sd1[k]), k
+    finally:
+        for e in engines:
+            e.close()
+    assert managed_count() == 0 or not any(is_managed(p) for p in model.parameters())
+
+
+def _engine(model, cfg):
+    import infinity.engine as E
+    if hasattr(E, "ZeroSetup"):
+        return infinity.initialize(model, cfg)
+    from infinity.zero.dist_engine import PartitionedEngine
+    return PartitionedEngine(model, cfg)
+
+
+def test_patching_is_undone_also_on_error(tmp_path):
+    orig_init = nn.Linear.__init__
+    orig_module_init = nn.Module.__init__
+    with pytest.raises(ZeroDivisionError):
+        with Init(_config("cpu", tmp_path)):
+            nn.Linear(3, 3)
+            1 / 0
+    assert nn.Linear.__init__ is orig_init and nn.Module.__init__ is orig_module_init
+    assert "__init_subclass__" not in nn.Module.__dict__
+    lin = nn.Linear(3, 3)
+    assert not is_managed(lin.weight) and torch.isfinite(lin.weight).all()
+
+
+def test_classes_defined_inside_the_context_are_handled(tmp_path):
+    with Init(_config("cpu", tmp_path)):
+        class Late(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.w = nn.Parameter(torch.ones(4))
+        m = Late()
+    assert is_managed(m.w)
+    assert Late.__init__.__name__ == "__init__" and not getattr(Late.__init__,
+                                                                "_infinity_init_wrapper", False)
+
+
+def test_in_place_write_outside_init_fails_loudly(tmp_path):
+    with Init(_config("cpu", tmp_path)):
+        m = nn.Linear(4, 4)
+    with pytest.raises(RuntimeError):
+        with torch.no_grad():
+            m.weight.add_(1.0)
+
+
+def test_load_safetensors_into_init_model(tmp_path):
+    from safetensors.torch import save_file
+    from infinity.zero.init import load_safetensors
+    torch.manual_seed(1)
+    src = Outer()
+    sd = {k: v.detach().clone() for k, v in src.state_dict().items() if k != "head.weight"}
+    save_file(sd, str(tmp_path / "w.safetensors"))
+    torch.manual_seed(2)
+    with Init(_config("nvme", tmp_path)):
+        model = Outer()
+    load_safetensors(model, [tmp_path / "w.safetensors"], strict=False)
+    got = _values(model)
+    for k, v in sd.items():
+        assert torch.equal(got[k], v), k
+    assert torch.equal(got["head.weight"], sd["emb.weight"])   # tied
+
+
+def test_peak_rss_bounded(tmp_path):
+    """Constructing a model 4x the budget under Init (NVMe home) stays within the budget
+    above the baseline (torch + infinity imported, one warm-up Init) of the same process."""
+    budget = 96 * 2 ** 20
+    out = subprocess.run([sys.executable, os.path.join(HERE, "init_rss_child.py"),
+                          str(tmp_path / "swap"), str(budget)],
+                         capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["model_bytes"] >= 4 * budget
+    assert r["finite"] and 0.005 < r["std"] < 0.05
+    grew = r["peak"] - r["base"]
+    print(f"Init RSS: base {r['base'] / 2**20:.0f} MiB, peak {r['peak'] / 2**20:.0f} MiB, model {r['model_bytes'] / 2**20:.0f} MiB")
+    assert grew <= budget, (f"peak RSS grew {grew / 2**20:.0f} MiB constructing a "
+                            f"{r['model_bytes'] / 2**20:.0f} MiB model; budget "
+                            f"{budget / 2**20:.0f} MiB")
