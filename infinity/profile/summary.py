@@ -58,9 +58,27 @@ def clip_intervals(intervals, lo, hi):
     return out
 
 
+def clip_sorted(intervals, lo, hi):
+    """``clip_intervals`` for sorted disjoint intervals (``merge_intervals`` output), O(log n + k)."""
+    import bisect
+    i = max(0, bisect.bisect_right(intervals, (lo, float("inf"))) - 1)
+    out = []
+    for a, b in intervals[i:]:
+        if a >= hi:
+            break
+        a, b = max(a, lo), min(b, hi)
+        if b > a:
+            out.append((a, b))
+    return out
+
+
 def total_length(intervals):
     """Length of the union of the intervals."""
-    return sum(b - a for a, b in merge_intervals(intervals))
+    return _length(merge_intervals(intervals))
+
+
+def _length(disjoint):
+    return sum(b - a for a, b in disjoint)
 
 
 def subtract_intervals(base, minus):
@@ -170,9 +188,12 @@ def prefetch_counts(counters):
 
 # ---------------------------------------------------------------------- the summary
 def _lane_stats(events, lo, hi):
+    by_lane = {}
+    for e in events:
+        by_lane.setdefault(e.lane, []).append(e)
     per_lane = {}
     for lane in LANES:
-        evs = [e for e in events if e.lane == lane]
+        evs = by_lane.get(lane)
         if not evs:
             continue
         iv = clip_intervals([(e.t0, e.t1) for e in evs], lo, hi)
@@ -239,7 +260,7 @@ def summarize(timeline, *, ceilings=None, counters=None):
         if lane not in per_lane:
             continue
         st = per_lane[lane]
-        busy = total_length(st["intervals"])
+        busy = _length(st["intervals"])
         nbytes = st["bytes"]
         entry = {"bytes": nbytes, "events": st["events"], "busy_s": busy,
                  "busy_fraction": busy / wall,
@@ -257,11 +278,11 @@ def summarize(timeline, *, ceilings=None, counters=None):
     for lane in COMPUTE_LANES:
         if lane in per_lane:
             iv = subtract_intervals(per_lane[lane]["intervals"], wait_iv)
-            busy = total_length(iv)
+            busy = _length(iv)
             out["compute"][lane] = {"events": per_lane[lane]["events"], "busy_s": busy,
                                     "busy_fraction": busy / wall}
     if compute_iv:
-        busy = total_length(compute_iv)
+        busy = _length(compute_iv)
         out["compute"]["total"] = {"busy_s": busy, "busy_fraction": busy / wall}
         fractions["compute"] = busy / wall
 
@@ -273,7 +294,7 @@ def summarize(timeline, *, ceilings=None, counters=None):
             d = by_layer.setdefault(e.name, {"layer": e.name, "wait_s": 0.0, "count": 0})
             d["wait_s"] += max(0.0, min(e.t1, hi) - max(e.t0, lo))
             d["count"] += 1
-        wtot = total_length(wait_iv)
+        wtot = _length(wait_iv)
         out["wait"] = {"total_s": wtot, "fraction": wtot / wall,
                        "by_layer": sorted(by_layer.values(), key=lambda d: -d["wait_s"])}
 
@@ -292,6 +313,7 @@ def _per_step(timeline, per_lane, wait_iv, lo, hi):
     if not marks:
         return []
     bounds = [t for _, t in marks] + [hi]
+    comp = subtract_intervals(_busy(per_lane, COMPUTE_LANES), wait_iv)
     rows = []
     for i, (step, t0) in enumerate(marks):
         t1 = bounds[i + 1]
@@ -301,10 +323,9 @@ def _per_step(timeline, per_lane, wait_iv, lo, hi):
         row = {"step": step, "time_s": wall, "busy_fraction": {}}
         for lane in LINK_LANES:
             if lane in per_lane:
-                row["busy_fraction"][lane] = total_length(
-                    clip_intervals(per_lane[lane]["intervals"], t0, t1)) / wall
-        comp = subtract_intervals(_busy(per_lane, COMPUTE_LANES), wait_iv)
-        row["busy_fraction"]["compute"] = total_length(clip_intervals(comp, t0, t1)) / wall
+                row["busy_fraction"][lane] = sum(
+                    b - a for a, b in clip_sorted(per_lane[lane]["intervals"], t0, t1)) / wall
+        row["busy_fraction"]["compute"] = sum(b - a for a, b in clip_sorted(comp, t0, t1)) / wall
         rows.append(row)
     return rows
 
