@@ -146,7 +146,11 @@ def finetune(opts, *, reporter_streams=None):
                 from infinity.profile import Timeline
 
                 timeline = Timeline(rank=rank)  # disabled until the profile session enables it
-            engine = infinity.initialize(model, cfg, timeline=timeline)
+            try:
+                engine = infinity.initialize(model, cfg, timeline=timeline)
+            except (OSError, ValueError, MemoryError) as e:
+                # swap path not writable, disk full, budgets too small: the message says what to do
+                raise FinetuneError(f"cannot set up the offload engine: {e}") from e
             try:
                 del model  # the engine owns the parameters now
                 start = 0
