@@ -163,3 +163,52 @@ def test_infinity_estimate_is_callable_both_ways():
     assert a.as_dict() == b.as_dict()
     with pytest.raises(EstimateError, match="describe the model"):
         infinity.estimate(layers=2, machine=m)
+
+
+def test_knobs_from_infinity_config_and_overrides():
+    m = Machine(gpus=0, host_mem_gb=64, nvme_gb=100)
+    cfg = {"precision": "fp32", "prefetch": {"depth": 3}, "gradient_accumulation_steps": 4,
+           "offload": {"host_memory_gb": 8}, "aio": {"queue_depth": 8}}
+    est = estimate(small_spec(), machine=m, config=cfg, configs=[("nvme", "nvme")])
+    k = est.knobs
+    assert (k.precision, k.prefetch_depth, k.grad_accum, k.host_cap_gb, k.aio_queue_depth) == \
+        ("fp32", 3, 4, 8.0, 8)
+    it = items(est.configs[0].plan)
+    assert it[("device", "fetched groups (in use + prefetch)")] == (3 + 2) * 50_000 * 4
+    # keyword arguments override the config
+    est = estimate(small_spec(), machine=m, config=cfg, precision="bf16", configs=[("nvme", "nvme")])
+    assert est.knobs.precision == "bf16" and est.knobs.prefetch_depth == 3
+    from infinity.config import ConfigError
+    with pytest.raises(ConfigError):
+        estimate(small_spec(), machine=m, config={"precision": "fp8"})
+
+
+def test_spec_from_plain_module_without_config():
+    import torch
+    from torch import nn
+
+    from infinity.estimate import spec_from_module
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up = nn.Linear(16, 64)
+            self.down = nn.Linear(64, 16)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(100, 16)
+            self.blocks = nn.ModuleList(Block() for _ in range(5))
+            self.head = nn.Linear(16, 100, bias=False)
+            self.head.weight = self.emb.weight          # tied: counted once
+
+    with torch.device("meta"):
+        net = Net()
+    s = spec_from_module(net, seq=8, batch=1)
+    per_block = 16 * 64 + 64 + 64 * 16 + 16
+    assert s.params == 100 * 16 + 5 * per_block
+    assert (s.layers, s.hidden, s.vocab) == (5, 16, 100)
+    assert s.largest_group == {"module": 100 * 16, "block": per_block}
+    with pytest.raises(EstimateError, match="hidden size"):
+        spec_from_module(nn.Sequential(nn.Linear(4, 4), nn.ReLU()))
