@@ -89,6 +89,9 @@ class Engine:
         from infinity.optim.offload_step import DEFAULT_TILE_NUMEL, OptimizerStateStore
         largest_trainable = max((g.padded_numel for g in gp.groups if g.trainable), default=1)
         tile = min(DEFAULT_TILE_NUMEL, largest_trainable)
+        if cfg.host_memory_bytes is not None:
+            # keep the optimizer's tile ring (~3 slots x 4 fp32 tensors) within ~15 % of the cap
+            tile = max(65536, min(tile, int(cfg.host_memory_bytes * 0.15) // 48))
         sink = self.dtype if (self.dtype != torch.float32 and param_home == "nvme") else None
         self.store = OptimizerStateStore(cfg.offload.optimizer, swap=self.swap,
                                          tile_numel=tile, accounting=self.acct,

@@ -67,6 +67,7 @@ class EngineOptimizer:
         self.last_grad_norm = 0.0
         self.last_step_seconds = 0.0
         self.host_pool = host_pool
+        self._written: set[int] = set()     # id(slot) with a gradient since the last step
 
     def alloc_grads(self) -> None:
         """Lease the fp32 gradient accumulation buffers (after the params were placed, so
@@ -91,12 +92,24 @@ class EngineOptimizer:
 
     # ------------------------------------------------------------------ gradients
     def accumulate(self, g: GroupRecord, slot: ParamSlot, grad: torch.Tensor) -> None:
+        """First gradient of a slot since the last step: copy (no zeroing pass needed);
+        later micro-steps: add, in fp32."""
         dst = g.grad_buf[slot.offset:slot.offset + slot.numel]
-        dst.add_(grad.reshape(-1))
+        if id(slot) in self._written:
+            dst.add_(grad.reshape(-1))
+        else:
+            dst.copy_(grad.reshape(-1))
+            self._written.add(id(slot))
+
+    def _zero_unwritten(self) -> None:
+        """Slots that got no gradient in this window hold stale values: zero them."""
+        for g in self.groups:
+            for s in g.slots:
+                if s.trainable and id(s) not in self._written:
+                    g.grad_buf[s.offset:s.offset + s.numel].zero_()
 
     def zero_grad(self) -> None:
-        for g in self.groups:
-            g.grad_buf.zero_()
+        self._written.clear()
 
     def grad_norm(self) -> float:
         total = 0.0
@@ -122,6 +135,7 @@ class EngineOptimizer:
         Returns True when the update was applied."""
         t0 = time.perf_counter()
         self.boundaries += 1
+        self._zero_unwritten()
         scale = float(self.scaler.scale)
         raw_norm = self.grad_norm()
         overflow = not math.isfinite(raw_norm)
