@@ -16,6 +16,7 @@ from . import manifest as mf
 from .errors import CheckpointError
 from .fsutil import ensure_checkpoint_root, remove_tree
 from .reader import CheckpointReader
+from .safetensors_stream import HASH_BLOCK_BYTES
 from .writer import (DEFAULT_HEADER_RESERVE, DEFAULT_SHARD_BYTES, Piece, RankShardWriter, begin,
                      cleanup_stale, finalize, temp_dir_name)
 
@@ -222,7 +223,8 @@ def default_tag(meta, step):
 
 def save_checkpoint(obj, dir, tag=None, *, step=None, shard_bytes=DEFAULT_SHARD_BYTES,
                     async_=False, max_host_bytes=DEFAULT_ASYNC_HOST_BYTES,
-                    header_reserve=DEFAULT_HEADER_RESERVE, timeline=None, accounting=None):
+                    header_reserve=DEFAULT_HEADER_RESERVE, hash_block_bytes=HASH_BLOCK_BYTES,
+                    timeline=None, accounting=None):
     """Write ``obj``'s state to ``dir/<tag>`` atomically and point ``dir/latest`` at it.
 
     Default tag ``step-<N>`` from ``step`` or ``meta["step"]``. Under an initialised
@@ -240,7 +242,7 @@ def save_checkpoint(obj, dir, tag=None, *, step=None, shard_bytes=DEFAULT_SHARD_
     tag = mf.check_tag(tag if tag is not None else default_tag(meta, step))
     root = os.path.abspath(os.fspath(dir))
     writer_kw = dict(shard_bytes=shard_bytes, header_reserve=header_reserve,
-                     timeline=timeline, accounting=accounting)
+                     hash_block_bytes=hash_block_bytes, timeline=timeline, accounting=accounting)
 
     setup_err, pid = None, os.getpid()
     if rank == 0:

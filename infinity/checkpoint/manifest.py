@@ -6,7 +6,8 @@
      "world_size": 2, "created_unix": 1700000000.0,
      "ranks": [{"rank": 0, "files": ["rank0-00000.safetensors"]}, ...],
      "files": {"rank0-00000.safetensors": {"rank": 0, "size": 266240, "data_start": 262144,
-               "header_sha256": "...", "data_sha256": "..."}},
+               "header_sha256": "...", "hash_block_bytes": 67108864,
+               "data_sha256_blocks": ["...", ...]}},   # SHA-256 per data block
      "tensors": {"w": {"dtype": "F32", "shape": [8, 3],
                        "pieces": [{"rank": 0, "file": "rank0-00000.safetensors", "key": "w",
                                    "start": 0, "numel": 12, "offsets": [262144, 262192]},
@@ -121,10 +122,15 @@ def validate(m, path):
         ds = _int(fi.get("data_start"), f"files[{fname!r}].data_start", path, 8)
         if ds > size:
             raise CheckpointError(f"{path}: file {fname!r}: data_start {ds} > size {size}")
-        for h in ("header_sha256", "data_sha256"):
-            v = fi.get(h)
+        hb = _int(fi.get("hash_block_bytes"), f"files[{fname!r}].hash_block_bytes", path, 4096)
+        blocks = fi.get("data_sha256_blocks")
+        nblocks = -(-(size - ds) // hb)
+        if not isinstance(blocks, list) or len(blocks) != nblocks:
+            raise CheckpointError(f"{path}: file {fname!r}: data_sha256_blocks must list "
+                                  f"{nblocks} digests")
+        for v in [fi.get("header_sha256")] + blocks:
             if not isinstance(v, str) or not re.fullmatch(r"[0-9a-f]{64}", v):
-                raise CheckpointError(f"{path}: file {fname!r}: {h} is not a sha256 hex digest")
+                raise CheckpointError(f"{path}: file {fname!r}: {v!r} is not a sha256 hex digest")
     tensors = m.get("tensors")
     if not isinstance(tensors, dict):
         raise CheckpointError(f"{path}: 'tensors' must be an object")

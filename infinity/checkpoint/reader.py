@@ -132,18 +132,33 @@ class CheckpointReader:
         manifest. Raises CheckpointError naming the first bad file."""
         files = self.manifest["files"]
         names = sorted(files)
-        workers = max(1, min(len(names), os.cpu_count() or 1, _MAX_VERIFY_THREADS))
         for fname in names:  # open every fd up front (not thread safe to create lazily)
             self._lstat_regular(fname, files[fname])
             self._fd(fname)
+        # one task per header region and per data block, so even one big file is
+        # hashed on several cores (hashlib releases the GIL)
+        tasks = []
+        for fname in names:
+            fi = files[fname]
+            ds, hb = fi["data_start"], fi["hash_block_bytes"]
+            tasks.append((fname, 0, ds, fi["header_sha256"], "header"))
+            for i, want in enumerate(fi["data_sha256_blocks"]):
+                lo = ds + i * hb
+                tasks.append((fname, lo, min(fi["size"], lo + hb), want, f"data at bytes {lo}.."))
+        workers = max(1, min(len(tasks), os.cpu_count() or 1, _MAX_VERIFY_THREADS))
         if workers > 1:
             with ThreadPoolExecutor(workers, thread_name_prefix="infinity-ckpt-verify") as ex:
-                results = list(ex.map(self._hash_file_safe, names))
+                results = list(ex.map(self._hash_range_safe, tasks))
         else:
-            results = [self._hash_file_safe(n) for n in names]
-        for err in results:  # report the first bad file in name order
+            results = [self._hash_range_safe(t) for t in tasks]
+        for err in results:  # report the first bad file (name order, then offset)
             if err is not None:
                 raise err
+        for fname in names:
+            p = self._file_path(fname)
+            data_start, _, _ = read_header(self._fds[fname], p, files[fname]["size"])
+            if data_start != files[fname]["data_start"]:
+                raise CheckpointError(f"{p}: header length disagrees with the manifest")
         # cross-check manifest pieces against the safetensors headers
         headers = {}
         for name, t in self._tensors.items():
@@ -171,35 +186,28 @@ class CheckpointReader:
             raise CheckpointError(f"checkpoint file {p} has {st.st_size} bytes, the manifest "
                                   f"records {fi['size']}: the file is truncated or corrupt")
 
-    def _hash_file_safe(self, fname):
+    def _hash_range_safe(self, task):
         try:
-            self._hash_file(fname)
+            self._hash_range(*task)
         except CheckpointError as e:
             return e
         return None
 
-    def _hash_file(self, fname):
-        fi = self.manifest["files"][fname]
+    def _hash_range(self, fname, lo, hi, want, what):
         p = self._file_path(fname)
         fd = self._fds[fname]
-        hh, hd = hashlib.sha256(), hashlib.sha256()
-        pos, ds = 0, fi["data_start"]
-        while pos < fi["size"]:
-            n = min(_HASH_CHUNK, fi["size"] - pos)
-            if pos < ds:
-                n = min(n, ds - pos)
+        h = hashlib.sha256()
+        pos = lo
+        while pos < hi:
+            n = min(_HASH_CHUNK, hi - pos)
             buf = os.pread(fd, n, pos)
             if len(buf) != n:
-                raise CheckpointError(f"checkpoint file {p}: short read at {pos}")
-            (hh if pos < ds else hd).update(buf)
+                raise CheckpointError(f"checkpoint file {p}: short read at {pos}; the file is truncated")
+            h.update(buf)
             pos += n
-        if hh.hexdigest() != fi["header_sha256"] or hd.hexdigest() != fi["data_sha256"]:
+        if h.hexdigest() != want:
             raise CheckpointError(f"checkpoint file {p} is corrupt (SHA-256 mismatch in its "
-                                  f"{'header' if hh.hexdigest() != fi['header_sha256'] else 'data'}); "
-                                  f"load another tag")
-        data_start, _, _ = read_header(fd, p, fi["size"])
-        if data_start != ds:
-            raise CheckpointError(f"{p}: header length disagrees with the manifest")
+                                  f"{what}); load another tag")
 
     # -- queries -----------------------------------------------------------------
     def names(self):

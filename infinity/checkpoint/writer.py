@@ -39,7 +39,7 @@ from . import manifest as mf
 from .errors import CheckpointError
 from .fsutil import (atomic_write_text, exchange, fsync_dir, fsync_fd, make_private_dir,
                      open_private_file, pid_alive, remove_tree, write_all)
-from .safetensors_stream import SafetensorsStreamWriter
+from .safetensors_stream import HASH_BLOCK_BYTES, SafetensorsStreamWriter
 
 log = logging.getLogger("infinity.checkpoint")
 
@@ -116,13 +116,15 @@ class RankShardWriter:
     most ``shard_bytes`` data each (a tensor larger than that gets a file of its own)."""
 
     def __init__(self, tmpdir, rank=0, *, shard_bytes=DEFAULT_SHARD_BYTES,
-                 header_reserve=DEFAULT_HEADER_RESERVE, timeline=None, accounting=None):
+                 header_reserve=DEFAULT_HEADER_RESERVE, hash_block_bytes=HASH_BLOCK_BYTES,
+                 timeline=None, accounting=None):
         if shard_bytes <= 0:
             raise ValueError(f"shard_bytes must be positive, got {shard_bytes}")
         self.tmpdir = tmpdir
         self.rank = int(rank)
         self.shard_bytes = int(shard_bytes)
         self.header_reserve = header_reserve
+        self.hash_block_bytes = hash_block_bytes
         self.timeline = timeline
         self.accounting = accounting
         self._cur = None
@@ -137,6 +139,7 @@ class RankShardWriter:
         self._cur_name = name
         self._cur = SafetensorsStreamWriter(os.path.join(self.tmpdir, name),
                                             header_reserve=self.header_reserve,
+                                            hash_block_bytes=self.hash_block_bytes,
                                             metadata={"format": "pt", "writer": "infinity"})
 
     def _close_cur(self):

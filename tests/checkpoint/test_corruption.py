@@ -204,3 +204,19 @@ def test_previous_checkpoint_still_loads_after_corrupting_latest(tmp_path, dict_
         load_checkpoint(dict_state(tensors), tmp_path)
     dst = dict_state(tensors)
     assert load_checkpoint(dst, tmp_path, "step-1")["step"] == 1
+
+
+def test_block_digests_locate_corruption(tmp_path, dict_state):
+    t = {"w": torch.randn(25_000), "v": torch.randn(3)}  # 100 KB -> 25 blocks of 4 KiB
+    save_checkpoint(dict_state(t, {"step": 1}), tmp_path, hash_block_bytes=4096)
+    d = tmp_path / "step-1"
+    man = json.loads((d / "manifest.json").read_text())
+    fi = man["files"]["rank0-00000.safetensors"]
+    assert fi["hash_block_bytes"] == 4096 and len(fi["data_sha256_blocks"]) == 25
+    dst = dict_state({k: torch.zeros_like(v) for k, v in t.items()})
+    load_checkpoint(dst, tmp_path)
+    assert all(torch.equal(dst.loaded[k], v) for k, v in t.items())
+    lo = fi["data_start"] + 10 * 4096
+    _flip(d / "rank0-00000.safetensors", lo + 123)
+    _assert_load_fails_untouched(tmp_path, dict_state, t,
+                                 rf"rank0-00000.safetensors is corrupt \(SHA-256 mismatch in its data at bytes {lo}\.\.")
