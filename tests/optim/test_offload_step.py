@@ -96,7 +96,7 @@ def read_all(store, key, n):
 
 
 # ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("home", HOMES)
+@pytest.mark.parametrize("home", HOMES + ["none"])
 @pytest.mark.parametrize("numel", [1, 7, 4097, 3 * TILE + 1001])
 def test_matches_torch_adamw(home, numel, swap):
     init = torch.randn(numel)
