@@ -25,12 +25,14 @@ void Request::finish_one() {
     }
 }
 
-void Request::chunk_done(uint64_t nbytes) {
+void Request::chunk_done(File* f, uint64_t nbytes) {
+    if (f) f->io_end();
     bytes_.fetch_add(nbytes, std::memory_order_relaxed);
     finish_one();
 }
 
-void Request::chunk_failed(int err, const File* f, uint64_t off, uint64_t len, const std::string& what) {
+void Request::chunk_failed(int err, File* f, uint64_t off, uint64_t len, const std::string& what) {
+    if (f) f->io_end();
     {
         std::lock_guard<std::mutex> g(mu_);
         if (err_ == 0) {
@@ -92,7 +94,8 @@ std::string describe(int op, const File* f, uint64_t off, uint64_t len, int err)
 
 // Full pread/pwrite loop; returns bytes transferred (< len only at EOF for
 // reads) or -errno.
-int64_t xfer_all(int op, int fd, char* buf, uint64_t len, uint64_t off, bool stop_at_eof) {
+int64_t xfer_all(int op, int fd, char* buf, uint64_t len, uint64_t off, bool stop_at_eof,
+                 uint64_t align = 1) {
     uint64_t done = 0;
     while (done < len) {
         ssize_t r = op == OP_READ ? ::pread(fd, buf + done, len - done, (off_t)(off + done))
@@ -106,6 +109,9 @@ int64_t xfer_all(int op, int fd, char* buf, uint64_t len, uint64_t off, bool sto
             return op == OP_READ ? -(int64_t)ENODATA : -(int64_t)EIO;
         }
         done += (uint64_t)r;
+        // A short O_DIRECT read that stops off alignment is the end of the file;
+        // asking again at an unaligned offset would only give EINVAL.
+        if (op == OP_READ && stop_at_eof && done < len && (off + done) % align != 0) break;
     }
     return (int64_t)done;
 }
@@ -117,7 +123,7 @@ bool run_partial_sync(Request& req, const Chunk& c, char* bounce) {
     const uint64_t A = f->offset_align();
     const uint64_t in_block = c.offset - c.block;
     f->lock_block(c.block);
-    int64_t got = xfer_all(OP_READ, f->fd(), bounce, A, c.block, /*stop_at_eof=*/true);
+    int64_t got = xfer_all(OP_READ, f->fd(), bounce, A, c.block, /*stop_at_eof=*/true, A);
     if (got < 0) {
         f->unlock_block(c.block);
         req.chunk_failed((int)-got, f, c.offset, c.len, describe(OP_READ, f, c.block, A, (int)-got));
@@ -134,20 +140,21 @@ bool run_partial_sync(Request& req, const Chunk& c, char* bounce) {
             return false;
         }
         memcpy(c.buf, bounce + in_block, c.len);
-        req.chunk_done(c.len);
+        req.chunk_done(f, c.len);
         return true;
     }
     if ((uint64_t)got < A) memset(bounce + got, 0, A - (uint64_t)got);
     memcpy(bounce + in_block, c.buf, c.len);
     int64_t put = xfer_all(OP_WRITE, f->fd(), bounce, A, c.block, false);
-    bool padded = (uint64_t)got < A;
+    // The whole block was written: if it ends past the logical size, the zero
+    // padding is cut off once the file is idle (File::io_end).
+    if (put >= 0 && c.block + A > f->logical_size()) f->mark_padded();
     f->unlock_block(c.block);
     if (put < 0) {
         req.chunk_failed((int)-put, f, c.offset, c.len, describe(OP_WRITE, f, c.block, A, (int)-put));
         return false;
     }
-    if (padded) f->trim_padding();
-    req.chunk_done(c.len);
+    req.chunk_done(f, c.len);
     return true;
 }
 
@@ -156,7 +163,8 @@ bool run_chunk_sync(Request& req, const Chunk& c, char* bounce) {
     if (c.kind == CK_PARTIAL) return run_partial_sync(req, c, bounce);
     char* buf = c.kind == CK_BOUNCE ? bounce : c.buf;
     if (c.kind == CK_BOUNCE && req.op == OP_WRITE) memcpy(bounce, c.buf, c.len);
-    int64_t r = xfer_all(req.op, f->fd(), buf, c.len, c.offset, /*stop_at_eof=*/true);
+    int64_t r = xfer_all(req.op, f->fd(), buf, c.len, c.offset, /*stop_at_eof=*/true,
+                         f->direct() ? f->offset_align() : 1);
     if (r < 0) {
         int e = (int)-r;
         if (e == ENODATA)
@@ -177,7 +185,7 @@ bool run_chunk_sync(Request& req, const Chunk& c, char* bounce) {
         return false;
     }
     if (c.kind == CK_BOUNCE && req.op == OP_READ) memcpy(c.buf, bounce, c.len);
-    req.chunk_done(c.len);
+    req.chunk_done(f, c.len);
     return true;
 }
 
@@ -269,10 +277,11 @@ std::shared_ptr<Request> Engine::submit(int op, std::vector<Segment> segs) {
     };
     if (r->chunks.empty()) {
         r->remaining = 1;
-        r->chunk_done(0);
+        r->chunk_done(nullptr, 0);
         return r;
     }
     r->remaining = (int64_t)r->chunks.size();
+    for (auto& c : r->chunks) c.file->io_begin(1);
     queue_.push_many(r);
     return r;
 }

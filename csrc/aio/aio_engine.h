@@ -51,8 +51,9 @@ public:
     uint64_t total = 0;
 
     // Called by workers.
-    void chunk_done(uint64_t nbytes);
-    void chunk_failed(int err, const File* f, uint64_t off, uint64_t len, const std::string& what);
+    // Both first tell the chunk's file (idle tracking), then the waiter.
+    void chunk_done(File* f, uint64_t nbytes);
+    void chunk_failed(int err, File* f, uint64_t off, uint64_t len, const std::string& what);
 
     // Called by the owner (GIL released by the binding).
     uint64_t wait();

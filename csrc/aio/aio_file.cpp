@@ -170,6 +170,7 @@ File::~File() { close(); }
 
 void File::close() {
     if (fd_ >= 0) {
+        if (padded_.exchange(false)) trim_padding();
         ::close(fd_);
         fd_ = -1;
     }
@@ -212,6 +213,16 @@ void File::truncate(uint64_t size) {
 void File::note_write_end(uint64_t end) {
     uint64_t cur = logical_size_.load();
     while (end > cur && !logical_size_.compare_exchange_weak(cur, end)) {}
+}
+
+void File::io_begin(int64_t n) {
+    std::lock_guard<std::mutex> g(io_mu_);
+    inflight_ += n;
+}
+
+void File::io_end() {
+    std::lock_guard<std::mutex> g(io_mu_);
+    if (--inflight_ == 0 && padded_.exchange(false)) trim_padding();
 }
 
 void File::trim_padding() {

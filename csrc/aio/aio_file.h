@@ -52,10 +52,17 @@ public:
     void close();                                // idempotent; also in the destructor
 
     // Logical size: the largest end of any write submitted so far (or the size
-    // at open). Padded read-modify-write of a tail block may grow the file past
-    // it; trim_padding() cuts it back.
+    // at open). A padded read-modify-write of a tail block grows the file past
+    // it (mark_padded()); the padding is cut off when the file becomes idle:
+    // io_end() of the last in-flight chunk truncates, while io_begin() of new
+    // chunks waits. Truncating while O_DIRECT I/O is in flight on the same file
+    // system block would race with the page-cache zeroing of that block.
     void note_write_end(uint64_t end);
-    void trim_padding();
+    void io_begin(int64_t nchunks);
+    void io_end();
+    void mark_padded() { padded_.store(true); }
+    uint64_t logical_size() const { return logical_size_.load(); }
+    void trim_padding();  // caller holds io_mu_ (or the file is idle)
 
     // Block-range lock for read-modify-write of shared (partially covered) blocks.
     void lock_block(uint64_t block_start);
@@ -72,6 +79,9 @@ private:
     std::string align_source_ = "buffered";
     std::atomic<uint64_t> logical_size_{0};
     std::mutex size_mu_;
+    std::mutex io_mu_;
+    int64_t inflight_ = 0;
+    std::atomic<bool> padded_{false};
     std::mutex lock_mu_;
     std::condition_variable lock_cv_;
     std::set<uint64_t> locked_;

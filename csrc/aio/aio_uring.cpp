@@ -190,7 +190,7 @@ private:
             return false;
         }
         if (c.kind == CK_BOUNCE && req.op == OP_READ) memcpy(c.buf, s.bounce, c.len);
-        req.chunk_done(c.len);
+        req.chunk_done(f, c.len);
         release(si);
         return true;
     }
