@@ -215,7 +215,10 @@ class EngineCheckpoint:
 
 
 def save_engine_checkpoint(engine, directory, tag=None, **kw):
+    """Checkpoint writes show on the engine's timeline ("nvme_write" lane, "ckpt:<name>");
+    they are not added to its link accounting (that counts swap traffic per step)."""
     from .api import save_checkpoint
+    kw.setdefault("timeline", getattr(engine, "timeline", None))
     return save_checkpoint(EngineCheckpoint(engine), directory, tag, **kw)
 
 
