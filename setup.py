@@ -59,11 +59,16 @@ def have_liburing():
 
 
 class BuildExt(build_ext):
-    def build_extension(self, ext):
+    def run(self):
         only = os.environ.get("INFINITY_BUILD_ONLY")
-        if only and not ext.name.endswith(only):
-            print(f"infinity: INFINITY_BUILD_ONLY={only}: skipping {ext.name}", file=sys.stderr)
-            return
+        if only:
+            skipped = [e.name for e in self.extensions if not e.name.endswith(only)]
+            if skipped:
+                print(f"infinity: INFINITY_BUILD_ONLY={only}: skipping {', '.join(skipped)}", file=sys.stderr)
+            self.extensions = [e for e in self.extensions if e.name.endswith(only)]
+        super().run()
+
+    def build_extension(self, ext):
         compiler = self.compiler
         orig = compiler._compile
 
