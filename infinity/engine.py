@@ -49,7 +49,7 @@ class Engine:
         self.micro_steps = 0
         self._closed = False
         self.aio = self.swap = None
-        self.mm = self.opt = self.hooks = None
+        self.mm = self.opt = self.hooks = self.zero = None
         self._orig_dtypes: dict[int, torch.dtype] = {}
         devs = {p.device.type for p in model.parameters()}
         if devs - {"cpu"}:
@@ -66,10 +66,15 @@ class Engine:
     # ------------------------------------------------------------------ setup
     def _setup(self, lr_scheduler) -> None:
         cfg, model = self.cfg, self.module
+        # ZeRO across ranks (None at world size 1): partitioned memory manager + optimizer
+        from infinity.zero.distributed import ZeroSetup
+        self.zero = ZeroSetup.from_config(cfg, accounting=self.acct, timeline=self.timeline)
+        ws = self.zero.world_size if self.zero else 1
+        rank = self.zero.rank if self.zero else 0
         param_home = _PARAM_HOME[cfg.offload.params]
         for p in model.parameters():
             self._orig_dtypes.setdefault(id(p), p.dtype)
-        gp = build_groups(model, self.dtype, param_home)
+        gp = build_groups(model, self.dtype, param_home, world_size=ws)
         self.plan = gp
         if not gp.groups:
             raise ValueError(f"initialize: {type(model).__name__} has no parameters")
@@ -85,9 +90,10 @@ class Engine:
             self._created_dirs = nvme_dirs_ok(cfg.offload.nvme_paths)
             a = cfg.aio
             self.aio = AioEngine(a.block_size, a.queue_depth, a.threads, a.engine)
-            self.swap = SwapSpace(cfg.offload.nvme_paths, self.aio)
+            self.swap = SwapSpace(cfg.offload.nvme_paths, self.aio, rank=rank)
         from infinity.optim.offload_step import DEFAULT_TILE_NUMEL, OptimizerStateStore
-        largest_trainable = max((g.padded_numel for g in gp.groups if g.trainable), default=1)
+        largest_trainable = max((g.padded_numel // ws for g in gp.groups if g.trainable),
+                                default=1)
         tile = min(DEFAULT_TILE_NUMEL, largest_trainable)
         if cfg.host_memory_bytes is not None:
             # keep the optimizer's tile ring (~3 slots x 4 fp32 tensors) within ~15 % of the cap
@@ -112,28 +118,35 @@ class Engine:
             store_host = sum(v for k, v in placement.host.items() if k.startswith("optimizer"))
             pool_budget = host_cap - store_host
         self.host_pool = BufferPool("host", pool_budget, self.acct)
-        self.mm = MemoryManager(gp.groups, device=self.device,
-                                device_budget=cfg.device_memory_bytes, host_pool=self.host_pool,
-                                swap=self.swap, accounting=self.acct, timeline=self.timeline)
-        self.opt = EngineOptimizer(model, cfg, gp.groups, gp.names, store=self.store,
-                                   swap=self.swap, host_pool=self.host_pool,
-                                   accounting=self.acct, timeline=self.timeline,
-                                   lr_scheduler=lr_scheduler)
+        mm_kw = dict(device=self.device, device_budget=cfg.device_memory_bytes,
+                     host_pool=self.host_pool, swap=self.swap, accounting=self.acct,
+                     timeline=self.timeline)
+        opt_kw = dict(store=self.store, swap=self.swap, host_pool=self.host_pool,
+                      accounting=self.acct, timeline=self.timeline, lr_scheduler=lr_scheduler)
+        if self.zero is None:
+            self.mm = MemoryManager(gp.groups, **mm_kw)
+            self.opt = EngineOptimizer(model, cfg, gp.groups, gp.names, **opt_kw)
+        else:
+            self.mm = self.zero.memory_manager(gp.groups, **mm_kw)
+            self.opt = self.zero.optimizer(model, cfg, gp.groups, gp.names, **opt_kw)
         staging = None
         paged_nvme = [g for g in gp.groups if g.home == "nvme"]
         if paged_nvme:
             staging = self.host_pool.lease(max(g.nbytes for g in paged_nvme), torch.uint8)
+        from infinity.zero.init import adopting   # params built under infinity.Init
         for g in gp.groups:
-            init = None
-            if g.trainable and self.dtype != torch.float32:
-                init = torch.zeros(g.padded_numel, dtype=torch.float32)
-                with torch.no_grad():
-                    for s in g.slots:
-                        init[s.offset:s.offset + s.numel].copy_(s.param.detach().reshape(-1))
-            self.mm.place(g, staging)
-            if g.trainable:
-                self.opt.register(g, init)
-            del init
+            with adopting(g.slots):
+                init = None
+                if g.trainable and self.dtype != torch.float32:
+                    init = torch.zeros(g.padded_numel, dtype=torch.float32)
+                    with torch.no_grad():
+                        for s in g.slots:
+                            init[s.offset:s.offset + s.numel].copy_(
+                                s.param.detach().reshape(-1))
+                self.mm.place(g, staging)
+                if g.trainable:
+                    self.opt.register(g, init)
+                del init
         if staging is not None:
             self.host_pool.give_back(staging)
             self.host_pool.trim()
@@ -279,6 +292,11 @@ class Engine:
                 log.error("engine.close: closing %s failed: %s", what, e)
         if getattr(self, "host_pool", None) is not None:
             self.host_pool.close()
+        if getattr(self, "zero", None) is not None:
+            try:
+                self.zero.close()
+            except Exception as e:
+                errors.append(("zero", e))
         remove_if_empty(getattr(self, "_created_dirs", []))
         if errors:
             what, e = errors[0]
