@@ -30,7 +30,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 
 import torch
 
-from infinity.optim.tile_pipeline import LinkMeter, Slot, TilePipeline, TileTask, extent_nbytes, round_up
+from infinity.optim.tile_pipeline import LinkMeter, Slot, TilePipeline, TileTask, drain, extent_nbytes, round_up
 
 log = logging.getLogger("infinity.optim")
 
@@ -415,7 +415,13 @@ class OptimizerStateStore:
             yield t, lo, min(part.numel, lo + self.tile_numel)
             t += 1
 
+    def _range_bufs(self, role, dtype):
+        """The ring's buffers for ``role`` (a fp32 master buffer for an external-extent master)."""
+        name = role if role in self._slots[0].bufs else "master"
+        return [sl.bufs[name].view(torch.uint8).view(dtype) for sl in self._slots]
+
     def _read_range(self, part, role, out, start):
+        """Tile-wise read of ``[start, start + out.numel())``, up to ``depth`` reads in flight."""
         b = part.backing[role]
         k = out.numel()
         if k == 0:
@@ -423,16 +429,42 @@ class OptimizerStateStore:
         if b.host is not None:
             out.copy_(b.host[start:start + k])
             return
-        buf = self._slots[0].bufs[role if role in self._slots[0].bufs else "master"].view(torch.uint8).view(b.dtype)
-        for t, lo, hi in self._tiles(part, start, k):
+        bufs = self._range_bufs(role, b.dtype)
+        meter = LinkMeter(self.accounting, self.timeline)
+        tiles = list(self._tiles(part, start, k))
+        pending = []                     # (handle, t0, nbytes, buf, tile, lo, hi) in tile order
+
+        def finish(entry):
+            h, t0, nbytes, buf, t, lo, hi = entry
+            if h is not None:
+                h.wait()
+                meter.io("nvme_read", part.key, nbytes, t0, time.perf_counter())
             a, e = max(lo, start), min(hi, start + k)
-            if b.valid[t]:
-                self._wait(self._read_tile(b, t, buf, hi - lo), "nvme_read", part.key, b.io_bytes_at(t, self.tile_numel, hi - lo))
+            if h is not None:
                 out[a - start:e - start].copy_(buf[a - lo:e - lo])
             else:
                 out[a - start:e - start].zero_()
 
+        try:
+            for idx, (t, lo, hi) in enumerate(tiles):
+                if len(pending) == len(bufs):
+                    finish(pending.pop(0))
+                buf = bufs[idx % len(bufs)]
+                if b.valid[t]:
+                    nbytes = b.io_bytes_at(t, self.tile_numel, hi - lo)
+                    pending.append((self._read_tile(b, t, buf, hi - lo), time.perf_counter(), nbytes,
+                                    buf, t, lo, hi))
+                else:
+                    pending.append((None, 0.0, 0, buf, t, lo, hi))
+            while pending:
+                finish(pending.pop(0))
+        except BaseException:
+            drain([p[0] for p in pending if p[0] is not None])
+            raise
+
     def _write_range(self, part, role, src, start):
+        """Tile-wise write of ``src`` at ``start`` (read-modify-write of partial tiles),
+        up to ``depth`` writes in flight."""
         b = part.backing[role]
         k = src.numel()
         if k == 0:
@@ -440,19 +472,40 @@ class OptimizerStateStore:
         if b.host is not None:
             b.host[start:start + k].copy_(src)
             return
-        buf = self._slots[0].bufs[role if role in self._slots[0].bufs else "master"].view(torch.uint8).view(b.dtype)
-        for t, lo, hi in self._tiles(part, start, k):
-            a, e = max(lo, start), min(hi, start + k)
-            n = hi - lo
-            nbytes = b.io_bytes_at(t, self.tile_numel, n)
-            if (a > lo or e < hi):                      # partial tile: read-modify-write
-                if b.valid[t]:
-                    self._wait(self._read_tile(b, t, buf, n), "nvme_read", part.key, nbytes)
-                else:
-                    buf[:n].zero_()
-            buf[a - lo:e - lo].copy_(src[a - start:e - start])
-            self._wait(self._write_tile(b, t, buf, n), "nvme_write", part.key, nbytes)
+        bufs = self._range_bufs(role, b.dtype)
+        meter = LinkMeter(self.accounting, self.timeline)
+        inflight = [None] * len(bufs)    # (handle, t0, nbytes, tile) per buffer
+
+        def finish(slot):
+            entry = inflight[slot]
+            if entry is None:
+                return
+            inflight[slot] = None
+            h, t0, nbytes, t = entry
+            h.wait()
+            meter.io("nvme_write", part.key, nbytes, t0, time.perf_counter())
             b.valid[t] = True
+
+        try:
+            for idx, (t, lo, hi) in enumerate(self._tiles(part, start, k)):
+                slot = idx % len(bufs)
+                finish(slot)
+                buf = bufs[slot]
+                a, e = max(lo, start), min(hi, start + k)
+                n = hi - lo
+                nbytes = b.io_bytes_at(t, self.tile_numel, n)
+                if a > lo or e < hi:                     # partial tile: read-modify-write
+                    if b.valid[t]:
+                        self._wait(self._read_tile(b, t, buf, n), "nvme_read", part.key, nbytes)
+                    else:
+                        buf[:n].zero_()
+                buf[a - lo:e - lo].copy_(src[a - start:e - start])
+                inflight[slot] = (self._write_tile(b, t, buf, n), time.perf_counter(), nbytes, t)
+            for slot in range(len(bufs)):
+                finish(slot)
+        except BaseException:
+            drain([x[0] for x in inflight if x is not None])
+            raise
 
     def _wait(self, handle, link, key, nbytes):
         t0 = time.perf_counter()
