@@ -149,25 +149,45 @@ class SwapSpace:
             sizes.append(s)
         return sizes
 
-    def _grow(self, end):
+    def _grow(self, end, *, exact=False):
+        """Backs the virtual range [0, end) with preallocated file space.
+
+        Grows ahead (doubling, at most 1 GiB at a time, in whole stripes) to save
+        fallocate calls, falling back to exactly `end` when that does not fit.
+        """
         with self._grow_lock:
             if end <= self._capacity:
                 return
-            target = (end + self._stripe - 1) // self._stripe * self._stripe
-            sizes = self._file_sizes_for(target)
-            for i, (f, need) in enumerate(zip(self._state.files, sizes)):
-                have = self._sizes[i]
-                if need > have:
-                    try:
-                        f.fallocate(have, need - have)
-                    except OSError as e:
-                        avail = _free_bytes(self._paths[i])
-                        raise AioError(e.errno, f"cannot grow the swap file in {self._state.dirs[i].path} "
-                                       f"from {have} to {need} bytes ({need - have} more needed, "
-                                       f"{avail} available): {os.strerror(e.errno)}",
-                                       self._paths[i], have, need - have) from None
-                    self._sizes[i] = need
-            self._capacity = target
+            targets = [end]
+            if not exact:
+                ahead = max(end, min(2 * self._capacity, self._capacity + (1 << 30)))
+                ahead = (ahead + self._stripe - 1) // self._stripe * self._stripe
+                if ahead > end:
+                    targets.insert(0, ahead)
+            for k, target in enumerate(targets):
+                try:
+                    self._fallocate_to(target)
+                except AioError as e:
+                    if e.errno == errno.ENOSPC and k + 1 < len(targets):
+                        continue
+                    raise
+                self._capacity = target
+                return
+
+    def _fallocate_to(self, target):
+        sizes = self._file_sizes_for(target)
+        for i, (f, need) in enumerate(zip(self._state.files, sizes)):
+            have = self._sizes[i]
+            if need > have:
+                try:
+                    f.fallocate(have, need - have)
+                except OSError as e:
+                    avail = _free_bytes(self._paths[i])
+                    raise AioError(e.errno, f"cannot grow the swap file in {self._state.dirs[i].path} "
+                                   f"from {have} to {need} bytes ({need - have} more needed, "
+                                   f"{avail} available): {os.strerror(e.errno)}",
+                                   self._paths[i], have, need - have) from None
+                self._sizes[i] = need
 
     def reserve(self, total_bytes):
         """Preallocates swap space for `total_bytes` (checked against free space first)."""
@@ -186,7 +206,7 @@ class SwapSpace:
                                f"({need} in total for {total_bytes} bytes of swap over "
                                f"{len(self._paths)} path(s)) but only {avail} are available",
                                self._paths[i], 0, more)
-        self._grow(target)
+        self._grow(target, exact=True)
 
     def allocate(self, nbytes):
         """An extent of at least `nbytes` (4096-aligned start) backed by preallocated space."""
