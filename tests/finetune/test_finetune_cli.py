@@ -35,7 +35,8 @@ def test_finetune_e2e_loss_falls_json_only_and_no_swap_left(tmp_path, tiny_confi
     # params and optimizer are homed on NVMe by default: bytes went through the swap files
     assert sum(x["nvme_read_bytes"] + x["nvme_write_bytes"] for x in recs) > 0
     assert "summary" in r.stderr
-    assert swap.is_dir() and ft.files_under(swap) == []
+    assert "swap ['./infinity-swap']" in r.stderr
+    assert ft.files_under(swap) == []  # the engine may also remove the directory it created
 
 
 def test_finetune_user_errors_are_clear(tmp_path, tiny_config):
