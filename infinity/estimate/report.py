@@ -67,7 +67,10 @@ def format_config(est, c):
             items = items + [c.plan.activations["checkpointing"], c.plan.activations["none"]]
         if not items:
             continue
-        lines.append(f"  {TIER_NAMES[tier]}:")
+        label = TIER_NAMES[tier]
+        if tier == "device" and est.machine.cpu_only:
+            label = "device tier (host memory on a CPU-only node)"
+        lines.append(f"  {label}:")
         for i in items:
             lines.append(f"    {i.name:<44}{_gb(i.nbytes):>12} GB   {i.formula}")
     for n in c.plan.notes:
@@ -87,7 +90,8 @@ def format_config(est, c):
         for d in ph.derivation:
             lines.append(f"      {d}")
     tr = s.traffic
-    lines.append("    bytes per step: " + ", ".join(f"{k} {tr[k] / GB:,.1f} GB" for k in tr if tr[k]))
+    lines.append("    bytes per step: " + (", ".join(f"{k} {tr[k] / GB:,.1f} GB" for k in tr if tr[k])
+                                         or "none moved between tiers"))
     return lines
 
 
