@@ -8,7 +8,8 @@ element with zero strides, as for a released engine group).  So at most one modu
 parameters are materialised at a time, and the same seed gives exactly the weights of
 eager construction.
 
-Homes (``offload.params``): ``"nvme"`` writes each parameter to a swap file of this
+Homes (``offload.params``): ``"nvme"`` writes each parameter (at world size W > 1: only
+this rank's 1/W chunk of it; reading it back all-gathers the chunks) to a swap file of this
 rank (``<nvme_path>/init/infinity-rank<r>/``, private, unlinked, removed when the last
 parameter has been adopted); ``"cpu"`` and ``"none"`` keep one compact host tensor per
 parameter.  Each managed parameter has one :class:`InitRecord` in a registry keyed by the
@@ -72,10 +73,11 @@ class InitRecord:
 class _InitStore:
     """The homes of the parameters built under one ``Init``: host tensors or a swap space."""
 
-    def __init__(self, home: str, cfg, rank: int):
+    def __init__(self, home: str, cfg, rank: int, world_size: int = 1):
         self.home = "nvme" if home == "nvme" else "cpu"
         self.cfg = cfg
         self.rank = rank
+        self.world_size = world_size
         self.aio = self.swap = None
         self.live = 0
         self.context_open = True
@@ -85,6 +87,7 @@ class _InitStore:
         from infinity.io import AioEngine, SwapSpace
         a = self.cfg.aio
         paths = [os.path.join(p, "init") for p in self.cfg.offload.nvme_paths]
+        self.created_dirs = [p for p in paths if not os.path.isdir(p)]
         for p in paths:
             try:
                 os.makedirs(p, exist_ok=True)
@@ -94,11 +97,28 @@ class _InitStore:
         self.aio = AioEngine(a.block_size, a.queue_depth, a.threads, a.engine)
         self.swap = SwapSpace(paths, self.aio, rank=self.rank)
 
+    def _chunk(self, rec: InitRecord) -> tuple[int, int, int]:
+        """(chunk elements per rank, this rank's first element, its element count)."""
+        c = -(-max(rec.numel, 1) // self.world_size)
+        lo = self.rank * c
+        return c, lo, max(0, min(c, rec.numel - lo))
+
     def put(self, rec: InitRecord, value: torch.Tensor) -> None:
-        """Store ``value`` (the parameter's data) as ``rec``'s home copy."""
+        """Store ``value`` (the parameter's full data, identical on every rank since every
+        rank runs the same seeded init) as ``rec``'s home copy: the whole tensor at world
+        size 1, else only this rank's 1/W chunk of it."""
         value = value.detach()
+        if self.world_size == 1:
+            mine = value.reshape(-1)
+            c = rec.numel
+        else:
+            c, lo, n = self._chunk(rec)
+            mine = torch.zeros(c, dtype=rec.dtype)
+            mine[:n].copy_(value.reshape(-1)[lo:lo + n])
         if self.home == "cpu":
-            if rec.host is None:
+            if self.world_size > 1:
+                rec.host = mine
+            elif rec.host is None:
                 rec.host = value.contiguous().clone() if not value.is_contiguous() or \
                     value.device.type != "cpu" else value
             else:
@@ -107,23 +127,42 @@ class _InitStore:
         if self.swap is None:
             self._open_swap()
         from infinity.memory.pool import aligned_buffer, round_up
-        nbytes = round_up(max(rec.nbytes, 1), 4096)
+        esize = torch.empty((), dtype=rec.dtype).element_size()
+        nbytes = round_up(max(c * esize, 1), 4096)
         if rec.extent is None:
             rec.extent = self.swap.allocate(nbytes)
         raw = aligned_buffer(nbytes)
-        raw[rec.nbytes:].zero_()
-        raw[: rec.nbytes].view(rec.dtype).copy_(value.reshape(-1))
+        raw[c * esize:].zero_()
+        raw[: c * esize].view(rec.dtype).copy_(mine)
         self.swap.write(rec.extent, raw).wait()
         self.bytes_written += nbytes
 
-    def get(self, rec: InitRecord) -> torch.Tensor:
-        """A tensor with ``rec``'s values (the host copy itself for the cpu home)."""
+    def _mine(self, rec: InitRecord, c: int) -> torch.Tensor:
         if rec.host is not None:
-            return rec.host.view(rec.shape)
+            return rec.host.reshape(-1)[:c]
         from infinity.memory.pool import aligned_buffer, round_up
-        raw = aligned_buffer(round_up(max(rec.nbytes, 1), 4096))
+        esize = torch.empty((), dtype=rec.dtype).element_size()
+        raw = aligned_buffer(round_up(max(c * esize, 1), 4096))
         self.swap.read(rec.extent, raw).wait()
-        return raw[: rec.nbytes].view(rec.dtype).view(rec.shape)
+        return raw[: c * esize].view(rec.dtype)
+
+    def get(self, rec: InitRecord) -> torch.Tensor:
+        """A tensor with ``rec``'s full values (the host copy itself for the cpu home at
+        world size 1).  At world size > 1 this all-gathers the chunks: collective, every
+        rank calls it for the same parameters in the same order."""
+        if self.world_size == 1:
+            return self._mine(rec, rec.numel).view(rec.shape)
+        import torch.distributed as dist
+        c, _, _ = self._chunk(rec)
+        mine = self._mine(rec, c).clone()
+        full = torch.empty(c * self.world_size, dtype=rec.dtype)
+        try:
+            dist.all_gather_into_tensor(full, mine)
+        except Exception as e:
+            raise RuntimeError(f"infinity.Init: rank {self.rank} of {self.world_size}: "
+                               f"all_gather of a {tuple(rec.shape)} parameter failed: {e}; "
+                               f"every rank must build and adopt the same model") from e
+        return full[: rec.numel].view(rec.shape)
 
     def drop(self, rec: InitRecord) -> None:
         if rec.extent is not None and self.swap is not None and not self.swap.closed:
@@ -141,6 +180,11 @@ class _InitStore:
         if self.swap is not None:
             self.swap.close()
             self.swap = None
+            for p in getattr(self, "created_dirs", []):
+                try:
+                    os.rmdir(p)          # only if empty: another rank may still use it
+                except OSError:
+                    pass
         if self.aio is not None:
             self.aio.close()
             self.aio = None
@@ -187,7 +231,8 @@ def materialized(params, *, write_back: bool = True):
         yield
     finally:
         for p, rec in recs:
-            if write_back and (rec.host is None or p.data.data_ptr() != rec.host.data_ptr()):
+            if write_back and (rec.host is None or p.data.data_ptr() != rec.host.data_ptr()
+                               or rec.store.world_size > 1):
                 rec.store.put(rec, p.data)
             p.data = placeholder(rec.dtype, rec.shape)
 
@@ -301,13 +346,13 @@ class Init:
             if _ACTIVE is not None:
                 raise RuntimeError("infinity.Init: already inside an Init context (nesting is "
                                    "not supported)")
-            rank = 0
             import torch.distributed as dist
+            from infinity.zero.comm import ensure_process_group
+            ensure_process_group(self.cfg.dist_timeout_s)
+            rank, world = 0, 1
             if dist.is_available() and dist.is_initialized():
-                rank = dist.get_rank()
-            else:
-                rank = int(os.environ.get("RANK", "0") or 0)
-            self.store = _InitStore(self.cfg.offload.params, self.cfg, rank)
+                rank, world = dist.get_rank(), dist.get_world_size()
+            self.store = _InitStore(self.cfg.offload.params, self.cfg, rank, world)
             try:
                 self._patch()
                 self._mode = _FaultInMode(self)
@@ -442,7 +487,8 @@ class Init:
         with torch._C.DisableTorchFunction():
             for p, rec in items:
                 if _record(p) is rec:
-                    if rec.host is None or p.data.data_ptr() != rec.host.data_ptr():
+                    if rec.host is None or p.data.data_ptr() != rec.host.data_ptr() or \
+                            rec.store.world_size > 1:
                         rec.store.put(rec, p.data)
                     p.data = placeholder(rec.dtype, rec.shape)
 

@@ -167,6 +167,15 @@ class PartitionedOptimizer(EngineOptimizer):
         self._full.clear()
         self._missing.clear()
         super().zero_grad()
+        if self.stage > 1:
+            for g in self.groups:
+                g.grad_buf.zero_()
+
+    def _zero_unwritten(self) -> None:
+        # stages 2, 3: every group is reduced into its (zeroed) shard buffer each backward,
+        # so there is nothing stale; the shard buffer is not indexed by slot offsets
+        if self.stage == 1:
+            super()._zero_unwritten()
 
     def grad_norm(self) -> float:
         """Global L2 norm of the averaged gradient (squared shard norms summed over ranks)."""

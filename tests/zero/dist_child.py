@@ -34,7 +34,13 @@ def main():
         cfg = run["config"]
         ensure_process_group(cfg.get("dist_timeout_s", 60))
         torch.manual_seed(1234)
-        model = make_model(run["model"])
+        if run.get("init"):
+            from infinity.zero.init import Init, is_managed
+            with Init(cfg):
+                model = make_model(run["model"])
+            assert all(is_managed(p) for p in model.parameters())
+        else:
+            model = make_model(run["model"])
         eng = make_engine(model, cfg)
         losses = []
         gas = cfg.get("gradient_accumulation_steps", 1)

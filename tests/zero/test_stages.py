@@ -84,11 +84,13 @@ def make_model_init():
 
 def _run_matrix(tmp_path, combos, **extra):
     runs = []
-    for stage, offload in combos:
-        name = f"s{stage}-{offload}"
+    for combo in combos:
+        stage, offload = combo[:2]
+        init = len(combo) > 2 and combo[2] == "init"
+        name = f"s{stage}-{offload}" + ("-init" if init else "")
         swap = str(tmp_path / f"swap-{name}")
         runs.append({"name": name, "model": "awkward", "steps": STEPS, "batch": BATCH,
-                     "config": base_config(stage, offload, swap, **extra)})
+                     "init": init, "config": base_config(stage, offload, swap, **extra)})
     res = run_ranks("dist_child.py", {"runs": runs}, tmp_path, world_size=2, timeout=240)
     for r in res:
         assert r.returncode == 0 and r.result is not None, r
@@ -100,8 +102,10 @@ def _run_matrix(tmp_path, combos, **extra):
 
 
 def test_stages_default_matrix(tmp_path):
-    """Stage 3 + NVMe, stage 2 + CPU, stage 1 without offload, in one 2-rank run."""
-    res = _run_matrix(tmp_path, [(3, "nvme"), (2, "cpu"), (1, "none")])
+    """Stage 3 + NVMe, stage 2 + CPU, stage 1 without offload, and stage 3 + NVMe with the
+    model built under infinity.Init (each rank holding 1/2 of every parameter), in one
+    2-rank run."""
+    res = _run_matrix(tmp_path, [(3, "nvme"), (2, "cpu"), (1, "none"), (3, "nvme", "init")])
     s3 = res[0].result["runs"]["s3-nvme"]
     assert s3["allgather_bytes"] > 0 and s3["reduce_scatter_bytes"] > 0
     assert s3["nvme_read_bytes"] > 0
@@ -109,7 +113,8 @@ def test_stages_default_matrix(tmp_path):
 
 @pytest.mark.slow
 def test_stages_full_matrix(tmp_path):
-    combos = [(s, o) for s in (1, 2, 3) for o in ("none", "cpu", "nvme")]
+    combos = [(s, o) for s in (1, 2, 3) for o in ("none", "cpu", "nvme")] + \
+        [(3, "cpu", "init"), (2, "none", "init")]
     _run_matrix(tmp_path, combos)
 
 
