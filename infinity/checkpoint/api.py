@@ -17,7 +17,7 @@ from .errors import CheckpointError
 from .fsutil import ensure_checkpoint_root, remove_tree
 from .reader import CheckpointReader
 from .safetensors_stream import HASH_BLOCK_BYTES
-from .writer import (DEFAULT_HEADER_RESERVE, DEFAULT_SHARD_BYTES, Piece, RankShardWriter, begin,
+from .writer import (DEFAULT_HEADER_RESERVE, DEFAULT_SHARD_BYTES, RankShardWriter, begin,
                      cleanup_stale, finalize, temp_dir_name)
 
 log = logging.getLogger("infinity.checkpoint")

@@ -12,8 +12,6 @@ import json
 import logging
 import os
 
-import torch
-
 from . import dtypes
 from .errors import CheckpointError
 from .fsutil import atomic_write_text, fsync_dir, remove_tree
@@ -127,5 +125,3 @@ def load_exported(out_dir):
                 out[k] = f.get_tensor(k)
     return out
 
-
-_ = torch  # torch dtypes are passed through ``dtype``
