@@ -270,6 +270,11 @@ def summarize(timeline, *, ceilings=None, counters=None):
                  "of_ceiling": None}
         if entry["achieved_gbps"] is not None and lane in ceil:
             entry["of_ceiling"] = entry["achieved_gbps"] / ceil[lane]
+        # the runtime's own byte counter over the same period (engine.stats() via
+        # ProfileSession): a mismatch means some transfers were not put on the timeline
+        cb = all_counters.get(f"{lane}_bytes")
+        if isinstance(cb, (int, float)) and not isinstance(cb, bool):
+            entry["counter_bytes"] = int(cb)
         out["links"][lane] = entry
         fractions[lane] = busy / wall
 
@@ -346,6 +351,11 @@ def format_summary(s):
                          f"{100 * e['busy_fraction']:>7.1f}%{ach:>9}{cg:>9}{oc:>9}")
         lines.append("  GB/s = bytes / busy time (union of overlapping transfers); "
                      "ceiling from `infinity bench-io --sweep`")
+        for lane, e in s["links"].items():
+            cb = e.get("counter_bytes")
+            if cb is not None and cb != e["bytes"]:
+                lines.append(f"  note: {LANE_LABELS[lane]}: the runtime counted {cb:,} bytes, the "
+                             f"timeline {e['bytes']:,}: some transfers are not recorded as spans")
     else:
         lines.append("no link activity recorded")
     lines.append("")

@@ -122,3 +122,13 @@ def test_ceilings_from_bench_io_file(tmp_path):
 def test_empty_timeline_summary():
     s = summarize(Timeline())
     assert s["window_s"] == 0.0 and s["links"] == {} and s["bottleneck"]["lane"] is None
+
+
+def test_counter_bytes_mismatch_is_reported():
+    from infinity.profile.summary import format_summary
+    tl = make([("nvme_write", "t", 0.0, 1.0, 100)])
+    s = summarize(tl, counters={"nvme_write_bytes": 150})
+    assert s["links"]["nvme_write"]["counter_bytes"] == 150
+    assert "the runtime counted 150 bytes, the timeline 100" in format_summary(s)
+    s = summarize(tl, counters={"nvme_write_bytes": 100})
+    assert "runtime counted" not in format_summary(s)
