@@ -35,6 +35,9 @@ def register(sub):
     p.add_argument("--data", metavar="PATH",
                    help="a text file, a directory of .txt/.jsonl files, or a .jsonl file with a "
                         "'text' field (default: the shipped corpus)")
+    p.add_argument("--tokenizer", choices=("auto", "byte"), default="auto",
+                   help="auto (default): the tokenizer saved in the --model directory if there is "
+                        "one, else byte-level; byte: always byte-level")
     p.add_argument("--config", metavar="FILE", help="infinity config (JSON/YAML); flags override it")
     p.add_argument("--nvme-path", metavar="DIR", action="append", dest="nvme_paths", default=[],
                    help="swap directory (repeat to stripe over several); overrides offload.nvme_paths")
@@ -68,7 +71,8 @@ def run(args):
                            batch_tokens=args.batch_tokens, seq_len=args.seq_len, lr=args.lr,
                            save=args.save, save_every=args.save_every, keep_last=args.keep_last,
                            resume=args.resume, profile=args.profile, json_lines=args.json,
-                           seed=args.seed, use_bench_io=not args.no_bench_io)
+                           seed=args.seed, use_bench_io=not args.no_bench_io,
+                           tokenizer=args.tokenizer)
     try:
         finetune(opts)
     except FinetuneError as e:

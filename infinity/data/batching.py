@@ -1,6 +1,7 @@
 """Token batching: documents -> one token stream -> (batch, seq_len) windows.
 
-Each document is encoded and followed by ``<eos>``; the stream is cut into
+Each document is encoded (``tokenizer.encode_array``) and followed by the
+tokenizer's ``<eos>`` (when it has one); the stream is cut into
 non-overlapping windows of ``seq_len`` tokens. Every epoch visits the windows
 in a fresh seeded order; global batch ``b`` takes ``batch_size * world_size``
 consecutive windows of that order and rank ``r`` keeps its own
@@ -23,9 +24,11 @@ class TokenBatcher:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside world of size {world_size}")
         chunks = []
+        eos = getattr(tokenizer, "eos_token_id", None)
         for t in texts:
-            chunks.append(np.frombuffer(tokenizer.encode_bytes(t), dtype=np.uint8).astype(np.int64))
-            chunks.append(np.array([tokenizer.eos_token_id], dtype=np.int64))
+            chunks.append(tokenizer.encode_array(t))
+            if eos is not None:  # documents are separated by <eos>
+                chunks.append(np.array([eos], dtype=np.int64))
         stream = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.int64)
         n_windows = len(stream) // seq_len
         if n_windows < 1:

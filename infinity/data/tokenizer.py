@@ -35,6 +35,12 @@ class ByteTokenizer:
         """Text -> ``bytes`` (the token ids of the byte range, compactly)."""
         return text.encode("utf-8")
 
+    def encode_array(self, text):
+        """Text -> int64 numpy array of byte ids (what the batcher consumes)."""
+        import numpy as np
+
+        return np.frombuffer(self.encode_bytes(text), dtype=np.uint8).astype(np.int64)
+
     def decode(self, ids, *, skip_special=True):
         """Ids -> text. Invalid UTF-8 (e.g. a cut multi-byte char) is replaced,
         specials are dropped (or rendered as their names)."""

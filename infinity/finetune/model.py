@@ -216,9 +216,9 @@ def resolve_model(spec=None):
 
 
 def check_vocab(model, tokenizer):
-    """The byte tokenizer's ids must fit the model's embedding."""
+    """The tokenizer's ids must fit the model's embedding."""
     emb = model.get_input_embeddings()
     n = emb.num_embeddings if emb is not None else getattr(model.config, "vocab_size", 0)
     if n < tokenizer.vocab_size:
-        raise ModelError(f"the model's vocabulary has {n} entries but the byte tokenizer needs "
+        raise ModelError(f"the model's vocabulary has {n} entries but the tokenizer needs "
                          f"{tokenizer.vocab_size}; use a model with vocab_size >= {tokenizer.vocab_size}")

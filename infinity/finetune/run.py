@@ -35,6 +35,8 @@ class FinetuneOptions:
     profile: str = None
     json_lines: bool = False
     seed: int = 0
+    tokenizer: str = "auto"         # "auto": the model directory's own tokenizer if it has one
+
     use_bench_io: bool = True
 
 
@@ -73,6 +75,8 @@ def _validate(opts):
         raise FinetuneError("--save-every/--keep-last need --save DIR")
     if opts.resume and not opts.save:
         raise FinetuneError("--resume needs --save DIR (the checkpoint directory to continue from)")
+    if opts.tokenizer not in ("auto", "byte"):
+        raise FinetuneError(f"--tokenizer must be 'auto' or 'byte', got {opts.tokenizer!r}")
     if opts.lr is not None and not (opts.lr > 0):
         raise FinetuneError(f"--lr must be > 0, got {opts.lr}")
 
@@ -92,7 +96,8 @@ def finetune(opts, *, reporter_streams=None):
     """Run a fine-tuning job. Returns a dict with the records and the result."""
     import infinity
     from infinity.config import ConfigError
-    from infinity.data import ByteTokenizer, DataError, TokenBatcher, load_texts
+    from infinity.data import (ByteTokenizer, DataError, HFTokenizer, TokenBatcher, has_tokenizer,
+                               load_texts)
     from infinity.finetune import checkpoints as ck
     from infinity.finetune import loop
     from infinity.finetune.model import ModelError, check_vocab, resolve_model
@@ -114,8 +119,11 @@ def finetune(opts, *, reporter_streams=None):
         reporter.info(n)
 
     torch.manual_seed(opts.seed)
-    tok = ByteTokenizer()
     try:
+        if opts.tokenizer == "auto" and opts.model and has_tokenizer(opts.model):
+            tok = HFTokenizer(opts.model)
+        else:
+            tok = ByteTokenizer()
         texts = load_texts(opts.data)
         model, desc = resolve_model(opts.model)
         check_vocab(model, tok)
@@ -127,7 +135,9 @@ def finetune(opts, *, reporter_streams=None):
     n_params = sum(p.numel() for p in model.parameters())
     gas = int(cfg.get("gradient_accumulation_steps", 1) or 1)
     reporter.info(
-        f"model {desc}: {n_params / 1e6:.2f} M params | data {opts.data or 'shipped corpus'}: "
+        f"model {desc}: {n_params / 1e6:.2f} M params | tokenizer "
+        f"{'byte-level' if isinstance(tok, ByteTokenizer) else tok.path} | "
+        f"data {opts.data or 'shipped corpus'}: "
         f"{batcher.num_tokens:,} tokens | batch {batch} x {seq_len} tokens x {gas} micro x "
         f"{world} rank(s) | params home {cfg['offload']['params']}, optimizer home "
         f"{cfg['offload']['optimizer']}, swap {cfg['offload']['nvme_paths']}")

@@ -80,3 +80,41 @@ def test_profile_dir_gets_a_trace_and_a_plot(tmp_path, tiny_config):
         json.loads((prof / t).read_text())
     assert (prof / pngs[0]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert _no_files(tmp_path / "swap")
+
+
+def _save_bpe_tokenizer(directory, texts, vocab_size=300):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = __import__("tokenizers").decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer)
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>").save_pretrained(directory)
+
+
+def test_pretrained_directory_uses_its_own_tokenizer(tmp_path, tiny_config):
+    from infinity.data import HFTokenizer, TokenBatcher, load_texts
+    from infinity.finetune.model import resolve_model
+
+    texts = load_texts(None)
+    d = tmp_path / "pretrained"
+    torch.manual_seed(5)
+    model, _ = resolve_model(tiny_config("llama", vocab_size=300))
+    model.save_pretrained(str(d), safe_serialization=True)
+    _save_bpe_tokenizer(str(d), [texts[0][:50000]])
+    tok = HFTokenizer(str(d))
+    assert tok.decode(tok.encode("To be, or not to be")) == "To be, or not to be"
+    x = TokenBatcher(texts, tok, seq_len=64, batch_size=2, seed=0).batch(0)
+    assert int(x.max()) >= 259  # merged tokens beyond the byte range: not the byte tokenizer
+    with torch.no_grad():
+        expected = model(input_ids=x, labels=x).loss.item()
+    recs, err, _ = _run(tmp_path, "swap", model=str(d), steps=1, batch_tokens=128)
+    assert "tokenizer " + str(d) in err
+    assert recs[0]["loss"] == pytest.approx(expected, rel=1e-4)
+    # --tokenizer byte overrides the directory's tokenizer
+    recs_b, err_b, _ = _run(tmp_path, "swap", model=str(d), steps=1, batch_tokens=128,
+                            tokenizer="byte")
+    assert "tokenizer byte-level" in err_b and recs_b[0]["loss"] != pytest.approx(expected, rel=1e-4)
