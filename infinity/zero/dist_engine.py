@@ -55,6 +55,11 @@ class PartitionedEngine(Engine):
                                   cfg.device_memory_bytes,
                                   optimizer_ring_bytes=self.store.host_bytes())
         placement.compute(self.gas)
+        self.zero = ZeroSetup.with_grad_spill(self.zero, cfg, gp.groups, accounting=self.acct,
+                                              timeline=self.timeline)
+        if self.zero is not None and self.zero.spill:
+            key = "fp32 gradient accumulation"
+            placement.nvme[key + " (spilled)"] = placement.host.pop(key, 0)
         placement.check()
         self.placement = placement
         if self.swap is not None and placement.nvme_total:

@@ -21,22 +21,24 @@ from infinity.zero.partition import Partition
 
 log = logging.getLogger("infinity.zero")
 
-__all__ = ["ZeroSetup", "gathered_state_dict"]
+__all__ = ["ZeroSetup", "gathered_state_dict", "grad_spill_needed"]
 
 
 class ZeroSetup:
     """Process group + stage for one engine; ``None`` from :meth:`from_config` at world size 1."""
 
-    def __init__(self, comm: Comm, stage: int, created_pg: bool):
+    def __init__(self, comm: Comm, stage: int, created_pg: bool, spill_grads: bool = False):
         self.comm = comm
         self.stage = int(stage)
         self.created_pg = created_pg
+        self.spill = spill_grads
         self.rank = comm.rank
         self.world_size = comm.world_size
         self.part = Partition(comm.rank, comm.world_size)
 
     @classmethod
     def from_config(cls, cfg, *, accounting=None, timeline=None) -> "ZeroSetup | None":
+        """The partitioning setup, or None at world size 1 (see :meth:`with_grad_spill`)."""
         import torch.distributed as dist
         created = ensure_process_group(cfg.dist_timeout_s)
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
@@ -52,8 +54,26 @@ class ZeroSetup:
                  comm.backend, comm.rank)
         return cls(comm, stage, created)
 
+    @classmethod
+    def with_grad_spill(cls, zero: "ZeroSetup | None", cfg, groups, *, accounting=None,
+                        timeline=None) -> "ZeroSetup | None":
+        """Decide the gradient home once the groups are known.  The averaged fp32 gradient
+        shards are *spilled to NVMe* when the optimizer lives on NVMe, the stage partitions
+        gradients (2, 3; any stage at world size 1) and the shards would take more than half
+        of the host budget (``offload.host_memory_gb``, else available RAM).  At world size
+        1 this returns a local (collective-free) setup so the same code path runs."""
+        world = zero.world_size if zero else 1
+        stage = zero.stage if zero else 3
+        if not grad_spill_needed(cfg, groups, world, stage):
+            return zero
+        if zero is None:
+            from infinity.zero.comm import LocalComm
+            return cls(LocalComm(accounting=accounting, timeline=timeline), 3, False, True)
+        zero.spill = True
+        return zero
+
     def memory_manager(self, groups, **kw):
-        if self.stage == 3:
+        if self.stage == 3 and self.world_size > 1:
             from infinity.zero.partitioned_memory import PartitionedMemoryManager
             return PartitionedMemoryManager(groups, comm=self.comm, **kw)
         from infinity.memory.manager import MemoryManager
@@ -62,10 +82,25 @@ class ZeroSetup:
     def optimizer(self, model, cfg, groups, names, **kw):
         from infinity.zero.partitioned_optimizer import PartitionedOptimizer
         return PartitionedOptimizer(model, cfg, groups, names, comm=self.comm,
-                                    stage=self.stage, **kw)
+                                    stage=self.stage, spill_grads=self.spill, **kw)
 
     def close(self) -> None:
         self.comm.close()
+
+
+def grad_spill_needed(cfg, groups, world_size: int, stage: int) -> bool:
+    """True when the fp32 gradient shards should live on NVMe (see
+    :meth:`ZeroSetup.with_grad_spill`)."""
+    from infinity.memory.plan import mem_available_bytes
+    if cfg.offload.optimizer != "nvme" or (stage < 2 and world_size > 1):
+        return False
+    grad_bytes = sum(4 * g.padded_numel // world_size for g in groups if g.trainable)
+    cap = cfg.host_memory_bytes or mem_available_bytes()
+    if cap is None or grad_bytes <= cap // 2:
+        return False
+    log.info("gradients: %.3f GB of fp32 gradient shards exceed half the host budget "
+             "(%.3f GB): spilling them to NVMe", grad_bytes / 1e9, cap / 1e9)
+    return True
 
 
 def _shard_values(engine, g, lo: int, hi: int) -> torch.Tensor:

@@ -28,6 +28,7 @@ squared shard norms are summed across ranks), so every rank takes the same decis
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -48,7 +49,7 @@ MAX_INFLIGHT_REDUCTIONS = 4
 class PartitionedOptimizer(EngineOptimizer):
     def __init__(self, model, cfg, groups: list[GroupRecord], names: dict[int, str], *,
                  comm: Comm, stage: int, store, swap, host_pool, accounting, timeline=None,
-                 lr_scheduler=None):
+                 lr_scheduler=None, spill_grads: bool = False):
         if stage not in (1, 2, 3):
             raise ValueError(f"zero_stage must be 1, 2 or 3, got {stage!r}")
         self.comm = comm
@@ -66,6 +67,14 @@ class PartitionedOptimizer(EngineOptimizer):
         self._trainable_slots = {g.gid: {i for i, s in enumerate(g.slots) if s.trainable}
                                  for g in self.groups}
         self._slot_index = {id(s): i for g in self.groups for i, s in enumerate(g.slots)}
+        # gradient spill (stages 2, 3): the averaged shard lives in an NVMe extent
+        if spill_grads and (stage == 1 or swap is None):
+            raise ValueError("spill_grads needs zero_stage >= 2 and an NVMe swap space")
+        self.spill = bool(spill_grads)
+        self._grad_ext: dict[int, object] = {}
+        self._grad_valid: dict[int, bool] = {}
+        self._grad_sq: dict[int, float] = {}
+        self._writes: list = []          # (io handle, buffers to give back)
 
     # ------------------------------------------------------------------ shards
     def shard(self, g: GroupRecord) -> tuple[int, int]:
@@ -75,7 +84,7 @@ class PartitionedOptimizer(EngineOptimizer):
         """The low-precision or fp32 parameter values this rank updates in place."""
         lo, hi = self.shard(g)
         if self.stage == 3:
-            return {"cpu": g.host_buf, "nvme": g.extent}[g.home]
+            return {"device": g.device_buf, "cpu": g.host_buf, "nvme": g.extent}[g.home]
         if g.home != "device":
             raise ValueError(f"zero_stage {self.stage}: parameters must stay on the device "
                              f"(offload.params 'none'); group {g.name!r} has home {g.home!r}. "
@@ -89,6 +98,12 @@ class PartitionedOptimizer(EngineOptimizer):
             return super().alloc_grads()
         for g in self.groups:
             lo, hi = self.shard(g)
+            if self.spill:
+                g.grad_buf = None
+                self._grad_ext[g.gid] = self.swap.allocate((hi - lo) * 4)
+                self._grad_valid[g.gid] = False
+                self._grad_sq[g.gid] = 0.0
+                continue
             g.grad_buf = self.host_pool.lease((hi - lo) * 4, torch.float32)
             g.grad_buf.zero_()
 
@@ -135,19 +150,48 @@ class PartitionedOptimizer(EngineOptimizer):
             full = self.host_pool.lease(g.padded_numel * 4, torch.float32)
             full.zero_()
         lo, hi = self.shard(g)
+        name = f"gradients of group {g.gid} ({g.name or '<root>'})"
+        if self.comm.world_size == 1:       # nothing to reduce: the full buffer is the shard
+            self._shard_done(g, full, [full])
+            return
         out = self.host_pool.lease((hi - lo) * 4, torch.float32)
-        inv = 1.0 / self.comm.world_size
-        shard_acc = g.grad_buf
-
-        def done(full=full, out=out, shard_acc=shard_acc):
-            shard_acc.add_(out, alpha=inv)
-            self.host_pool.give_back(out)
-            self.host_pool.give_back(full)
-        h = self.comm.reduce_scatter_sum(out, full, async_op=True, post=done,
-                                         name=f"gradients of group {g.gid} ({g.name or '<root>'})")
+        h = self.comm.reduce_scatter_sum(
+            out, full, async_op=True, name=name,
+            post=lambda g=g, out=out, full=full: self._shard_done(g, out, [out, full]))
         self._inflight.append(h)
         while len(self._inflight) > MAX_INFLIGHT_REDUCTIONS:
             self._inflight.pop(0).wait()
+
+    def _shard_done(self, g: GroupRecord, summed: torch.Tensor, bufs: list) -> None:
+        """``summed``: this rank's slice of the gradient summed over ranks."""
+        if self.comm.world_size > 1:
+            summed.mul_(1.0 / self.comm.world_size)
+        if not self.spill:
+            g.grad_buf.add_(summed)
+            for b in bufs:
+                self.host_pool.give_back(b)
+            return
+        ext = self._grad_ext[g.gid]
+        if self._grad_valid[g.gid]:       # accumulation: add what earlier micro-steps left
+            tmp = self.host_pool.lease(summed.numel() * 4, torch.float32)
+            self.swap.read(ext, tmp).wait()
+            summed.add_(tmp)
+            self.host_pool.give_back(tmp)
+        n = float(torch.linalg.vector_norm(summed))
+        self._grad_sq[g.gid] = n * n
+        self._grad_valid[g.gid] = True
+        t0 = time.perf_counter()
+        self._writes.append((self.swap.write(ext, summed), bufs, summed.numel() * 4, t0))
+        while len(self._writes) > MAX_INFLIGHT_REDUCTIONS:
+            self._wait_write()
+
+    def _wait_write(self) -> None:
+        h, bufs, nbytes, t0 = self._writes.pop(0)
+        h.wait()
+        if self.acct is not None:
+            self.acct.link("nvme_write", nbytes, time.perf_counter() - t0)
+        for b in bufs:
+            self.host_pool.give_back(b)
 
     def finish_backward(self) -> None:
         """Reduce what is left of this backward (group order) and wait for everything."""
@@ -160,6 +204,8 @@ class PartitionedOptimizer(EngineOptimizer):
         self._launched.clear()
         while self._inflight:
             self._inflight.pop(0).wait()
+        while self._writes:
+            self._wait_write()
 
     def zero_grad(self) -> None:
         for full in self._full.values():
@@ -169,7 +215,11 @@ class PartitionedOptimizer(EngineOptimizer):
         super().zero_grad()
         if self.stage > 1:
             for g in self.groups:
-                g.grad_buf.zero_()
+                if self.spill:
+                    self._grad_valid[g.gid] = False
+                    self._grad_sq[g.gid] = 0.0
+                else:
+                    g.grad_buf.zero_()
 
     def _zero_unwritten(self) -> None:
         # stages 2, 3: every group is reduced into its (zeroed) shard buffer each backward,
@@ -179,6 +229,9 @@ class PartitionedOptimizer(EngineOptimizer):
 
     def grad_norm(self) -> float:
         """Global L2 norm of the averaged gradient (squared shard norms summed over ranks)."""
+        if self.spill:
+            local = sum(self._grad_sq.values())
+            return self.comm.all_reduce_scalar(local, name="squared gradient norm") ** 0.5
         local = 0.0
         for g in self.groups:
             lo, hi = self.shard(g)
@@ -211,6 +264,8 @@ class PartitionedOptimizer(EngineOptimizer):
         lo, hi = self.shard(g)
         segs = clip_segments(it.segments, lo, hi)
         grad = g.grad_buf[lo:hi] if self.stage == 1 else g.grad_buf
+        if self.spill:
+            grad = self._grad_ext[g.gid]
         param_out = it.param_out
         sink = it.param_sink
         if self.precision != "fp32":
