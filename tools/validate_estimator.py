@@ -35,12 +35,14 @@ import sys
 import tempfile
 import time
 
+# (precision, params home, optimizer home, gradient accumulation steps)
 CONFIGS = [
-    ("fp32", "none", "none"),
-    ("fp32", "cpu", "cpu"),
-    ("bf16", "cpu", "nvme"),
-    ("bf16", "nvme", "nvme"),
-    ("fp32", "nvme", "nvme"),
+    ("fp32", "none", "none", 1),
+    ("fp32", "cpu", "cpu", 1),
+    ("bf16", "cpu", "nvme", 1),
+    ("bf16", "nvme", "nvme", 1),
+    ("fp32", "nvme", "nvme", 1),
+    ("bf16", "nvme", "nvme", 3),
 ]
 
 
@@ -97,16 +99,18 @@ def child(spec):
     conf = {"precision": spec["precision"],
             "offload": {"params": spec["params"], "optimizer": spec["optimizer"],
                         "nvme_paths": [spec["swap"]]},
-            "prefetch": {"depth": spec["depth"]}}
+            "prefetch": {"depth": spec["depth"]},
+            "gradient_accumulation_steps": spec["accum"]}
     eng = infinity.initialize(model, conf)
     del model
     g = torch.Generator().manual_seed(1)
     x = torch.randint(0, cfg.vocab_size, (spec["batch"], spec["seq"]), generator=g)
 
-    def step():
-        out = eng(input_ids=x, labels=x)
-        eng.backward(out.loss)
-        eng.step()
+    def step():  # one optimizer step = `accum` micro-batches
+        for _ in range(spec["accum"]):
+            out = eng(input_ids=x, labels=x)
+            eng.backward(out.loss)
+            eng.step()
         return float(out.loss.detach())
 
     step()                       # warm-up: records the module order, writes m/v once
@@ -139,7 +143,7 @@ def predict(spec):
         model = GPT2LMHeadModel(GPT2Config(**spec["model"]))
     ms = spec_from_module(model, seq=spec["seq"], batch=spec["batch"])
     est = estimate(ms, machine=Machine(gpus=0, host_mem_gb=1000, nvme_gb=1000),
-                   precision=spec["precision"], prefetch_depth=spec["depth"],
+                   precision=spec["precision"], prefetch_depth=spec["depth"], grad_accum=spec["accum"],
                    configs=[(spec["params"], spec["optimizer"])])
     c = est.configs[0]
     init_only = sum(i.nbytes for i in c.plan.items if "initialisation only" in i.name)
@@ -168,25 +172,27 @@ def main():
         return 0
     if args.quick:
         model = dict(vocab_size=4096, n_embd=256, n_layer=4, n_head=4, n_positions=128)
-        configs = [CONFIGS[1], CONFIGS[2], CONFIGS[3]]
+        configs = [CONFIGS[1], CONFIGS[2], CONFIGS[5]]
     else:
         model = dict(vocab_size=8192, n_embd=512, n_layer=6, n_head=8, n_positions=256)
         configs = CONFIGS
     rows = []
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    for precision, params, optimizer in configs:
+    for precision, params, optimizer, accum in configs:
         with tempfile.TemporaryDirectory(prefix="validate-est-", dir=root) as swap:
             spec = {"model": model, "precision": precision, "params": params,
-                    "optimizer": optimizer, "swap": swap, "depth": 2, "seq": 64, "batch": 2}
+                    "optimizer": optimizer, "swap": swap, "depth": 2, "seq": 64, "batch": 2,
+                    "accum": accum}
             t0 = time.perf_counter()
             p = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", json.dumps(spec)],
                                capture_output=True, text=True, timeout=900)
             if p.returncode != 0:
-                print(f"{precision} {params}/{optimizer}: child failed:\n{p.stderr[-3000:]}", file=sys.stderr)
+                print(f"{precision} {params}/{optimizer} accum {accum}: child failed:\n{p.stderr[-3000:]}", file=sys.stderr)
                 continue
             meas = json.loads(p.stdout.strip().splitlines()[-1])
             pred = predict(spec)
-            rows.append({"config": f"{precision} params={params} optimizer={optimizer}",
+            name = f"{precision} params={params} optimizer={optimizer}" + (f" accum={accum}" if accum > 1 else "")
+            rows.append({"config": name,
                          "params": pred["params"], "seconds": time.perf_counter() - t0,
                          "pred_host": pred["host"], "meas_host": meas["steady_hwm"] - meas["base_rss"],
                          "meas_host_maxrss": meas["maxrss"] - meas["base_rss"],
@@ -202,7 +208,7 @@ def main():
           if rows else "no rows")
     print("host = steady-state peak RSS above the torch baseline (MB); NVMe = MB per step, measured by "
           "the kernel (/proc/self/io), engine.stats() in brackets")
-    print(f"{'configuration':<34}{'host pred':>10}{'meas':>8}{'ratio':>7}"
+    print(f"{'configuration':<42}{'host pred':>10}{'meas':>8}{'ratio':>7}"
           f"{'rd pred':>10}{'meas':>8}{'[stats]':>9}{'ratio':>7}"
           f"{'wr pred':>10}{'meas':>8}{'[stats]':>9}{'ratio':>7}")
     ok = 0
@@ -212,7 +218,7 @@ def main():
             (r[f"meas_{k}"] > 0 and abs(r[f"pred_{k}"] / r[f"meas_{k}"] - 1) <= 0.15)
             for k in ("host", "nvme_read", "nvme_write"))
         ok += good
-        print(f"{r['config']:<34}{r['pred_host'] / MB:>10.1f}{r['meas_host'] / MB:>8.1f}"
+        print(f"{r['config']:<42}{r['pred_host'] / MB:>10.1f}{r['meas_host'] / MB:>8.1f}"
               f"{_ratio(r['pred_host'], r['meas_host']):>7}"
               f"{r['pred_nvme_read'] / MB:>10.1f}{r['meas_nvme_read'] / MB:>8.1f}"
               f"{'[' + format(r['stats_nvme_read'] / MB, '.1f') + ']':>9}"
