@@ -272,7 +272,7 @@ def adopting(slots):
         return
     recs = [_record(p) for p in params]
     for p, rec in zip(params, recs):
-        p.data = rec.store.get(rec) if rec.host is None else rec.host.view(rec.shape)
+        p.data = rec.store.get(rec)
     try:
         yield
     finally:

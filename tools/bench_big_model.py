@@ -1,0 +1,171 @@
+#!/usr/bin/env python
+"""Train a transformer whose model states exceed host RAM, on this machine.
+
+Builds a Llama-style causal LM (transformers, from a config) under ``infinity.Init`` with
+parameters and optimizer states on NVMe, adopts it with ``infinity.initialize`` and trains
+``--steps`` steps of random tokens, reporting parameters, model-state bytes vs host RAM,
+construction/adoption/step times, peak RSS (``ru_maxrss``) and NVMe bytes moved per step.
+
+Model states counted as DeepSpeed does for mixed precision: fp32 master + Adam m + v
+(12 B/param) + bf16 params + bf16 grads (4 B/param) = 16 B/param.
+
+Refuses (exit 2, clear message) when the NVMe path lacks the free space the run needs:
+engine homes (bf16 params 2 B + fp32 master/m/v 12 B + spilled fp32 grads 4 B per param)
+plus the Init copy (4 B/param, freed as it is adopted).
+
+    .venv/bin/python tools/bench_big_model.py --nvme-path /work/big-swap          # ~2.5B params
+    .venv/bin/python tools/bench_big_model.py --layers 2 --hidden 512 --dry-run   # plan only
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import sys
+import time
+
+
+def rss_peak() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def rss_now() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def mem_total() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no MemTotal in /proc/meminfo")
+
+
+def count_params(a) -> int:
+    h, i, L, V = a.hidden, a.intermediate, a.layers, a.vocab
+    kv = h * a.kv_heads // a.heads
+    per_layer = h * h * 2 + 2 * h * kv + 3 * h * i + 2 * h
+    return L * per_layer + 2 * V * h + h
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=30)
+    ap.add_argument("--hidden", type=int, default=2560)
+    ap.add_argument("--intermediate", type=int, default=6912)
+    ap.add_argument("--heads", type=int, default=20)
+    ap.add_argument("--kv-heads", type=int, default=20)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--seq", type=int, default=32)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--nvme-path", default="./infinity-swap-big")
+    ap.add_argument("--host-gb", type=float, default=6.0, help="offload.host_memory_gb")
+    ap.add_argument("--device-gb", type=float, default=1.5, help="offload.device_memory_gb")
+    ap.add_argument("--prefetch", type=int, default=2)
+    ap.add_argument("--dry-run", action="store_true", help="print the plan and checks only")
+    ap.add_argument("--json", action="store_true", help="print one JSON line at the end")
+    a = ap.parse_args(argv)
+
+    n = count_params(a)
+    states = 16 * n
+    ram = mem_total()
+    need_disk = int(1.05 * (2 + 12 + 4 + 4) * n)
+    os.makedirs(a.nvme_path, exist_ok=True)
+    free = shutil.disk_usage(a.nvme_path).free
+    print(f"model: Llama {a.layers} layers, hidden {a.hidden}, intermediate {a.intermediate}, "
+          f"vocab {a.vocab}: {n / 1e9:.3f} B parameters")
+    print(f"model states (fp32 master + m + v + bf16 params + bf16 grads, 16 B/param): "
+          f"{states / 1e9:.1f} GB = {states / ram:.2f}x host RAM ({ram / 2**30:.1f} GiB)")
+    print(f"NVMe: needs {need_disk / 1e9:.1f} GB free at {a.nvme_path}, has {free / 1e9:.1f} GB")
+    if free < need_disk:
+        print(f"refusing: {a.nvme_path} has {free / 1e9:.1f} GB free but this run needs "
+              f"{need_disk / 1e9:.1f} GB (engine homes 18 B/param + Init copy 4 B/param + 5%); "
+              f"free space, pick another --nvme-path, or shrink the model (--layers/--hidden)",
+              file=sys.stderr)
+        return 2
+    if a.dry_run:
+        return 0
+
+    import torch
+    torch.manual_seed(0)
+    import infinity
+    from transformers import AutoModelForCausalLM, LlamaConfig
+    from infinity.zero.init import Init
+
+    cfg = {"precision": "bf16", "zero_stage": 3,
+           "offload": {"params": "nvme", "optimizer": "nvme", "nvme_paths": [a.nvme_path],
+                       "host_memory_gb": a.host_gb, "device_memory_gb": a.device_gb},
+           "prefetch": {"depth": a.prefetch},
+           "optimizer": {"type": "adamw", "lr": 1e-4, "weight_decay": 0.01}}
+    lcfg = LlamaConfig(vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=a.intermediate,
+                       num_hidden_layers=a.layers, num_attention_heads=a.heads,
+                       num_key_value_heads=a.kv_heads, max_position_embeddings=max(64, a.seq),
+                       tie_word_embeddings=False, use_cache=False)
+    res = {"params": n, "model_state_bytes": states, "host_ram_bytes": ram,
+           "states_over_ram": states / ram, "rss_after_import": rss_now()}
+    t0 = time.perf_counter()
+    with Init(cfg):
+        model = AutoModelForCausalLM.from_config(lcfg)
+    res["construct_s"] = time.perf_counter() - t0
+    res["rss_peak_after_construct"] = rss_peak()
+    got = sum(p.numel() for p in model.parameters())
+    if got != n:
+        print(f"note: model has {got} parameters (formula said {n})", file=sys.stderr)
+        res["params"] = n = got
+    print(f"constructed under Init in {res['construct_s']:.1f} s, peak RSS "
+          f"{res['rss_peak_after_construct'] / 2**30:.2f} GiB", flush=True)
+
+    t0 = time.perf_counter()
+    import infinity.engine as E
+    if hasattr(E, "ZeroSetup"):
+        eng = infinity.initialize(model, cfg)
+    else:  # before the engine integration landed
+        from infinity.zero.dist_engine import PartitionedEngine
+        eng = PartitionedEngine(model, cfg)
+    res["initialize_s"] = time.perf_counter() - t0
+    res["rss_peak_after_initialize"] = rss_peak()
+    res["grads_spilled"] = bool(getattr(getattr(eng, "zero", None), "spill", False))
+    print(f"initialize (adopt) in {res['initialize_s']:.1f} s, peak RSS "
+          f"{res['rss_peak_after_initialize'] / 2**30:.2f} GiB, grads spilled: "
+          f"{res['grads_spilled']}", flush=True)
+    g = torch.Generator().manual_seed(1)
+    steps = []
+    try:
+        for i in range(a.steps):
+            ids = torch.randint(0, a.vocab, (a.batch, a.seq), generator=g)
+            s0 = eng.stats()
+            t0 = time.perf_counter()
+            out = eng(input_ids=ids, labels=ids)
+            t1 = time.perf_counter()
+            eng.backward(out.loss)
+            t2 = time.perf_counter()
+            eng.step()
+            t3 = time.perf_counter()
+            s1 = eng.stats()
+            st = {"loss": float(out.loss.detach().float()), "step_s": t3 - t0, "forward_s": t1 - t0,
+                  "backward_s": t2 - t1, "optimizer_s": t3 - t2,
+                  "nvme_read_bytes": s1["nvme_read_bytes"] - s0["nvme_read_bytes"],
+                  "nvme_write_bytes": s1["nvme_write_bytes"] - s0["nvme_write_bytes"],
+                  "rss_peak": rss_peak()}
+            steps.append(st)
+            print(f"step {i}: loss {st['loss']:.4f}, {st['step_s']:.1f} s (fwd {st['forward_s']:.1f}, "
+                  f"bwd {st['backward_s']:.1f}, opt {st['optimizer_s']:.1f}), NVMe read "
+                  f"{st['nvme_read_bytes'] / 1e9:.1f} GB, written {st['nvme_write_bytes'] / 1e9:.1f} GB, "
+                  f"peak RSS {st['rss_peak'] / 2**30:.2f} GiB", flush=True)
+    finally:
+        eng.close()
+    res["steps"] = steps
+    res["rss_peak"] = rss_peak()
+    print(f"peak RSS {res['rss_peak'] / 2**30:.2f} GiB for {n / 1e9:.2f} B params "
+          f"({states / 1e9:.1f} GB of model states, {states / ram:.2f}x host RAM)")
+    if a.json:
+        print(json.dumps(res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
