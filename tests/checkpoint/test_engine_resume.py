@@ -217,3 +217,27 @@ def test_export_from_engine_checkpoint_loads_in_transformers(tmp_path):
     with torch.no_grad():
         got = m2(input_ids=ids).logits
     assert torch.equal(got, ref)
+
+
+def test_engine_rejects_other_model_and_keeps_its_state(tmp_path):
+    from infinity.checkpoint import CheckpointError
+    from infinity.engine import initialize
+    swap = str(tmp_path / "swap")
+    with initialize(_model(0), _cfg("nvme", swap)) as e1:
+        _train(e1, 1, 0)
+        e1.save_checkpoint(tmp_path / "ck")
+    torch.manual_seed(1)
+    other = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.LayerNorm(32), nn.Linear(32, 4),
+                          nn.Linear(4, 4))
+    with initialize(other, _cfg("nvme", swap)) as e2:
+        _train(e2, 1, 0)
+        before = _state(e2)
+        with pytest.raises(CheckpointError) as ei:
+            e2.load_checkpoint(tmp_path / "ck")
+        msg = str(ei.value)
+        assert "0.weight: checkpoint [33, 16] torch.float32, model [32, 16]" in msg
+        assert "missing from checkpoint (6): 4.weight" in msg  # 4.weight, 4.bias + their states
+        assert e2.global_steps == 1
+        after = _state(e2)
+        assert all(torch.equal(before[n], after[n]) for n in before)
+        _train(e2, 1, 1)  # still usable
