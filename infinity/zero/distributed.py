@@ -21,7 +21,7 @@ from infinity.zero.partition import Partition
 
 log = logging.getLogger("infinity.zero")
 
-__all__ = ["ZeroSetup", "gathered_state_dict", "grad_spill_needed"]
+__all__ = ["ZeroSetup", "gathered_state_dict", "grad_spill_needed", "read_param_gathered"]
 
 
 class ZeroSetup:
@@ -147,3 +147,18 @@ def _shard_values_single(engine, g) -> torch.Tensor:
     for s in g.slots:
         full[s.offset:s.offset + s.numel].copy_(sd[s.name].reshape(-1))
     return full
+
+
+def read_param_gathered(engine, p: torch.nn.Parameter) -> torch.Tensor:
+    """The full current value of parameter ``p`` (its original dtype) assembled from every
+    rank's shard of its group.  Collective: every rank reads the same parameters in the
+    same order (``engine.state_dict()`` iterates in model order on every rank)."""
+    zero = engine.zero
+    g = engine.plan.param_group[id(p)]
+    slot = next(s for s in g.slots if s.param is p)
+    lo, hi = zero.part.range(g.padded_numel)
+    mine = _shard_values(engine, g, lo, hi)
+    full = torch.empty(g.padded_numel, dtype=torch.float32)
+    zero.comm.all_gather_into(full, mine, group="default", name=f"parameter {slot.name}")
+    out_dtype = engine._orig_dtypes.get(id(p), torch.float32)
+    return full[slot.offset:slot.offset + slot.numel].view(slot.shape).to(out_dtype).clone()

@@ -76,7 +76,9 @@ def main():
         result["runs"][run["name"]] = {"losses": losses, "swap_left": swap_left,
                                        "nvme_read_bytes": stats.get("nvme_read_bytes", 0),
                                        "allgather_bytes": stats.get("allgather_bytes", 0),
-                                       "reduce_scatter_bytes": stats.get("reduce_scatter_bytes", 0)}
+                                       "reduce_scatter_bytes": stats.get("reduce_scatter_bytes", 0),
+                                       "prefetched_fetches": stats.get("prefetched_fetches", 0),
+                                       "on_demand_fetches": stats.get("on_demand_fetches", 0)}
     with open(out_path, "w") as f:
         json.dump(result, f)
     dist.destroy_process_group()
