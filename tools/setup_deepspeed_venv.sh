@@ -21,6 +21,17 @@ case "$(cd "$(dirname "$VENV")" 2>/dev/null && pwd)/$(basename "$VENV")" in
   */.venv) log "refusing to install DeepSpeed into a project .venv ($VENV)"; exit 2 ;;
 esac
 
+# DeepSpeed's async I/O op (AsyncIOBuilder, used by NVMe offload) JIT-compiles against libaio.
+if [ ! -e /usr/include/libaio.h ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    log "installing libaio-dev (needed by DeepSpeed's AsyncIOBuilder)"
+    apt-get update -qq >&2 && apt-get install -y -qq libaio-dev >&2
+  else
+    log "WARNING: /usr/include/libaio.h missing; DeepSpeed NVMe offload will not build." \
+        "Install libaio-dev (Debian/Ubuntu) or libaio-devel (RHEL) as root."
+  fi
+fi
+
 if [ ! -x "$VENV/bin/python" ]; then
   log "creating venv $VENV"
   "$PYTHON" -m venv "$VENV"
