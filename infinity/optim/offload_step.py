@@ -111,8 +111,10 @@ class OptimizerStateStore:
         state_dtype: ``torch.float32`` or ``torch.bfloat16`` for the moments.
         accounting: ``infinity.memory.accounting.Accounting`` or None.
         timeline: ``infinity.profile.Timeline`` or None.
-        pipeline_depth: ring slots (>= 2; 3 lets writes of tile i-1 overlap the
-            compute of tile i).
+        pipeline_depth: ring slots D (>= 2). Reads run D-2 tiles ahead (at least
+            one) and writes of earlier tiles overlap the compute of tile i; D=3
+            (default) is read i+1 || compute i || write i-1. Host cost: D tiles of
+            each buffered tensor (see ``host_bytes()``).
         sink_dtype: dtype of the tile handed to ``param_sink`` (None: the fp32
             master tile; bf16/fp16: written by adam_step in the same pass).
         kernel: the per-tile update, ``adam_step``'s signature (None: the SIMD

@@ -6,9 +6,10 @@ One Python thread orchestrates; the I/O engine moves bytes asynchronously and
     read tile i+1  ||  adam_step on tile i  ||  write tile i-1 (and i-2 ...)
 
 A slot is reused for tile ``i + depth`` only after the writes of tile ``i``
-have completed, so ``depth >= 3`` lets the writes of tile ``i-1`` overlap the
-compute of tile ``i``. Tiles of all keys of one step flow through the same
-pipeline, so small partitions do not drain it.
+have completed. Reads run ``depth - 2`` tiles ahead (at least one) but are
+issued only into slots whose writes have already landed, so the loop blocks on
+a write only when the very next tile needs its slot. Tiles of all keys of one
+step flow through the same pipeline, so small partitions do not drain it.
 
 Everything here is private to :mod:`infinity.optim.offload_step`; the public
 contract lives there.
