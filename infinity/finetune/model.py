@@ -5,11 +5,15 @@
   built with random weights;
 - a config ``.json`` file (Hugging Face format), built with random weights;
 - a local Hugging Face directory (``config.json`` + ``model.safetensors`` or a
-  sharded ``model.safetensors.index.json``): the model is constructed with its
-  parameters on the ``meta`` device (no memory), then every checkpoint tensor
-  is streamed, one at a time, with ``safetensors.safe_open`` into a freshly
-  allocated parameter. Peak host memory is the model once plus the largest
-  single tensor — never two copies of the model.
+  sharded ``model.safetensors.index.json``), streamed tensor by tensor:
+  * params homed off the device (``offload.params`` cpu/nvme): the model is
+    built under ``infinity.Init`` (each module's parameters leave for their
+    home as soon as it is constructed) and every checkpoint tensor is written
+    straight to its home by ``infinity.zero.init.load_safetensors`` — the
+    model never exists whole in host memory;
+  * otherwise: parameters start on the ``meta`` device and each is allocated
+    when its tensor arrives (``safetensors.safe_open``): peak host memory is
+    the model once plus the largest tensor, never two copies.
 
 No network access: hub names are rejected with a clear error.
 """
@@ -137,8 +141,69 @@ def _name_resolver(model):
     return slots, resolve
 
 
-def load_pretrained(model_dir):
-    """Load a local Hugging Face causal LM, streaming safetensors tensor by tensor."""
+def _uses_init(init_config):
+    """Build under ``infinity.Init`` when the parameters' home is off the device."""
+    if init_config is None:
+        return False
+    from infinity.config import InfinityConfig
+
+    return InfinityConfig.load(init_config).offload.params in ("cpu", "nvme")
+
+
+def _build_under_init(config, init_config):
+    from infinity.zero.init import Init
+
+    with Init(init_config):
+        return build_model(config)
+
+
+def _load_into_init_model(model, files, model_dir):
+    """Stream ``files`` into an Init-built model with ``infinity.zero.init.load_safetensors``
+    (each tensor goes to its offloaded home). Checkpoints saved from the base model (keys
+    without ``transformer.``/``model.``) are loaded into that submodule; parameters outside
+    it must be tied to parameters inside (GPT-2's ``lm_head``)."""
+    from safetensors import safe_open
+
+    from infinity.zero.init import load_safetensors
+
+    keys = []
+    for fp in files:
+        try:
+            with safe_open(fp, framework="pt", device="cpu") as f:
+                keys += list(f.keys())
+        except Exception as e:  # safetensors raises its own error types
+            raise ModelError(f"cannot open weights {fp}: {e}") from e
+    names = dict(model.named_parameters(remove_duplicate=False))
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    target = model
+    exact = sum(k in names for k in keys)
+    if prefix and hasattr(model, prefix) and sum(f"{prefix}.{k}" in names for k in keys) > exact:
+        target = getattr(model, prefix)
+    try:
+        unexpected = load_safetensors(target, files, strict=True)
+    except ValueError as e:
+        raise ModelError(f"weights in {model_dir} do not fit the model built from its "
+                         f"config.json: {e}") from e
+    if target is not model:
+        inside = {id(p) for p in target.parameters()}
+        outside = [n for n, p in names.items() if id(p) not in inside]
+        if outside:
+            raise ModelError(f"weights in {model_dir} hold only the base model ({prefix}); "
+                             f"{', '.join(outside[:5])} are missing")
+    if unexpected:
+        log.debug("ignored %d checkpoint tensors not in the model, e.g. %s",
+                  len(unexpected), ", ".join(unexpected[:5]))
+    return len(keys) - len(unexpected)
+
+
+def load_pretrained(model_dir, *, init_config=None):
+    """Load a local Hugging Face causal LM, streaming safetensors tensor by tensor.
+
+    With ``init_config`` whose ``offload.params`` is ``cpu``/``nvme`` the model is built
+    under ``infinity.Init(init_config)`` and each tensor is written straight to its
+    offloaded home (never the whole model in memory); otherwise parameters start on
+    ``meta`` and are allocated one by one as their tensor arrives.
+    """
     from safetensors import safe_open
 
     cfg_path = os.path.join(model_dir, "config.json")
@@ -146,6 +211,13 @@ def load_pretrained(model_dir):
         raise ModelError(f"{model_dir} has no config.json (expected a Hugging Face model directory)")
     config = load_model_config(cfg_path)
     files = _safetensors_files(model_dir)
+    if _uses_init(init_config):
+        model = _build_under_init(config, init_config)
+        n = _load_into_init_model(model, files, model_dir)
+        model.config.use_cache = False
+        log.info("loaded %s from %s into infinity.Init homes (%d tensors streamed from %d file(s))",
+                 config.model_type, model_dir, n, len(files))
+        return model
     with parameters_on_meta():
         model = build_model(config)
     slots, resolve = _name_resolver(model)
@@ -199,17 +271,25 @@ def load_pretrained(model_dir):
     return model
 
 
-def resolve_model(spec=None):
-    """``--model`` value -> (model, description). See the module docstring."""
+def resolve_model(spec=None, *, init_config=None):
+    """``--model`` value -> (model, description). See the module docstring.
+    ``init_config``: the infinity config; when it homes params off the device the model
+    is built under ``infinity.Init`` (parameters go to their home module by module)."""
     spec = spec or DEFAULT_MODEL
+    use_init = _uses_init(init_config)
+    how = ", built under infinity.Init" if use_init else ""
+
+    def build(config):
+        return _build_under_init(config, init_config) if use_init else build_model(config)
+
     if spec in SHIPPED_MODELS:
-        return build_model(load_model_config(shipped_model_config(spec))), f"{spec} (shipped, random init)"
+        return build(load_model_config(shipped_model_config(spec))), f"{spec} (shipped, random init{how})"
     if os.path.isdir(spec):
-        return load_pretrained(spec), f"{spec} (pretrained)"
+        return load_pretrained(spec, init_config=init_config), f"{spec} (pretrained{how})"
     if os.path.isfile(spec):
         if not spec.endswith(".json"):
             raise ModelError(f"--model {spec}: expected a Hugging Face directory or a config .json file")
-        return build_model(load_model_config(spec)), f"{spec} (config, random init)"
+        return build(load_model_config(spec)), f"{spec} (config, random init{how})"
     raise ModelError(f"--model {spec!r} is neither a shipped model ({', '.join(SHIPPED_MODELS)}) nor "
                      "a local file/directory; downloads are not supported, save the model with "
                      "save_pretrained(dir, safe_serialization=True) and pass the directory")

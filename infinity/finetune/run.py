@@ -125,13 +125,16 @@ def finetune(opts, *, reporter_streams=None):
         else:
             tok = ByteTokenizer()
         texts = load_texts(opts.data)
-        model, desc = resolve_model(opts.model)
+        _init_distributed(world, int(cfg.get("dist_timeout_s", 600)))  # Init shards by rank
+        model, desc = resolve_model(opts.model, init_config=cfg)
         check_vocab(model, tok)
         seq_len, batch = _shape(opts, model)
         batcher = TokenBatcher(texts, tok, seq_len=seq_len, batch_size=batch, rank=rank,
                                world_size=world, seed=opts.seed)
     except (DataError, ModelError) as e:
         raise FinetuneError(str(e)) from e
+    except OSError as e:  # infinity.Init cannot create its swap directory, ...
+        raise FinetuneError(f"cannot build the model into its offloaded home: {e}") from e
     n_params = sum(p.numel() for p in model.parameters())
     gas = int(cfg.get("gradient_accumulation_steps", 1) or 1)
     reporter.info(
@@ -142,7 +145,6 @@ def finetune(opts, *, reporter_streams=None):
         f"{world} rank(s) | params home {cfg['offload']['params']}, optimizer home "
         f"{cfg['offload']['optimizer']}, swap {cfg['offload']['nvme_paths']}")
 
-    _init_distributed(world, int(cfg.get("dist_timeout_s", 600)))
     checkpointer = ck.Checkpointer(opts.save, keep_last=opts.keep_last,
                                    is_rank0=(rank == 0)) if opts.save else None
     t_start = time.perf_counter()
