@@ -17,7 +17,7 @@ FULL = [(k, p, o, prec) for k in ("mlp", "lm") for p, o in itertools.product(HOM
         for prec in ("fp32", "bf16")]
 DEFAULT = [("mlp", "none", "none", "fp32"), ("mlp", "cpu", "cpu", "fp32"),
            ("mlp", "nvme", "nvme", "fp32"), ("lm", "nvme", "cpu", "fp32"),
-           ("lm", "cpu", "nvme", "fp32"), ("mlp", "nvme", "nvme", "bf16"),
+           ("mlp", "nvme", "nvme", "bf16"),
            ("lm", "nvme", "nvme", "bf16")]
 SLOW = [c for c in FULL if c not in DEFAULT]
 
