@@ -138,7 +138,7 @@ def test_resume_in_a_new_process_through_engine_methods(tmp_path):
             assert torch.equal(r.read(n), t), n
 
 
-@pytest.mark.parametrize("offload", ["cpu", "nvme"])
+@pytest.mark.parametrize("offload", [pytest.param("cpu", marks=pytest.mark.slow), "nvme"])
 def test_frozen_params_and_buffers(tmp_path, offload):
     """Frozen params (read from their home) and BatchNorm running stats are saved,
     exported under model names, and buffers are restored on load."""

@@ -88,6 +88,7 @@ def test_export_refuses_corrupt_checkpoint(tmp_path, dict_state, tensors):
     assert not os.path.exists(tmp_path / "out" / "model.safetensors")
 
 
+@pytest.mark.slow  # the engine-level GPT-2 export test covers this in the default suite
 def test_export_loads_into_transformers_model(tmp_path):
     transformers = pytest.importorskip("transformers")
     cfg = transformers.GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=50, n_positions=16)
