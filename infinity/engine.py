@@ -42,6 +42,9 @@ class Engine:
             raise TypeError(f"initialize: expected a torch.nn.Module, got {type(model).__name__}")
         self.cfg = cfg = InfinityConfig.load(config)
         self.module = model
+        if timeline is None:
+            from infinity.profile import Timeline
+            timeline = Timeline(enabled=False)      # every call a no-op until profile()
         self.timeline = timeline
         self.dtype = _DTYPES[cfg.precision]
         self.gas = cfg.gradient_accumulation_steps
@@ -164,7 +167,8 @@ class Engine:
         if self.dtype != torch.float32:
             args = tuple(self._cast(a) for a in args)
             kwargs = {k: self._cast(v) for k, v in kwargs.items()}
-        return self.module(*args, **kwargs)
+        with self.timeline.span("forward", "forward"):
+            return self.module(*args, **kwargs)
 
     def _cast(self, x):
         if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != self.dtype:
@@ -181,8 +185,9 @@ class Engine:
         scale = self.opt.scaler.scale / self.gas
         if scale != 1.0:
             loss = loss.float() * scale      # fp32: an fp16 loss times 65536 overflows
-        loss.backward(retain_graph=retain_graph)
-        self.hooks.finish_backward()
+        with self.timeline.span("backward", "backward"):
+            loss.backward(retain_graph=retain_graph)
+            self.hooks.finish_backward()
 
     def step(self) -> bool:
         """Call after every micro-batch; applies the optimizer at accumulation boundaries.
@@ -196,7 +201,9 @@ class Engine:
             raise RuntimeError(f"engine.step: called while modules are still executing "
                                f"(groups in use: {busy[:4]}); call it after backward")
         od = self.acct.counters.get("on_demand_fetches", 0)
-        applied = self.opt.boundary_step()
+        with self.timeline.span("optimizer", "step"):
+            applied = self.opt.boundary_step()
+        self.timeline.mark_step(self.opt.boundaries)
         self._last_on_demand = od - getattr(self, "_od_at_last_step", 0)
         self._od_at_last_step = od
         return applied
@@ -241,6 +248,24 @@ class Engine:
             "groups": len(self.mm.groups),
         })
         return d
+
+    # ------------------------------------------------------------------ checkpoints, profile
+    def save_checkpoint(self, directory, tag=None, **kw):
+        """Sharded, checksummed, atomic checkpoint (``infinity.checkpoint``)."""
+        from infinity.checkpoint.engine_state import save_engine_checkpoint
+        self._check_open()
+        return save_engine_checkpoint(self, directory, tag, **kw)
+
+    def load_checkpoint(self, directory, tag=None, **kw):
+        from infinity.checkpoint.engine_state import load_engine_checkpoint
+        self._check_open()
+        return load_engine_checkpoint(self, directory, tag, **kw)
+
+    def profile(self, directory=None, **kw):
+        """``with engine.profile("prof/"):`` records the timeline (I/O, forward, backward,
+        optimizer, waits) and writes the Chrome trace, summary and plots on exit."""
+        from infinity.profile.session import ProfileSession
+        return ProfileSession(self.timeline, directory, stats_fn=self.stats, **kw)
 
     # ------------------------------------------------------------------ weights out
     def state_dict(self):

@@ -129,7 +129,11 @@ class MemoryManager:
         """Block until ``g`` is on the device tier (it must have been fetched)."""
         if g.state is Location.READING:
             handle, t0 = g.pending
-            handle.wait()
+            if not handle.done() and self.timeline is not None and self.timeline.enabled:
+                with self.timeline.span("wait", f"fetch {g.name or '<root>'}", g.nbytes):
+                    handle.wait()
+            else:
+                handle.wait()
             self._link("nvme_read", g.nbytes, t0)
             g.finish_read()
             self._by_storage[g.device_buf.untyped_storage().data_ptr()] = g
