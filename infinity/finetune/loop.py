@@ -46,6 +46,19 @@ def _global_mean(value):
     return float(value)
 
 
+def _global_sum(values):
+    """Per-link byte counts summed over ranks (unchanged at world size 1)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        from infinity.finetune.stop import collective_device
+
+        t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=collective_device())
+        dist.all_reduce(t)
+        return [int(v) for v in t.tolist()]
+    return list(values)
+
+
 def _grad_norm(stats):
     for key in ("grad_norm", "last_grad_norm"):
         v = stats.get(key) if isinstance(stats, dict) else None
@@ -98,7 +111,7 @@ def run(engine, batcher, opts, reporter, stopper, checkpointer=None, timeline=No
         if not math.isfinite(loss_val):
             log.warning("step %d: loss is %s", step, loss_val)
         now_bytes = link_bytes(stats)
-        delta = {k: max(0, now_bytes[k] - prev_bytes[k]) for k in LINKS}
+        delta = dict(zip(LINKS, _global_sum(max(0, now_bytes[k] - prev_bytes[k]) for k in LINKS)))
         prev_bytes = now_bytes
         total_tokens = tokens * opts.world_size
         reporter.step({

@@ -121,3 +121,27 @@ def test_second_sigint_aborts_and_still_removes_swap(tmp_path, tiny_config, ft):
     assert proc.returncode in (0, 130, -signal.SIGINT), err[-3000:]
     assert "Traceback" not in err
     assert ft.files_under(swap) == []
+
+
+@pytest.mark.slow
+def test_torchrun_two_ranks_rank0_prints_and_data_is_sharded(tmp_path, tiny_config, ft):
+    """2 ranks x 128 tokens see exactly the data of 1 rank x 256 tokens: same losses;
+    only rank 0 writes JSON lines; no swap files remain on either rank."""
+    import sys
+
+    model = tiny_config("llama")
+    common = ["--model", model, "--steps", "3", "--seq-len", "64", "--json"]
+    single = ft.run(*common, "--batch-tokens", "256", "--nvme-path", str(tmp_path / "s1"),
+                    cwd=tmp_path)
+    assert single.returncode == 0, single.stderr[-3000:]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "-m", "infinity", "finetune", *common, "--batch-tokens", "128",
+           "--nvme-path", str(tmp_path / "s2")]
+    r = subprocess.run(cmd, cwd=tmp_path, env=ft.env(), capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    recs = _json_lines(r.stdout)
+    assert [x["step"] for x in recs] == [1, 2, 3]  # rank 0 only
+    assert all(x["tokens"] == 256 for x in recs)
+    ref = _json_lines(single.stdout)
+    assert [x["loss"] for x in recs] == pytest.approx([x["loss"] for x in ref], rel=2e-4)
+    assert ft.files_under(tmp_path / "s2") == []
