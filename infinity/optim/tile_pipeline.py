@@ -6,10 +6,11 @@ One Python thread orchestrates; the I/O engine moves bytes asynchronously and
     read tile i+1  ||  adam_step on tile i  ||  write tile i-1 (and i-2 ...)
 
 A slot is reused for tile ``i + depth`` only after the writes of tile ``i``
-have completed. Reads run ``depth - 2`` tiles ahead (at least one) but are
-issued only into slots whose writes have already landed, so the loop blocks on
-a write only when the very next tile needs its slot. Tiles of all keys of one
-step flow through the same pipeline, so small partitions do not drain it.
+have completed. The reads of tile i+1 are always issued before tile i is
+computed (so the device has work queued during compute); with ``depth > 3``
+tiles further ahead (up to i+depth-2) are read too, but only into slots whose
+writes have already landed. Tiles of all keys of one step flow through the
+same pipeline, so small partitions do not drain it.
 
 Everything here is private to :mod:`infinity.optim.offload_step`; the public
 contract lives there.
@@ -257,9 +258,10 @@ class TilePipeline:
         return True
 
     def run(self, tasks: List[TileTask], hp: dict) -> None:
-        """Read-ahead of ``depth - 2`` tiles (at least 1), issued only into slots whose
-        writes have landed, so the loop blocks on a write only when the very tile to
-        compute next needs its slot; writes of the previous tiles overlap the compute."""
+        """Before computing tile i, the reads of tile i+1 are issued (waiting, if need be,
+        for the writes of tile i+1-depth to leave its slot) so the device always has
+        reads and writes queued while the CPU computes; with depth > 3, tiles up to
+        i+depth-2 are read ahead too, but only into slots whose writes have landed."""
         if not tasks:
             return
         slots = self.slots
@@ -271,8 +273,8 @@ class TilePipeline:
             for i, task in enumerate(tasks):
                 while nxt < total and nxt <= i + ahead:
                     slot = slots[nxt % depth]
-                    if nxt > i and not self.writes_done(slot):
-                        break                        # never block for read-ahead
+                    if nxt > i + 1 and not self.writes_done(slot):
+                        break                        # never block for the extra read-ahead
                     self.current = slot.task
                     self.drain_writes(slot)          # tile nxt-depth leaves the slot
                     self.current = tasks[nxt]

@@ -447,3 +447,49 @@ def test_default_tiles_large_partition(state_dtype, swap):
     else:   # stated tolerance for bf16 moments, on the update itself
         assert norm_rel(m - init, rp - init) < 1e-2
     assert torch.equal(out, m.to(torch.bfloat16))
+
+
+def test_pipeline_order_read_ahead_and_write_behind(swap):
+    """Structure, not timing: the reads of tile i+1 are issued before adam_step runs on tile i,
+    and tile i's writes are issued before the compute of tile i+1 (write-behind)."""
+    n = 5 * TILE
+    log = []
+
+    class LoggingSwap:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def allocate(self, nbytes):
+            return self.inner.allocate(nbytes)
+
+        def free(self, ext):
+            return self.inner.free(ext)
+
+        def read(self, ext, t, offset=0):
+            log.append(("read", offset // 4 // TILE))
+            return self.inner.read(ext, t, offset=offset)
+
+        def write(self, ext, t, offset=0):
+            log.append(("write", offset // 4 // TILE))
+            return self.inner.write(ext, t, offset=offset)
+
+    from infinity.optim import adam_step
+    tile_of = {}
+
+    def kernel(param, *args, **kw):
+        log.append(("compute", tile_of[param.data_ptr()] if param.data_ptr() in tile_of else None))
+        adam_step(param, *args, **kw)
+
+    with OptimizerStateStore("nvme", swap=LoggingSwap(swap), tile_numel=TILE, kernel=kernel) as st:
+        st.add("w", n, init=torch.randn(n))
+        st.step([StepItem("w", torch.randn(n), [(0, n, 1e-3, 0.0)])], step=1, beta1=0.9, beta2=0.999, eps=EPS)
+        log.clear()
+        st.step([StepItem("w", torch.randn(n), [(0, n, 1e-3, 0.0)])], step=2, beta1=0.9, beta2=0.999, eps=EPS)
+    computes = [i for i, e in enumerate(log) if e[0] == "compute"]
+    assert len(computes) == 5
+    for t, ci in enumerate(computes):
+        first_read = {tt: min(i for i, e in enumerate(log) if e == ("read", tt)) for tt in range(5)}
+        if t + 1 < 5:
+            assert first_read[t + 1] < ci, (t, log)            # read-ahead
+            assert ("write", t) in log[ci:computes[t + 1]], (t, log)   # write-behind, before next compute
+        assert log.count(("read", t)) == 3 and log.count(("write", t)) == 3
