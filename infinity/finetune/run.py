@@ -119,13 +119,14 @@ def finetune(opts, *, reporter_streams=None):
         reporter.info(n)
 
     torch.manual_seed(opts.seed)
+    own_pg = False
     try:
         if opts.tokenizer == "auto" and opts.model and has_tokenizer(opts.model):
             tok = HFTokenizer(opts.model)
         else:
             tok = ByteTokenizer()
         texts = load_texts(opts.data)
-        _init_distributed(world, int(cfg.get("dist_timeout_s", 600)))  # Init shards by rank
+        own_pg = _init_distributed(world, int(cfg.get("dist_timeout_s", 600)))  # Init shards by rank
         model, desc = resolve_model(opts.model, init_config=cfg)
         check_vocab(model, tok)
         seq_len, batch = _shape(opts, model)
@@ -167,7 +168,12 @@ def finetune(opts, *, reporter_streams=None):
                 del model  # the engine owns the parameters now
                 start = 0
                 if opts.resume:
-                    start = checkpointer.resume(engine)
+                    from infinity.checkpoint.errors import CheckpointError
+
+                    try:
+                        start = checkpointer.resume(engine)
+                    except CheckpointError as e:  # corrupt/incomplete/incompatible checkpoint
+                        raise FinetuneError(f"--resume: {e}") from e
                     reporter.set_initial(start)
                     if start >= opts.steps:
                         reporter.info(f"checkpoint is at step {start} >= --steps {opts.steps}: "
@@ -200,6 +206,11 @@ def finetune(opts, *, reporter_streams=None):
     finally:
         if not aborted and result is None:
             reporter.close()
+        if own_pg:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
     extra = {"wall time": f"{time.perf_counter() - t_start:.1f} s"}
     peaks = _peaks(stats)
     if peaks:

@@ -65,6 +65,13 @@ def test_save_and_resume_continue_the_loss_curve(tmp_path, tiny_config):
     assert [x["loss"] for x in resumed] == pytest.approx(ref[3:], rel=1e-4)
     assert (ck / "latest").read_text().strip() == "step-00000006"
     assert _no_files(tmp_path / "s1") and _no_files(tmp_path / "s2")
+    # a damaged checkpoint is a clear error, not a traceback or a silent restart
+    from infinity.finetune.run import FinetuneError
+    man = ck / "step-00000006" / "manifest.json"
+    man.write_text(man.read_text().replace('"world_size"', '"world_size" ', 1).replace("1", "2", 1))
+    with pytest.raises(FinetuneError, match="--resume"):
+        _run(tmp_path, "s3", model=model, steps=7, save=str(ck), resume=True)
+    assert _no_files(tmp_path / "s3")
 
 
 def test_profile_dir_gets_a_trace_and_a_plot(tmp_path, tiny_config):
