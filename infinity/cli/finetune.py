@@ -41,13 +41,13 @@ def register(sub):
     p.add_argument("--config", metavar="FILE", help="infinity config (JSON/YAML); flags override it")
     p.add_argument("--nvme-path", metavar="DIR", action="append", dest="nvme_paths", default=[],
                    help="swap directory (repeat to stripe over several); overrides offload.nvme_paths")
-    p.add_argument("--steps", type=_positive_int, default=30, help="optimizer steps (default 30)")
-    p.add_argument("--batch-tokens", type=_positive_int, default=4096,
+    p.add_argument("--steps", type=_positive_int, default=30, metavar="N", help="optimizer steps (default 30)")
+    p.add_argument("--batch-tokens", type=_positive_int, default=4096, metavar="T",
                    help="tokens per micro-batch per rank (default 4096)")
-    p.add_argument("--seq-len", type=_positive_int, default=256,
+    p.add_argument("--seq-len", type=_positive_int, default=256, metavar="L",
                    help="sequence length (default 256, capped by the model)")
-    p.add_argument("--lr", type=float, help="learning rate (default 3e-3 or the config's)")
-    p.add_argument("--seed", type=int, default=0, help="seed for data order and init (default 0)")
+    p.add_argument("--lr", type=float, metavar="X", help="learning rate (default 3e-3 or the config's)")
+    p.add_argument("--seed", type=int, default=0, metavar="S", help="seed for data order and init (default 0)")
     p.add_argument("--save", metavar="DIR", help="checkpoint directory (saved at the end and on Ctrl-C)")
     p.add_argument("--save-every", type=_nonneg_int, default=0, metavar="N",
                    help="also save every N steps")
