@@ -166,7 +166,10 @@ class Timeline:
         return _Span(self, lane, name, nbytes)
 
     def mark_step(self, step):
-        """Mark the boundary where optimizer step ``step`` begins (a vertical line in the plot)."""
+        """Mark an optimizer-step boundary labelled ``step`` (a vertical line in the plot).
+
+        Per-step rows of the summary run from each mark to the next one (or the end of the
+        window); the engine marks the end of each optimizer step with its step count."""
         if not self.enabled:
             return
         t = time.perf_counter()

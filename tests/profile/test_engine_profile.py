@@ -28,7 +28,6 @@ def test_profile_session_on_engine(tmp_path):
         before = eng.stats()
         with ProfileSession(tl, tmp_path / "prof", stats_fn=eng.stats) as prof:
             for i in range(2):
-                tl.mark_step(i + 1)
                 step()
         after = eng.stats()
     finally:
@@ -41,5 +40,8 @@ def test_profile_session_on_engine(tmp_path):
     p = prof.summary["prefetch"]
     assert p["prefetched"] == after["prefetched_fetches"] - before["prefetched_fetches"]
     assert p["on_demand"] == after["on_demand_fetches"] - before["on_demand_fetches"]
-    assert [s["step"] for s in prof.summary["steps"]] == [1, 2]
+    # the engine marks each optimizer-step boundary itself
+    marks = [s for s, _ in tl.steps()]
+    assert len(marks) >= 2 and marks == sorted(marks)
+    assert [s["step"] for s in prof.summary["steps"]] == marks
     assert (tmp_path / "prof" / "timeline.png").stat().st_size > 0
