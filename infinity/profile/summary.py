@@ -11,10 +11,13 @@ Definitions (also in docs/profiling.md):
 - *compute*: union of forward, backward and optimizer intervals minus the union of
   ``wait`` intervals (a forward span that includes a wait for its parameters counts the
   wait as waiting, not computing).
-- *bottleneck*: the candidate with the largest busy fraction (busy / window) among the six
-  links and compute. If the time in which nothing at all was recorded (idle: no lane busy)
-  is larger than that, the step is *overhead-bound* (Python, allocation, synchronisation
-  not covered by any lane). Ties go to the link (I/O is what offload tuning can change).
+- *exposed time* of a link: its busy time that does not overlap compute. Transfers hidden
+  under compute (prefetch working) cannot lengthen the step; exposed ones can.
+- *bottleneck*: the candidate with the largest fraction of the window among compute (its
+  busy time) and the six links (their exposed time). If the time in which nothing at all
+  was recorded (idle: no lane busy) is larger, the step is *overhead-bound* (Python,
+  allocation, synchronisation not covered by any lane). Ties go to the link (I/O is what
+  offload tuning can change). Without compute spans, exposed = busy.
 """
 import json
 import logging
@@ -276,7 +279,6 @@ def summarize(timeline, *, ceilings=None, counters=None):
         if isinstance(cb, (int, float)) and not isinstance(cb, bool):
             entry["counter_bytes"] = int(cb)
         out["links"][lane] = entry
-        fractions[lane] = busy / wall
 
     wait_iv = _busy(per_lane, (WAIT_LANE,))
     compute_iv = subtract_intervals(_busy(per_lane, COMPUTE_LANES), wait_iv)
@@ -290,6 +292,11 @@ def summarize(timeline, *, ceilings=None, counters=None):
         busy = _length(compute_iv)
         out["compute"]["total"] = {"busy_s": busy, "busy_fraction": busy / wall}
         fractions["compute"] = busy / wall
+    for lane, entry in out["links"].items():
+        exposed = _length(subtract_intervals(per_lane[lane]["intervals"], compute_iv))
+        entry["exposed_s"] = exposed
+        entry["exposed_fraction"] = exposed / wall
+        fractions[lane] = exposed / wall
 
     if WAIT_LANE in per_lane:
         by_layer = {}
@@ -308,7 +315,7 @@ def summarize(timeline, *, ceilings=None, counters=None):
     out["idle_fraction"] = idle_fraction
     lane, frac = _bottleneck(fractions, idle_fraction)
     out["bottleneck"] = {"lane": lane, "fraction": frac, "sentence": bottleneck_sentence(lane, frac),
-                         "busy_fractions": fractions}
+                         "fractions": fractions}
     out["steps"] = _per_step(timeline, per_lane, wait_iv, lo, hi)
     return out
 
@@ -341,16 +348,17 @@ def format_summary(s):
              + (f", {s['dropped_events']} dropped" if s.get("dropped_events") else "") + ")",
              f"Bottleneck: {s['bottleneck']['sentence']}", ""]
     if s["links"]:
-        lines.append(f"{'link':<15}{'bytes':>14}{'busy s':>10}{'busy %':>8}{'GB/s':>9}"
+        lines.append(f"{'link':<15}{'bytes':>14}{'busy s':>10}{'busy %':>8}{'exposed %':>11}{'GB/s':>9}"
                      f"{'ceiling':>9}{'of ceil':>9}")
         for lane, e in s["links"].items():
             ach = f"{e['achieved_gbps']:.3f}" if e["achieved_gbps"] is not None else "-"
             cg = f"{e['ceiling_gbps']:.3f}" if e["ceiling_gbps"] else "-"
             oc = f"{100 * e['of_ceiling']:.0f} %" if e["of_ceiling"] is not None else "-"
             lines.append(f"{LANE_LABELS[lane]:<15}{e['bytes']:>14,}{e['busy_s']:>10.3f}"
-                         f"{100 * e['busy_fraction']:>7.1f}%{ach:>9}{cg:>9}{oc:>9}")
-        lines.append("  GB/s = bytes / busy time (union of overlapping transfers); "
-                     "ceiling from `infinity bench-io --sweep`")
+                         f"{100 * e['busy_fraction']:>7.1f}%{100 * e['exposed_fraction']:>10.1f}%"
+                         f"{ach:>9}{cg:>9}{oc:>9}")
+        lines.append("  GB/s = bytes / busy time (union of overlapping transfers); exposed = busy time "
+                     "not hidden under compute; ceiling from `infinity bench-io --sweep`")
         for lane, e in s["links"].items():
             cb = e.get("counter_bytes")
             if cb is not None and cb != e["bytes"]:

@@ -68,12 +68,26 @@ def test_compute_bound_and_wait_is_not_compute():
 @pytest.mark.parametrize("lane,label", [("nvme_write", "NVMe-write"), ("h2d", "H2D"),
                                         ("d2h", "D2H"), ("allgather", "all-gather"),
                                         ("reduce_scatter", "reduce-scatter")])
-def test_bottleneck_picks_busiest_link(lane, label):
+def test_bottleneck_picks_link_with_most_exposed_time(lane, label):
+    # the link is busy 0-8 s; compute runs 6-7 and 9-10: 6 of the link's 8 s are exposed
     tl = make([(lane, "x", 0.0, 8.0, 8), ("nvme_read", "y", 0.0, 5.0, 5),
-               ("backward", "z", 0.0, 6.0, 0), ("optimizer", "o", 9.0, 10.0, 0)])
+               ("backward", "z", 6.0, 7.0, 0), ("optimizer", "o", 9.0, 10.0, 0)])
     s = summarize(tl)
+    assert s["links"][lane]["busy_fraction"] == pytest.approx(0.8)
+    assert s["links"][lane]["exposed_fraction"] == pytest.approx(0.7)
     assert s["bottleneck"]["lane"] == lane
-    assert s["bottleneck"]["sentence"] == f"step is {label} bound: 80 % of step time"
+    assert s["bottleneck"]["sentence"] == f"step is {label} bound: 70 % of step time"
+
+
+def test_transfers_hidden_under_compute_are_not_the_bottleneck():
+    # reads in flight 0-9.5 s (prefetch issued early, waited for late) while compute runs
+    # 0.5-10 s with 0.2 s of waits: busier link, but the step is compute-bound
+    tl = make([("nvme_read", "r", 0.0, 9.5, 10**9), ("forward", "f", 0.5, 5.0, 0),
+               ("backward", "b", 5.0, 10.0, 0), ("wait", "layers.0", 0.5, 0.7, 0)])
+    s = summarize(tl)
+    assert s["links"]["nvme_read"]["busy_fraction"] == pytest.approx(0.95)
+    assert s["links"]["nvme_read"]["exposed_fraction"] == pytest.approx(0.07)
+    assert s["bottleneck"]["sentence"] == "step is compute-bound: 93 % of step time"
 
 
 def test_overhead_bound_when_nothing_busy_most_of_the_time():
