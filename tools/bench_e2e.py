@@ -6,9 +6,8 @@ NVMe (host cap <= 40 % of the model states), against the bandwidth bound
     .venv/bin/python tools/bench_e2e.py                       # 268M-param fp32 MLP stack
     .venv/bin/python tools/bench_e2e.py --layers 2 --d 512    # quick smoke run
 
-DeepSpeed (optional, never installed into .venv): pass ``--deepspeed-python PATH`` to a
-python of a separate venv with deepspeed; this script then runs the same model through
-ZeRO-3 with offload_param/offload_optimizer on NVMe in that interpreter.
+DeepSpeed (the issue's optional comparison (c)) is not run by this script: it must not
+be installed into .venv and no separate venv with it exists on this machine yet.
 """
 from __future__ import annotations
 
@@ -130,7 +129,6 @@ def main(argv=None):
     ap.add_argument("--nvme-path", default=None, help="default: a temp dir under ./")
     ap.add_argument("--fio-mb", type=int, default=2048)
     ap.add_argument("--skip-torch", action="store_true")
-    ap.add_argument("--deepspeed-python", default=None)
     args = ap.parse_args(argv)
 
     n_params = sum(p.numel() for p in build(1, args.d, args.hidden).parameters()) * args.layers
@@ -169,10 +167,7 @@ def main(argv=None):
         print(f"bound = max(compute-only {t_torch:.2f} s, NVMe bytes / fio bw {io_time:.2f} s) "
               f"= {bound:.2f} s;  infinity / bound = {t_inf / bound:.2f}  "
               f"(target <= 1.25);  infinity / torch = {t_inf / t_torch:.2f}")
-    if args.deepspeed_python:
-        print("(c) DeepSpeed: not implemented in this script version")
-    else:
-        print("(c) DeepSpeed: not run (pass --deepspeed-python from a separate venv)")
+    print("(c) DeepSpeed ZeRO-3 NVMe offload: not run by this script (see docs/benchmarks.md)")
     if args.nvme_path is None:
         shutil.rmtree(root, ignore_errors=True)
 
