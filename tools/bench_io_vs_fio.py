@@ -1,0 +1,165 @@
+#!/usr/bin/env python
+"""infinity's I/O engine vs fio (io_uring, O_DIRECT) and, optionally, DeepSpeed's aio_handle.
+
+Same block size, queue depth, size and directory for all; the peers are run
+interleaved (the order alternates every round) for `--rounds` rounds; each
+round gives a ratio infinity/peer for read and for write, and the median of
+those per-round ratios is reported. The machine is shared and noisy: ratios
+measured back to back are what we compare, not absolute GB/s.
+
+    .venv/bin/python tools/bench_io_vs_fio.py --path ./infinity-swap --size-mb 2048 \
+        --block-kb 1024 --queue-depth 32 --rounds 5 [--deepspeed-python /path/to/venv/bin/python]
+
+Output: progress on stderr, a table and the medians on stdout (`--json`: one JSON line).
+"""
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+DS_SCRIPT = r"""
+import json, os, sys, time, torch
+from deepspeed.ops.op_builder import AsyncIOBuilder
+path, size, bs, qd = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+aio = AsyncIOBuilder().load(verbose=False)
+h = aio.aio_handle(bs, qd, False, True, 1)  # block_size, queue_depth, single_submit, overlap_events, threads
+piece = min(size, 256 << 20)
+buf = h.new_cpu_locked_tensor(piece, torch.empty(0, dtype=torch.uint8))
+buf.copy_(torch.randint(0, 256, (piece,), dtype=torch.uint8))
+fn = os.path.join(path, "ds-bench.bin")
+# DeepSpeed writes one file per call; we write the pieces as separate files of one set.
+names = [f"{fn}.{i}" for i in range(size // piece)]
+t0 = time.perf_counter()
+for n in names:
+    h.async_pwrite(buf, n)
+h.wait()
+tw = time.perf_counter() - t0
+t0 = time.perf_counter()
+for n in names:
+    h.async_pread(buf, n)
+h.wait()
+tr = time.perf_counter() - t0
+for n in names:
+    os.unlink(n)
+h.free_cpu_locked_tensor(buf)
+print(json.dumps({"read_gbps": size / tr / 1e9, "write_gbps": size / tw / 1e9}))
+"""
+
+
+def log(msg):
+    print(msg, file=sys.stderr, flush=True)
+
+
+def run_infinity(a):
+    cmd = [sys.executable, "-m", "infinity", "bench-io", "--path", a.path, "--size-mb", str(a.size_mb),
+           "--block-kb", str(a.block_kb), "--queue-depth", str(a.queue_depth), "--threads", str(a.threads),
+           "--engine", a.engine, "--repeats", "1", "--json"]
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+    if r.returncode != 0:
+        raise RuntimeError(f"infinity bench-io failed ({r.returncode}): {r.stderr.strip()[-2000:]}")
+    d = json.loads(r.stdout.strip().splitlines()[-1])
+    return {"read_gbps": d["read_gbps"], "write_gbps": d["write_gbps"], "engine": d["engine"],
+            "direct": d["direct"]}
+
+
+def run_fio(a):
+    d = tempfile.mkdtemp(prefix="fio-", dir=a.path)
+    try:
+        out = {}
+        for rw in ("write", "read"):
+            cmd = ["fio", "--name=infinity-peer", f"--directory={d}", "--filename=fio.bin",
+                   f"--size={a.size_mb}m", f"--bs={a.block_kb}k", f"--iodepth={a.queue_depth}",
+                   f"--rw={rw}", "--ioengine=io_uring", "--direct=1", "--numjobs=1",
+                   "--output-format=json"]
+            r = subprocess.run(cmd, capture_output=True, text=True)
+            if r.returncode != 0:
+                raise RuntimeError(f"fio failed: {r.stderr.strip()[-2000:]}")
+            j = json.loads(r.stdout[r.stdout.index("{"):])
+            out[f"{rw}_gbps"] = j["jobs"][0][rw]["bw_bytes"] / 1e9
+        return out
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def run_deepspeed(a):
+    d = tempfile.mkdtemp(prefix="ds-", dir=a.path)
+    try:
+        r = subprocess.run([a.deepspeed_python, "-c", DS_SCRIPT, d, str(a.size_mb << 20), str(a.block_kb << 10),
+                            str(a.queue_depth)], capture_output=True, text=True, cwd=d)
+        if r.returncode != 0:
+            raise RuntimeError(f"DeepSpeed aio_handle run failed: {r.stderr.strip()[-2000:]}")
+        return json.loads(r.stdout.strip().splitlines()[-1])
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--path", default="./infinity-swap")
+    p.add_argument("--size-mb", type=int, default=2048)
+    p.add_argument("--block-kb", type=int, default=1024)
+    p.add_argument("--queue-depth", type=int, default=32)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--engine", default="auto", choices=["auto", "uring", "posix"])
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--deepspeed-python", default=None,
+                   help="python of a SEPARATE venv with deepspeed installed (adds DeepSpeed aio_handle)")
+    p.add_argument("--json", action="store_true")
+    a = p.parse_args(argv)
+    if not shutil.which("fio"):
+        print("fio is not installed (apt-get install fio)", file=sys.stderr)
+        return 2
+    a.path = os.path.abspath(a.path)
+    created = not os.path.exists(a.path)
+    os.makedirs(a.path, exist_ok=True)
+    peers = {"infinity": run_infinity, "fio": run_fio}
+    if a.deepspeed_python:
+        peers["deepspeed"] = run_deepspeed
+    rounds = []
+    try:
+        for i in range(a.rounds):
+            names = list(peers)
+            if i % 2:
+                names.reverse()
+            res = {}
+            for n in names:
+                res[n] = peers[n](a)
+                log(f"round {i + 1}/{a.rounds} {n:9s}: write {res[n]['write_gbps']:.3f} GB/s, "
+                    f"read {res[n]['read_gbps']:.3f} GB/s")
+            rounds.append(res)
+    finally:
+        if created:
+            shutil.rmtree(a.path, ignore_errors=True)
+    summary = {"size_bytes": a.size_mb << 20, "block_size": a.block_kb << 10, "queue_depth": a.queue_depth,
+               "threads": a.threads, "rounds": len(rounds), "engine": rounds[0]["infinity"]["engine"],
+               "direct": rounds[0]["infinity"]["direct"]}
+    for peer in [n for n in peers if n != "infinity"]:
+        for op in ("read", "write"):
+            ratios = [r["infinity"][f"{op}_gbps"] / r[peer][f"{op}_gbps"] for r in rounds]
+            summary[f"{op}_ratio_vs_{peer}"] = round(statistics.median(ratios), 3)
+            summary[f"{op}_ratios_vs_{peer}"] = [round(x, 3) for x in ratios]
+    for n in peers:
+        for op in ("read", "write"):
+            summary[f"{n}_{op}_gbps_median"] = round(statistics.median(r[n][f"{op}_gbps"] for r in rounds), 3)
+    if a.json:
+        print(json.dumps(summary))
+    else:
+        print(f"{a.size_mb} MiB, block {a.block_kb} KiB, QD {a.queue_depth}, {a.rounds} interleaved rounds "
+              f"(infinity engine: {summary['engine']}, {'O_DIRECT' if summary['direct'] else 'buffered'})")
+        for n in peers:
+            print(f"  {n:10s} median write {summary[f'{n}_write_gbps_median']:.3f} GB/s, "
+                  f"read {summary[f'{n}_read_gbps_median']:.3f} GB/s")
+        for peer in [n for n in peers if n != "infinity"]:
+            print(f"  infinity / {peer}: median per-round ratio write "
+                  f"{summary[f'write_ratio_vs_{peer}']:.3f}x, read {summary[f'read_ratio_vs_{peer}']:.3f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
