@@ -321,18 +321,29 @@ def summarize(timeline, *, ceilings=None, counters=None):
 
 
 def _per_step(timeline, per_lane, wait_iv, lo, hi):
+    """Rows for the segments between step marks: one per mark (from it to the next mark or
+    the end of the window, ``"step"`` = the mark's label) plus, when the window starts
+    before the first mark, a leading row with ``"step": None`` and ``"before_step"``.
+    Segments shorter than 0.1 % of the window (e.g. a mark at the very end) are omitted."""
     marks = [(s, t) for s, t in timeline.steps() if lo <= t <= hi]
     if not marks:
         return []
+    eps = 1e-3 * (hi - lo)
+    segs = []
+    if marks[0][1] - lo > eps:
+        segs.append((None, marks[0][0], lo, marks[0][1]))
     bounds = [t for _, t in marks] + [hi]
+    for i, (step, t0) in enumerate(marks):
+        segs.append((step, None, t0, bounds[i + 1]))
     comp = subtract_intervals(_busy(per_lane, COMPUTE_LANES), wait_iv)
     rows = []
-    for i, (step, t0) in enumerate(marks):
-        t1 = bounds[i + 1]
-        if t1 <= t0:
+    for step, before, t0, t1 in segs:
+        if t1 - t0 <= eps:
             continue
         wall = t1 - t0
         row = {"step": step, "time_s": wall, "busy_fraction": {}}
+        if before is not None:
+            row["before_step"] = before
         for lane in LINK_LANES:
             if lane in per_lane:
                 row["busy_fraction"][lane] = sum(
@@ -387,5 +398,7 @@ def format_summary(s):
                      f"({p['prefetched']} prefetched, {p['on_demand']} on demand)")
     if s["steps"]:
         lines.append("")
-        lines.append("Per step: " + "; ".join(f"step {r['step']} {r['time_s']:.3f} s" for r in s["steps"]))
+        lines.append("Between step marks: " + "; ".join(
+            (f"before step {r['before_step']}" if r["step"] is None else f"from step {r['step']}")
+            + f" {r['time_s']:.3f} s" for r in s["steps"]))
     return "\n".join(lines) + "\n"

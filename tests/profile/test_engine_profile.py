@@ -43,5 +43,7 @@ def test_profile_session_on_engine(tmp_path):
     # the engine marks each optimizer-step boundary itself
     marks = [s for s, _ in tl.steps()]
     assert len(marks) >= 2 and marks == sorted(marks)
-    assert [s["step"] for s in prof.summary["steps"]] == marks
+    rows = prof.summary["steps"]
+    assert {r["step"] for r in rows if r["step"] is not None} <= set(marks)
+    assert sum(r["time_s"] for r in rows) == pytest.approx(prof.summary["window_s"], rel=0.01)
     assert (tmp_path / "prof" / "timeline.png").stat().st_size > 0

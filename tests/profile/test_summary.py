@@ -102,6 +102,11 @@ def test_overhead_bound_when_nothing_busy_most_of_the_time():
     assert s["steps"][0]["time_s"] == pytest.approx(5.0)
     assert s["steps"][0]["busy_fraction"]["h2d"] == pytest.approx(0.2)
     assert s["steps"][1]["busy_fraction"]["compute"] == pytest.approx(0.0)
+    # a window starting before the first mark gets a leading row; a mark at the end none
+    tl2 = make([("h2d", "x", 0.0, 1.0, 1), ("forward", "f", 2.0, 3.0, 0)], steps=[(7, 2.0), (8, 3.0)])
+    rows = summarize(tl2)["steps"]
+    assert [(r["step"], r.get("before_step")) for r in rows] == [(None, 7), (7, None)]
+    assert rows[0]["busy_fraction"]["h2d"] == pytest.approx(0.5)
 
 
 def test_prefetch_hit_rate_from_timeline_counters():
