@@ -145,3 +145,18 @@ def test_torchrun_two_ranks_rank0_prints_and_data_is_sharded(tmp_path, tiny_conf
     ref = _json_lines(single.stdout)
     assert [x["loss"] for x in recs] == pytest.approx([x["loss"] for x in ref], rel=2e-4)
     assert ft.files_under(tmp_path / "s2") == []
+
+
+@pytest.mark.slow
+def test_defaults_30_steps_loss_falls_10_percent(tmp_path, ft):
+    """The issue's acceptance run: `infinity finetune` with every default (shipped model and
+    corpus, params + optimizer on NVMe under ./infinity-swap), 30 steps."""
+    r = ft.run("--json", cwd=tmp_path, timeout=3600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    recs = _json_lines(r.stdout)
+    assert [x["step"] for x in recs] == list(range(1, 31))
+    first = sum(x["loss"] for x in recs[:3]) / 3
+    last = sum(x["loss"] for x in recs[-3:]) / 3
+    assert last <= 0.9 * first, (first, last)
+    assert all(x["nvme_read_bytes"] > 0 and x["nvme_write_bytes"] > 0 for x in recs)
+    assert ft.files_under(tmp_path / "infinity-swap") == []
