@@ -282,11 +282,13 @@ def adopting(slots):
             _forget(rec.pid)
 
 
-def load_safetensors(model: nn.Module, files, *, strict: bool = True) -> list[str]:
+def load_safetensors(model: nn.Module, files, *, strict: bool = True, resolve=None) -> list[str]:
     """Stream safetensors ``files`` into ``model`` tensor by tensor (names as in
-    ``model.named_parameters()``).  Init-managed parameters are written to their Init home
-    without materialising the model; ordinary parameters are copied in place.  Returns the
-    checkpoint keys that matched no parameter; with ``strict`` a missing parameter raises."""
+    ``model.named_parameters()``; ``resolve(key) -> name | None`` maps checkpoint keys
+    that differ, e.g. a missing ``model.`` prefix).  Init-managed parameters are written to
+    their Init home without materialising the model; ordinary parameters are copied in
+    place.  Returns the checkpoint keys that matched no parameter; with ``strict`` a
+    missing parameter raises."""
     from safetensors import safe_open
     if isinstance(files, (str, os.PathLike)):
         files = [files]
@@ -295,7 +297,8 @@ def load_safetensors(model: nn.Module, files, *, strict: bool = True) -> list[st
     for fp in files:
         with safe_open(os.fspath(fp), framework="pt", device="cpu") as f:
             for key in f.keys():
-                p = params.get(key)
+                name = resolve(key) if resolve is not None else key
+                p = params.get(name) if name is not None else None
                 if p is None:
                     unexpected.append(key)
                     continue

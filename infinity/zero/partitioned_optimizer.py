@@ -19,6 +19,11 @@ and keeps the fp32 master, ``exp_avg`` and ``exp_avg_sq`` of that shard only (ke
 * stage 3: as stage 2, but the parameter home itself is partitioned
   (:class:`infinity.zero.partitioned_memory.PartitionedMemoryManager`): the shard the
   optimizer updates *is* this rank's home shard, so nothing is gathered after the step.
+* gradient spill (``spill_grads``, stages 2 and 3, also at world size 1 through
+  :class:`infinity.zero.comm.LocalComm`): the averaged shard is written to an NVMe extent
+  (asynchronously, as each group's reduction completes; read-added-written on later
+  micro-steps) instead of a host buffer, and the optimizer reads it tile by tile.  Its
+  squared norm is taken before the write, so clipping needs no extra pass.
 
 Averaging: each rank's loss is the mean over its own micro-batch; dividing the summed
 gradients by the world size gives the gradient of the mean loss over the global batch.
