@@ -110,6 +110,10 @@ class Engine:
                                   cfg.device_memory_bytes,
                                   optimizer_ring_bytes=self.store.host_bytes())
         placement.compute(self.gas)
+        if cfg.host_memory_bytes is not None and placement.host_total > cfg.host_memory_bytes \
+                and self.swap is not None and self.zero is None:
+            placement.grad_home = "nvme"      # the cap cannot hold the fp32 grads: NVMe home
+            placement.compute(self.gas)
         placement.check()
         self.placement = placement
         if self.swap is not None and placement.nvme_total:
@@ -153,7 +157,10 @@ class Engine:
         if staging is not None:
             self.host_pool.give_back(staging)
             self.host_pool.trim()
-        self.opt.alloc_grads()
+        if placement.grad_home == "nvme":
+            self.opt.alloc_grads("nvme")
+        else:
+            self.opt.alloc_grads()
         self.coord = PrefetchCoordinator(self.mm, cfg.prefetch.depth, self.acct)
         self.hooks = ParamHooks(model, gp, self.mm, self.coord, self.opt.accumulate)
         self.hooks.install()
@@ -185,9 +192,15 @@ class Engine:
         scale = self.opt.scaler.scale / self.gas
         if scale != 1.0:
             loss = loss.float() * scale      # fp32: an fp16 loss times 65536 overflows
+        before_backward = getattr(self.opt, "before_backward", None)
+        if before_backward is not None:
+            before_backward((self.micro_steps + 1) % self.gas == 0)
         with self.timeline.span("backward", "backward"):
             loss.backward(retain_graph=retain_graph)
             self.hooks.finish_backward()
+            end_backward = getattr(self.opt, "end_backward", None)
+            if end_backward is not None:
+                end_backward()
 
     def step(self) -> bool:
         """Call after every micro-batch; applies the optimizer at accumulation boundaries.

@@ -68,10 +68,18 @@ class EngineOptimizer:
         self.last_step_seconds = 0.0
         self.host_pool = host_pool
         self._written: set[int] = set()     # id(slot) with a gradient since the last step
+        self.nvme_grads = None              # NvmeGradStore when grads are homed on NVMe
+        self._slot_index = {id(s): i for g in self.groups for i, s in enumerate(g.slots)}
 
-    def alloc_grads(self) -> None:
+    def alloc_grads(self, home: str = "host") -> None:
         """Lease the fp32 gradient accumulation buffers (after the params were placed, so
-        the model's original tensors are already gone)."""
+        the model's original tensors are already gone); ``home="nvme"``: one extent per
+        group instead, assembled in leased staging buffers."""
+        if home == "nvme":
+            from infinity.memory.grad_store import NvmeGradStore
+            self.nvme_grads = NvmeGradStore(self.groups, self.swap, self.host_pool, self.acct,
+                                            self.timeline)
+            return
         for g in self.groups:
             g.grad_buf = self.host_pool.lease(g.padded_numel * 4, torch.float32)
             g.grad_buf.zero_()
@@ -94,6 +102,9 @@ class EngineOptimizer:
     def accumulate(self, g: GroupRecord, slot: ParamSlot, grad: torch.Tensor) -> None:
         """First gradient of a slot since the last step: copy (no zeroing pass needed);
         later micro-steps: add, in fp32."""
+        if self.nvme_grads is not None:
+            self.nvme_grads.accumulate(g, self._slot_index[id(slot)], grad)
+            return
         dst = g.grad_buf[slot.offset:slot.offset + slot.numel]
         if id(slot) in self._written:
             dst.add_(grad.reshape(-1))
@@ -101,8 +112,18 @@ class EngineOptimizer:
             dst.copy_(grad.reshape(-1))
             self._written.add(id(slot))
 
+    def before_backward(self, final_micro: bool) -> None:
+        if self.nvme_grads is not None:
+            self.nvme_grads.final_micro = final_micro
+
+    def end_backward(self) -> None:
+        if self.nvme_grads is not None:
+            self.nvme_grads.end_backward()
+
     def _zero_unwritten(self) -> None:
         """Slots that got no gradient in this window hold stale values: zero them."""
+        if self.nvme_grads is not None:
+            return
         for g in self.groups:
             for s in g.slots:
                 if s.trainable and id(s) not in self._written:
@@ -110,8 +131,12 @@ class EngineOptimizer:
 
     def zero_grad(self) -> None:
         self._written.clear()
+        if self.nvme_grads is not None:
+            self.nvme_grads.reset()
 
     def grad_norm(self) -> float:
+        if self.nvme_grads is not None:
+            return math.sqrt(self.nvme_grads.finish_window())
         total = 0.0
         for g in self.groups:
             n = float(torch.linalg.vector_norm(g.grad_buf))
@@ -194,7 +219,8 @@ class EngineOptimizer:
 
                 def sink(key, elem_offset, tile, _ext=ext, _es=esize):
                     return swap.write(_ext, tile, offset=elem_offset * _es)
-        return StepItem(self.key(g), g.grad_buf, segs, param_out=param_out, param_sink=sink)
+        grad = g.grad_buf if self.nvme_grads is None else self.nvme_grads.extent[g.gid]
+        return StepItem(self.key(g), grad, segs, param_out=param_out, param_sink=sink)
 
     def close(self) -> None:
         self.store.close()

@@ -48,6 +48,7 @@ class PlacementPlan:
     host_cap: int | None
     device_cap: int | None
     optimizer_ring_bytes: int = 0
+    grad_home: str = "host"   # "host" | "nvme" (when the host cap cannot hold the grads)
     host: dict = field(default_factory=dict)      # item -> bytes
     device: dict = field(default_factory=dict)
     nvme: dict = field(default_factory=dict)
@@ -60,6 +61,8 @@ class PlacementPlan:
         largest = max((g.nbytes for g in paged), default=0)
         n_train = sum(g.padded_numel for g in trainable)
         fp32 = self.precision == "fp32"
+        self.host, self.device, self.nvme = {}, {}, {}
+        largest_trainable = max((4 * g.padded_numel for g in trainable), default=0)
         # device tier
         self.device["resident params"] = sum(g.nbytes for g in self.groups if g.home == "device")
         if self.param_home == "nvme":
@@ -69,7 +72,11 @@ class PlacementPlan:
             self.host["param home"] = param_bytes
         if self.param_home == "nvme":
             self.host["staging (init only)"] = largest
-        self.host["fp32 gradient accumulation"] = 4 * n_train
+        if self.grad_home == "host":
+            self.host["fp32 gradient accumulation"] = 4 * n_train
+        else:
+            self.host["gradient staging (grads on NVMe)"] = 2 * largest_trainable
+            self.nvme["fp32 gradients"] = 4 * n_train
         states = 2 if fp32 else 3            # fp32: the param home is the master
         if self.optimizer_home in ("none", "cpu"):
             self.host["optimizer states (fp32 m, v" + ("" if fp32 else ", master") + ")"] = \
@@ -94,6 +101,9 @@ class PlacementPlan:
             wr += 4 * n_train
         if not fp32 and self.param_home == "nvme":  # updated low-precision params
             wr += sum(g.nbytes for g in trainable)
+        if self.grad_home == "nvme":                # written per micro-step, read-modify-
+            wr += 4 * n_train * grad_accum          # written across micro-steps, read by Adam
+            rd += 4 * n_train * grad_accum
         self.links = {"nvme_read": rd, "nvme_write": wr}
         return self
 

@@ -1,0 +1,110 @@
+"""Gradients homed on NVMe, for when the host cap cannot hold the fp32 accumulation buffers.
+
+Each trainable group has an fp32 extent.  During backward a group's gradients are
+assembled in one leased host staging buffer; when every trainable parameter of the group
+has delivered its gradient (or at the end of backward) the buffer is written to the
+extent and returned.  Across micro-steps of one accumulation window the extent holds the
+partial sum: the next micro-step reads it back into the staging buffer first
+(read-modify-write).  The squared norm is taken while the buffer is in memory on the last
+micro-step, so clipping costs no extra NVMe pass.  The optimizer store reads the extents
+tile-wise.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from .record import GroupRecord
+
+log = logging.getLogger("infinity.memory")
+
+__all__ = ["NvmeGradStore"]
+
+
+class NvmeGradStore:
+    def __init__(self, groups: list[GroupRecord], swap, host_pool, accounting, timeline=None):
+        self.groups = {g.gid: g for g in groups}
+        self.swap = swap
+        self.pool = host_pool
+        self.acct = accounting
+        self.timeline = timeline
+        self.extent = {g.gid: swap.allocate(g.padded_numel * 4) for g in groups}
+        self._need = {g.gid: {i for i, s in enumerate(g.slots) if s.trainable} for g in groups}
+        self.staging: dict[int, torch.Tensor] = {}
+        self.received: dict[int, set] = {}
+        self.on_nvme: set[int] = set()        # extents holding this window's partial sums
+        self.normed: set[int] = set()         # groups whose final sum entered sumsq
+        self.sumsq = 0.0
+        self.final_micro = True               # set by the engine before each backward
+
+    # ------------------------------------------------------------------ I/O helpers
+    def _io(self, op: str, gid: int, buf: torch.Tensor) -> None:
+        t0 = time.perf_counter()
+        ext = self.extent[gid]
+        (self.swap.write(ext, buf) if op == "write" else self.swap.read(ext, buf)).wait()
+        link = "nvme_write" if op == "write" else "nvme_read"
+        nbytes = buf.numel() * 4
+        self.acct.link(link, nbytes, time.perf_counter() - t0)
+        if self.timeline is not None and self.timeline.enabled:
+            self.timeline.add(link, "grads", t0, time.perf_counter(), nbytes)
+
+    def _stage(self, g: GroupRecord) -> torch.Tensor:
+        buf = self.staging.get(g.gid)
+        if buf is None:
+            buf = self.pool.lease(g.padded_numel * 4, torch.float32)
+            if g.gid in self.on_nvme:
+                self._io("read", g.gid, buf)
+            else:
+                buf.zero_()
+            self.staging[g.gid] = buf
+            self.received[g.gid] = set()
+        return buf
+
+    # ------------------------------------------------------------------ API
+    def accumulate(self, g: GroupRecord, index: int, grad: torch.Tensor) -> None:
+        s = g.slots[index]
+        buf = self._stage(g)
+        buf[s.offset:s.offset + s.numel].add_(grad.reshape(-1))
+        self.received[g.gid].add(index)
+        if self.received[g.gid] >= self._need[g.gid]:
+            self._flush(g.gid)
+
+    def _flush(self, gid: int) -> None:
+        buf = self.staging.pop(gid)
+        self.received.pop(gid, None)
+        if self.final_micro:
+            self.sumsq += float(torch.linalg.vector_norm(buf)) ** 2
+            self.normed.add(gid)
+        self._io("write", gid, buf)
+        self.on_nvme.add(gid)
+        self.pool.give_back(buf)
+
+    def end_backward(self) -> None:
+        for gid in list(self.staging):
+            self._flush(gid)
+
+    def finish_window(self) -> float:
+        """Before the optimizer step: zero extents that got no gradient in this window,
+        add the norms of groups not seen on the last micro-step; returns the squared norm."""
+        self.end_backward()
+        for gid, g in self.groups.items():
+            if gid not in self.on_nvme:
+                buf = self.pool.lease(g.padded_numel * 4, torch.float32)
+                buf.zero_()
+                self._io("write", gid, buf)
+                self.pool.give_back(buf)
+                self.on_nvme.add(gid)
+            elif gid not in self.normed:
+                buf = self.pool.lease(g.padded_numel * 4, torch.float32)
+                self._io("read", gid, buf)
+                self.sumsq += float(torch.linalg.vector_norm(buf)) ** 2
+                self.pool.give_back(buf)
+        return self.sumsq
+
+    def reset(self) -> None:
+        """After the step (or a skipped step): the next window starts from zero."""
+        self.on_nvme.clear()
+        self.normed.clear()
+        self.sumsq = 0.0
