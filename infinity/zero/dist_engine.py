@@ -57,9 +57,8 @@ class PartitionedEngine(Engine):
         placement.compute(self.gas)
         self.zero = ZeroSetup.with_grad_spill(self.zero, cfg, gp.groups, accounting=self.acct,
                                               timeline=self.timeline)
-        if self.zero is not None and self.zero.spill:
-            key = "fp32 gradient accumulation"
-            placement.nvme[key + " (spilled)"] = placement.host.pop(key, 0)
+        from infinity.zero.distributed import partition_placement
+        partition_placement(placement, self.zero)
         placement.check()
         self.placement = placement
         if self.swap is not None and placement.nvme_total:

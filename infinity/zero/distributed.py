@@ -21,7 +21,8 @@ from infinity.zero.partition import Partition
 
 log = logging.getLogger("infinity.zero")
 
-__all__ = ["ZeroSetup", "gathered_state_dict", "grad_spill_needed", "read_param_gathered"]
+__all__ = ["ZeroSetup", "gathered_state_dict", "grad_spill_needed", "partition_placement",
+           "read_param_gathered"]
 
 
 class ZeroSetup:
@@ -86,6 +87,32 @@ class ZeroSetup:
 
     def close(self) -> None:
         self.comm.close()
+
+
+def partition_placement(placement, zero: "ZeroSetup | None") -> None:
+    """Scale a :class:`infinity.memory.plan.PlacementPlan` computed over whole groups to
+    what one rank holds: optimizer states always, fp32 gradients from stage 2, the
+    parameter home at stage 3 are 1/W of the whole (fetch windows, staging and the tile
+    ring are per rank already).  Also moves spilled gradients from host to NVMe."""
+    if zero is None:
+        return
+    w = zero.world_size
+
+    def scale(d, key):
+        if w > 1 and key in d:
+            d[key] = -(-d[key] // w)
+    for d in (placement.host, placement.nvme, placement.device):
+        for key in list(d):
+            if key.startswith("optimizer states"):
+                scale(d, key)
+            elif key.startswith("fp32 gradient accumulation") and zero.stage >= 2:
+                scale(d, key)
+            elif key.startswith("param home") and zero.stage == 3:
+                scale(d, key)
+    if zero.spill:
+        key = "fp32 gradient accumulation"
+        if key in placement.host:
+            placement.nvme[key + " (spilled)"] = placement.host.pop(key)
 
 
 def grad_spill_needed(cfg, groups, world_size: int, stage: int) -> bool:
