@@ -1,0 +1,54 @@
+"""Shard arithmetic and local (world size 1) collectives."""
+import pytest
+import torch
+
+from infinity.zero.comm import Comm, LocalComm
+from infinity.zero.partition import Partition, clip_segments, pad_numel
+
+
+@pytest.mark.parametrize("numel", [1, 7, 4095, 4097])
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_pad_and_ranges_cover_everything_once(numel, world):
+    padded = pad_numel(numel, world, 1024)
+    assert padded >= numel and padded % (world * 1024) == 0
+    seen = torch.zeros(padded, dtype=torch.int32)
+    for r in range(world):
+        lo, hi = Partition(r, world).range(padded)
+        assert (hi - lo) % 1024 == 0
+        seen[lo:hi] += 1
+    assert bool((seen == 1).all())
+
+
+def test_clip_segments_rebases_and_checks_coverage():
+    segs = [(0, 5, 0.1, 0.0), (5, 10, 0.2, 0.01), (15, 17, 0.0, 0.0)]
+    assert clip_segments(segs, 8, 16) == [(0, 7, 0.2, 0.01), (7, 1, 0.0, 0.0)]
+    assert clip_segments(segs, 0, 4) == [(0, 4, 0.1, 0.0)]
+    with pytest.raises(ValueError, match="cover"):
+        clip_segments([(0, 5, 0.1, 0.0)], 4, 8)
+
+
+def test_partition_rejects_bad_input():
+    with pytest.raises(ValueError, match="rank 2"):
+        Partition(2, 2)
+    with pytest.raises(ValueError, match="evenly"):
+        Partition(0, 2).shard_numel(7)
+
+
+def test_comm_needs_a_process_group():
+    import torch.distributed as dist
+    if dist.is_initialized():
+        pytest.skip("a process group exists in this process")
+    with pytest.raises(RuntimeError, match="process group"):
+        Comm()
+
+
+def test_local_comm_is_identity():
+    c = LocalComm()
+    full = torch.arange(8.0)
+    out = torch.empty(8)
+    done = []
+    h = c.reduce_scatter_sum(out, full, async_op=True, post=lambda: done.append(1))
+    h.wait()
+    h.wait()
+    assert torch.equal(out, full) and done == [1]
+    assert c.all_reduce_scalar(2.5) == 2.5
