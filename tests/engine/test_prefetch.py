@@ -84,3 +84,26 @@ def test_dynamic_control_flow_trains_like_pytorch(harness, swap_dir, caplog):
     diverged = [r for r in caplog.records if "diverged" in r.getMessage()]
     assert 1 <= len(diverged) <= s["divergent_steps"]      # one debug line per step at most
     assert all(r.levelno == logging.DEBUG for r in diverged)
+
+
+def test_plan_predicts_nvme_bytes_per_step(harness, swap_dir):
+    """The placement plan's expected NVMe bytes per optimizer step match what moves
+    (reads can be a little lower: groups needed again within the window stay resident)."""
+    model = harness.MLPStack(d=64, hidden=256, blocks=4)
+    batches = harness.make_batches("mlp", 6)
+    cfg = {"offload": {"params": "nvme", "optimizer": "nvme", "nvme_paths": [swap_dir]},
+           "gradient_accumulation_steps": 2}
+    with infinity.initialize(model, cfg) as eng:
+        deltas = []
+        for i, b in enumerate(batches):
+            if i % 2 == 0:
+                s0 = eng.stats()
+            eng.backward(harness.loss_of("mlp", eng(b[0]), b))
+            eng.step()
+            if i % 2 == 1:
+                s1 = eng.stats()
+                deltas.append({k: s1[k] - s0[k] for k in ("nvme_read_bytes", "nvme_write_bytes")})
+        plan = eng.placement.links
+    for d in deltas[1:]:
+        assert d["nvme_write_bytes"] == plan["nvme_write"], (d, plan)
+        assert 0.8 * plan["nvme_read"] <= d["nvme_read_bytes"] <= plan["nvme_read"], (d, plan)
