@@ -221,6 +221,19 @@ class Engine:
         self._od_at_last_step = od
         return applied
 
+    def register_external_parameter(self, module: nn.Module, param: nn.Parameter) -> None:
+        """Declare that ``module``'s forward uses ``param`` although another module owns it
+        (like DeepSpeed's ``register_external_parameter``); otherwise ``param`` is released
+        (a NaN placeholder) while ``module`` runs."""
+        self._check_open()
+        g = self.plan.param_group.get(id(param))
+        if g is None:
+            raise KeyError("register_external_parameter: that parameter is not part of the "
+                           "model given to initialize")
+        if not any(m is module for m in self.module.modules()):
+            raise ValueError("register_external_parameter: module is not part of the model")
+        self.hooks.add_external(module, g)
+
     def zero_grad(self) -> None:
         self.opt.zero_grad()
 

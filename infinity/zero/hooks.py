@@ -84,6 +84,21 @@ class ParamHooks:
                 if s.trainable:
                     self.handles.append(s.param.register_post_accumulate_grad_hook(self._grad_hook))
 
+    def add_external(self, module: nn.Module, g: GroupRecord) -> None:
+        """Make ``module``'s forward fetch group ``g`` too (a parameter used outside the
+        module that owns it, e.g. ``F.linear(h, self.embed.weight)`` in a parent)."""
+        groups = self.plan.module_groups.get(module)
+        if groups is not None and any(x.users for x in groups):
+            raise RuntimeError("register_external_parameter: the module is executing; "
+                               "register before forward")
+        if groups is None:
+            groups = self.plan.module_groups[module] = [g]
+            self.handles.append(module.register_forward_pre_hook(self._make_pre(groups)))
+            self.handles.append(module.register_forward_hook(self._make_post(groups),
+                                                             always_call=True))
+        elif g not in groups:
+            groups.append(g)
+
     def remove(self) -> None:
         for h in self.handles:
             h.remove()

@@ -107,3 +107,43 @@ def test_plan_predicts_nvme_bytes_per_step(harness, swap_dir):
     for d in deltas[1:]:
         assert d["nvme_write_bytes"] == plan["nvme_write"], (d, plan)
         assert 0.8 * plan["nvme_read"] <= d["nvme_read_bytes"] <= plan["nvme_read"], (d, plan)
+
+
+class ExternalUse(nn.Module):
+    """The root's forward uses the embedding weight directly (not through its module)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(32, 16)
+        self.mix = nn.Linear(16, 16)
+
+    def forward(self, ids):
+        h = torch.tanh(self.mix(self.emb(ids)))
+        return h @ self.emb.weight.t()
+
+
+def test_external_parameter_must_be_registered(harness, swap_dir):
+    torch.manual_seed(0)
+    ref = ExternalUse()
+    ids = torch.randint(0, 32, (4, 6), generator=torch.Generator().manual_seed(1))
+    loss_of = lambda out: nn.functional.cross_entropy(out.reshape(-1, 32), ids.reshape(-1))
+    with infinity.initialize(harness.copy(ref), _cfg(swap_dir)) as eng:
+        assert torch.isnan(loss_of(eng(ids)))            # released weight: NaN, not silent
+    model = harness.copy(ref)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.0)
+    ref_losses, losses = [], []
+    for _ in range(3):
+        loss = loss_of(ref(ids))
+        ref_losses.append(loss.item())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    with infinity.initialize(model, _cfg(swap_dir)) as eng:
+        eng.register_external_parameter(model, model.emb.weight)
+        for _ in range(3):
+            loss = loss_of(eng(ids))
+            losses.append(loss.item())
+            eng.backward(loss)
+            eng.step()
+        perr = harness.param_rel_err(ref, eng)
+    assert harness.rel_err(losses, ref_losses) < 1e-5 and perr < 1e-5
