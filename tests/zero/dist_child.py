@@ -13,6 +13,7 @@ import sys
 import traceback
 
 import torch
+import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from zero_models import make_model, make_batches  # noqa: E402
@@ -65,6 +66,8 @@ def main():
                 losses.append(float(t) / ws)
             sd = gathered_state_dict(eng)
             stats = eng.stats()
+            if spec.get("check_state_dict"):
+                check_engine_weights(eng, sd, f"{out_path}.{run['name']}.pretrained", rank)
         finally:
             eng.close()
         if rank == 0:
@@ -82,6 +85,25 @@ def main():
     with open(out_path, "w") as f:
         json.dump(result, f)
     dist.destroy_process_group()
+
+
+def check_engine_weights(eng, sd, directory, rank):
+    """engine.state_dict() and save_pretrained() at world size > 1 give the gathered
+    values on every rank (collective: every rank iterates the same keys)."""
+    from safetensors.torch import load_file
+    esd = eng.state_dict()
+    for k, v in sd.items():
+        got = esd[k]
+        if not torch.equal(got.float(), v):
+            raise AssertionError(f"rank {rank}: engine.state_dict()[{k!r}] differs from the "
+                                 f"gathered value")
+    files = eng.save_pretrained(directory)
+    dist.barrier()
+    if rank == 0:
+        loaded = load_file(os.path.join(directory, "model.safetensors"))
+        for k, v in loaded.items():
+            if not torch.equal(v.float(), sd[k]):
+                raise AssertionError(f"save_pretrained: {k} differs from the gathered value")
 
 
 def make_engine(model, cfg):
