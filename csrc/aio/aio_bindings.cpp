@@ -99,7 +99,10 @@ PYBIND11_MODULE(_aio, m) {
             f.fallocate(off, len);
         })
         .def("truncate", &File::truncate)
-        .def("close", &File::close)
+        .def("close", [](File& f) {
+            py::gil_scoped_release nogil;
+            f.close();
+        }, "waits for this file's in-flight transfers, then closes it (idempotent)")
         .def("__repr__", [](const File& f) {
             return "<infinity._aio.File " + f.path() + (f.direct() ? " O_DIRECT" : " buffered") + ">";
         });

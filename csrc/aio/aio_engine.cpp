@@ -207,7 +207,6 @@ Engine::Engine(const std::string& kind, uint64_t block_size, uint32_t queue_dept
         else
             workers_.push_back(make_posix_worker(block_size_, kMaxBounceAlign));
     }
-    // POSIX: each thread does one synchronous chunk at a time.
     for (auto& w : workers_) {
         Worker* wp = w.get();
         threads_v_.emplace_back([this, wp] { wp->run(queue_); });

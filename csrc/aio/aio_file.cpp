@@ -169,6 +169,10 @@ void File::discover_alignment() {
 File::~File() { close(); }
 
 void File::close() {
+    {
+        std::unique_lock<std::mutex> g(io_mu_);
+        idle_cv_.wait(g, [&] { return inflight_ == 0; });
+    }
     if (fd_ >= 0) {
         if (padded_.exchange(false)) trim_padding();
         ::close(fd_);
@@ -222,7 +226,10 @@ void File::io_begin(int64_t n) {
 
 void File::io_end() {
     std::lock_guard<std::mutex> g(io_mu_);
-    if (--inflight_ == 0 && padded_.exchange(false)) trim_padding();
+    if (--inflight_ == 0) {
+        if (padded_.exchange(false)) trim_padding();
+        idle_cv_.notify_all();
+    }
 }
 
 void File::trim_padding() {

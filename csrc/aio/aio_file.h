@@ -49,7 +49,7 @@ public:
     uint64_t size() const;                       // fstat size
     void fallocate(uint64_t offset, uint64_t len);  // throws AioOsError (ENOSPC...)
     void truncate(uint64_t size);
-    void close();                                // idempotent; also in the destructor
+    void close();  // waits for in-flight chunks, then closes; idempotent; also in the destructor
 
     // Logical size: the largest end of any write submitted so far (or the size
     // at open). A padded read-modify-write of a tail block grows the file past
@@ -81,6 +81,7 @@ private:
     std::mutex size_mu_;
     std::mutex io_mu_;
     int64_t inflight_ = 0;
+    std::condition_variable idle_cv_;
     std::atomic<bool> padded_{false};
     std::mutex lock_mu_;
     std::condition_variable lock_cv_;

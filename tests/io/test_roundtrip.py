@@ -104,3 +104,16 @@ def test_non_contiguous_and_bad_tensors(engine, tmp_path):
     with pytest.raises(ValueError):
         engine.pwrite(torch.zeros(4), tmp_path / "n", -1)
     assert not (tmp_path / "n").exists()
+
+
+@pytest.mark.parametrize("kind", ENGINES)
+def test_file_close_waits_for_inflight(kind, tmp_path):
+    with engine_or_skip(kind, block_size=1 << 16, queue_depth=4) as e:
+        f = e.open(tmp_path / "c.bin", create=True)
+        src = random_bytes((8 << 20) + 5, seed=11)
+        h = e.pwrite(src, f, 0)
+        f.close()  # must not pull the descriptor from under the transfer
+        assert h.wait() == src.numel()
+        with pytest.raises(ValueError, match="closed"):
+            e.pread(torch.empty(1, dtype=torch.uint8), f, 0)
+    assert open(tmp_path / "c.bin", "rb").read() == bytes(src.numpy())
