@@ -101,7 +101,9 @@ def run(engine, batcher, opts, reporter, stopper, checkpointer=None, timeline=No
             out = engine(input_ids=x, labels=x)
             loss = out.loss if hasattr(out, "loss") else out["loss"]
             engine.backward(loss)
+            stopper.check_abort()
             engine.step()
+            stopper.check_abort()
             loss_sum += float(loss.detach())
             tokens += x.numel()
         dt = time.perf_counter() - t0

@@ -11,6 +11,7 @@ Under ``torch.distributed`` the stop decision is agreed across ranks
 """
 import logging
 import signal
+import sys
 import threading
 
 log = logging.getLogger("infinity.finetune")
@@ -53,22 +54,41 @@ class GracefulStop:
         self.requested = True
         self.reason = self.reason or reason
 
+    def _unraisable(self, info):
+        # The abort's KeyboardInterrupt can land inside a __del__ or weakref callback, where
+        # Python swallows it ("Exception ignored in ..."); check_abort() re-raises it at the
+        # next safe point, so that message is noise: drop it, report anything else.
+        if issubclass(info.exc_type, KeyboardInterrupt):
+            return
+        self._previous_unraisable(info)
+
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
             for s in self._signals:
                 self._previous[s] = signal.signal(s, self._handler)
+            self._previous_unraisable = sys.unraisablehook
+            sys.unraisablehook = self._unraisable
         return self
 
     def __exit__(self, *exc):
         for s, h in self._previous.items():
             signal.signal(s, h)
+        if self._previous:
+            sys.unraisablehook = self._previous_unraisable
         self._previous.clear()
         return False
+
+    def check_abort(self):
+        """Raise ``KeyboardInterrupt`` if a second signal asked to abort (even when the
+        handler's own raise was swallowed)."""
+        if self.aborted:
+            raise KeyboardInterrupt
 
     def should_stop(self, dist_group=None):
         """True when this rank (or any rank, when distributed) asked to stop."""
         import torch.distributed as dist
 
+        self.check_abort()
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             import torch
 
