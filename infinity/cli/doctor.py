@@ -48,7 +48,7 @@ def _subsystem_checks(module, *args):
         return list(fn(*args))
     except Exception as e:
         return [{"name": module, "ok": False, "detail": f"check failed: {type(e).__name__}: {e}",
-                 "fix": "report this as a bug with the output of `infinity doctor -v`"}]
+                 "fix": "report this as a bug with the output of `infinity doctor --json`"}]
 
 
 def collect(path):
