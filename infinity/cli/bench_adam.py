@@ -141,9 +141,10 @@ def run(args):
         raise CLIError(f"--numel must be >= 1, got {args.numel}")
     if args.rounds < 1:
         raise CLIError(f"--rounds must be >= 1, got {args.rounds}")
-    threads = args.threads or iopt.default_num_threads()
-    if threads < 1:
-        raise CLIError(f"--threads must be >= 1, got {threads}")
+    if args.threads is not None and args.threads < 1:
+        raise CLIError(f"--threads must be >= 1, got {args.threads} (omit it to use every CPU "
+                       f"in this process's affinity mask)")
+    threads = args.threads if args.threads is not None else iopt.default_num_threads()
     iopt.set_num_threads(threads)
     torch.set_num_threads(threads)
     res = {"simd": iopt.simd_level(), "threads": threads, "torch": torch.__version__, "rounds": args.rounds}

@@ -19,3 +19,9 @@ def test_bench_adam_json(capsys):
 def test_bench_adam_rejects_bad_numel(capsys):
     assert main(["bench-adam", "--numel", "0"]) == 2
     assert "--numel" in capsys.readouterr().err
+
+
+def test_bench_adam_rejects_zero_threads(capsys):
+    # 0 used to fall back silently to the default thread count
+    assert main(["bench-adam", "--numel", "1000", "--threads", "0"]) == 2
+    assert "--threads" in capsys.readouterr().err
