@@ -1,6 +1,6 @@
 """Checkpoint save/load throughput vs peers in the same run (not a test).
 
-usage: .venv/bin/python tests/checkpoint/bench_checkpoint.py [--mb 256] [--dir /tmp/x]
+usage: .venv/bin/python tools/bench_checkpoint.py [--mb 256] [--dir /tmp/x]
 Peers: safetensors.torch.save_file/load_file (whole dict in memory, no fsync) and
 torch.save/torch.load(weights_only=True). Ours: save_checkpoint (streamed, SHA-256,
 fsync, atomic commit) and load_checkpoint (full verify + read). Prints ratios.
