@@ -222,12 +222,7 @@ def main(argv=None):
     out = claim_stdout()
     # SIGTERM (e.g. a benchmark's timeout) unwinds through the finally below: swap files go.
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt("SIGTERM")))
-    swap_root = None
     swap_dir = None
-    if args.offload == "nvme":
-        swap_root = os.path.abspath(args.nvme_path)
-        os.makedirs(swap_root, exist_ok=True)
-        swap_dir = tempfile.mkdtemp(prefix="ds-e2e-", dir=swap_root)  # 0700
     res = {"peer": "deepspeed-zero3", "layers": args.layers, "hidden": args.hidden,
            "ffn_mult": args.ffn_mult, "tokens": args.tokens, "steps": args.steps,
            "warmup": args.warmup, "offload": args.offload, "dtype": "float32",
@@ -235,6 +230,10 @@ def main(argv=None):
            "loadavg_start": os.getloadavg()}
     rc = 0
     try:
+        if args.offload == "nvme":
+            swap_root = os.path.abspath(args.nvme_path)
+            os.makedirs(swap_root, exist_ok=True)
+            swap_dir = tempfile.mkdtemp(prefix="ds-e2e-", dir=swap_root)  # 0700
         run(args, swap_dir, res)
     except BaseException as e:  # report, in the one JSON line, whatever stopped the run
         import traceback
