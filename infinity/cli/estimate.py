@@ -81,7 +81,7 @@ def register(sub):
                         "(PyTorch eager, measured); default eager CPU-only, megatron with GPUs")
     k.add_argument("--grad-spill", action="store_true",
                    help="what-if: page fp32 gradients to NVMe when the host is short "
-                        "(DeepSpeed ZeRO-Infinity does; infinity's engine does not yet)")
+                        "(infinity's engine does this itself when the optimizer is on NVMe)")
     k.add_argument("--only", action="append", metavar="PARAMS/OPTIMIZER",
                    help="estimate only these homes (repeatable), e.g. --only nvme/nvme")
     o = p.add_argument_group("output")

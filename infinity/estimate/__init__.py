@@ -19,7 +19,8 @@ import types
 from dataclasses import dataclass, field
 
 from .machine import GB, Machine, detect_free_disk_gb, detect_gpus, detect_host_mem_gb
-from .memory_plan import HOMES, TIER_NAMES, Knobs, MemoryPlan, plan_memory, valid_configs
+from .memory_plan import (HOMES, SPILL_NOTE, TIER_NAMES, Knobs, MemoryPlan, plan_memory,
+                          valid_configs)
 from .model_spec import (GROUPINGS, EstimateError, ModelSpec, spec_from_dims, spec_from_factory,
                          spec_from_module)
 from .report import _num
@@ -90,9 +91,8 @@ class Estimate:
             if w is not None:
                 c, v = w
                 s = c.steps[v]
-                out += (f" What-if: with gradients paged to NVMe (--grad-spill; DeepSpeed "
-                        f"ZeRO-Infinity does this, infinity's engine keeps fp32 gradients in host "
-                        f"memory today) it would fit with {c.name}"
+                out += (f" What-if: with gradients paged to NVMe (--grad-spill; "
+                        f"{SPILL_NOTE}) it fits with {c.name}"
                         + (" and activation checkpointing" if v == "checkpointing" else "")
                         + f": {s.step_s:.4g} s per step, {s.tokens_per_s:.3g} tokens/s, {s.bound}-bound.")
             return out
@@ -207,8 +207,8 @@ def estimate(model=None, *, params=None, layers=None, hidden=None, seq=2048, bat
         prefetch.depth, aio.*, gradient_accumulation_steps and offload.host_memory_gb are
         used (keyword arguments override them). Its offload homes are ignored: every valid
         (params, optimizer) pair is estimated, or only ``configs=[("nvme", "nvme"), ...]``.
-    grad_spill: what-if (not in the engine yet): page fp32 gradients to NVMe when the host
-        cannot hold them. When nothing fits without it, ``Estimate.what_if`` holds the
+    grad_spill: page fp32 gradients to NVMe when the host cannot hold them (the engine
+        does so itself when the optimizer is on NVMe; here it stays an opt-in what-if). When nothing fits without it, ``Estimate.what_if`` holds the
         estimate with it.
     Returns an :class:`Estimate`.
     """

@@ -39,6 +39,11 @@ from dataclasses import asdict, dataclass, field
 
 from .machine import GB
 
+# What the engine does with fp32 gradients the host cannot hold (infinity/engine.py,
+# infinity/zero/distributed.py: grad_spill_needed); the estimator models it only with grad_spill.
+SPILL_NOTE = ("infinity's engine pages them itself when the optimizer is on NVMe and the host "
+              "budget cannot hold them")
+
 HOMES = ("none", "cpu", "nvme")
 TIER_NAMES = {"device": "device per GPU", "pinned": "pinned host per node",
               "pageable": "pageable host per node", "nvme": "NVMe per node"}
@@ -60,8 +65,8 @@ class Knobs:
     host_cap_gb: float | None = None   # [offload.host_memory_gb]
     grouping: str = "module"           # how params are flattened into groups
     activation_model: str | None = None  # "megatron" | "eager" (None: eager CPU-only, megatron GPU)
-    grad_spill: bool = False           # page fp32 grads to NVMe when the host is short (what-if:
-                                       # DeepSpeed ZeRO-Infinity does this; infinity's engine not yet)
+    grad_spill: bool = False           # page fp32 grads to NVMe when the host is short (an
+                                       # opt-in what-if here; see SPILL_NOTE for the engine)
 
     @property
     def lp(self) -> int:
@@ -252,7 +257,7 @@ def plan_memory(spec, machine, knobs, params_home, optimizer_home):
                      grad_item.nbytes, grad_item.formula))
             pl.grads_on_nvme = True
             pl.notes.append("what-if: gradients paged to NVMe because the host cannot hold the fp32 "
-                            "grad partition (infinity's engine keeps them in host memory today)")
+                            f"grad partition ({SPILL_NOTE})")
 
     act_model = knobs.activation_model or ("eager" if machine.cpu_only else "megatron")
     pl.activations = activation_items(spec, knobs, act_model)
