@@ -96,6 +96,8 @@ class Slot:
     writes: list = field(default_factory=list)     # handles (ours and the param sink's)
     write_bytes: int = 0
     write_t0: float = 0.0
+    sink_bytes: int = 0                            # bytes the param sink wrote for this tile
+    sink_t0: float = 0.0
     mark_valid: list = field(default_factory=list)  # (backing, tile) made valid once writes land
     task: Optional[TileTask] = None
 
@@ -208,15 +210,21 @@ class TilePipeline:
         self.meter.span("optimizer", task.part.key, t0, t1, n * 4)
         if item.param_sink is not None:
             tile = sink_buf if sink_buf is not None else master
+            ts = time.perf_counter()
             h = item.param_sink(task.part.key, task.start, tile)
             if h is not None:
                 slot.writes.append(h)
+                # the sink's write is NVMe traffic too: counted with this tile's writes
+                nb = getattr(h, "nbytes", None)
+                slot.sink_bytes = nb if isinstance(nb, int) else tile.numel() * tile.element_size()
+                slot.sink_t0 = ts
 
     def issue_writes(self, task: TileTask, slot: Slot) -> None:
         store = self.store
         part = task.part
-        slot.write_t0 = time.perf_counter()
-        slot.write_bytes = 0
+        slot.write_t0 = slot.sink_t0 if slot.sink_bytes else time.perf_counter()
+        slot.write_bytes = slot.sink_bytes
+        slot.sink_bytes = 0
         for role in ROLES:
             b = part.backing[role]
             if b.host is not None:
