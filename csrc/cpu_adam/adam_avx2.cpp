@@ -5,6 +5,7 @@
 #include <immintrin.h>
 
 #include "adam_kernel.h"
+#include "adam_select.h"
 
 // No FMA contraction: every ISA must round exactly like the scalar reference (and torch).
 #pragma GCC optimize("fp-contract=off")
@@ -136,31 +137,15 @@ void kernel(const AdamArgs& a, size_t begin, size_t end) {
     if (i < end) staged<G, S, O>(a, c, i, end - i);
 }
 
-template <int G, int S>
-AdamRangeFn pick_out(int o) {
-    switch (o) {
-        case kF32: return kernel<G, S, kF32>;
-        case kBF16: return kernel<G, S, kBF16>;
-        case kF16: return kernel<G, S, kF16>;
-        default: return kernel<G, S, kNone>;
-    }
-}
-
-template <int G>
-AdamRangeFn pick_state(int s, int o) {
-    return s == kBF16 ? pick_out<G, kBF16>(o) : pick_out<G, kF32>(o);
-}
+struct Avx2Kernel {
+    template <int G, int S, int O>
+    static void run(const AdamArgs& a, size_t begin, size_t end) { kernel<G, S, O>(a, begin, end); }
+};
 
 }  // namespace
 
 void adam_range_avx2(const AdamArgs& a, size_t begin, size_t end) {
-    AdamRangeFn fn;
-    switch (a.grad_dtype) {
-        case kBF16: fn = pick_state<kBF16>(a.state_dtype, a.out_dtype); break;
-        case kF16: fn = pick_state<kF16>(a.state_dtype, a.out_dtype); break;
-        default: fn = pick_state<kF32>(a.state_dtype, a.out_dtype); break;
-    }
-    fn(a, begin, end);
+    run_selected<Avx2Kernel>(a, begin, end);
 }
 
 void triad_range_avx2(float* p, const float* g, float* m, float* v, float s, size_t begin, size_t end) {
