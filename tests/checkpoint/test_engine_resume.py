@@ -14,32 +14,19 @@ from infinity.checkpoint.engine_state import (load_engine_checkpoint,  # noqa: E
 from infinity.checkpoint.export import load_exported  # noqa: E402
 
 
-def _model(seed):
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(16, 33), nn.GELU(), nn.LayerNorm(33), nn.Linear(33, 4))
+def _load_resume_child():
+    """The model, data, config and loop live in resume_child.py (also run as a child
+    process by the new-process test); load it by path (tests use importlib mode)."""
+    import importlib.util
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "resume_child.py")
+    spec = importlib.util.spec_from_file_location("_infinity_ckpt_resume_child", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
-def _data(i):
-    g = torch.Generator().manual_seed(1000 + i)
-    return torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
-
-
-def _cfg(offload, swap_dir, precision="fp32"):
-    return {"precision": precision,
-            "offload": {"params": offload, "optimizer": offload, "nvme_paths": [swap_dir]},
-            "optimizer": {"lr": 1e-2, "weight_decay": 0.1},
-            "scheduler": {"type": "cosine", "warmup_steps": 2, "total_steps": 6}}
-
-
-def _train(engine, steps, start):
-    losses = []
-    for i in range(start, start + steps):
-        x, y = _data(i)
-        loss = torch.nn.functional.mse_loss(engine(x).float(), y)
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    return losses
+rc = _load_resume_child()
+_model, _data, _cfg, _train = rc.model, rc.data, rc.config, rc.train
 
 
 def _state(engine):
@@ -113,11 +100,6 @@ def test_resume_in_a_new_process_through_engine_methods(tmp_path):
     import infinity
     from infinity.checkpoint import CheckpointReader
     here = os.path.dirname(__file__)
-    sys.path.insert(0, here)
-    try:
-        import resume_child as rc
-    finally:
-        sys.path.remove(here)
     swap = str(tmp_path / "swap")
     with infinity.initialize(rc.model(0), rc.config("nvme", swap)) as e1:
         straight = rc.train(e1, 6, 0)
