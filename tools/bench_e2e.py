@@ -6,8 +6,11 @@ NVMe (host cap <= 40 % of the model states), against the bandwidth bound
     .venv/bin/python tools/bench_e2e.py                       # 268M-param fp32 MLP stack
     .venv/bin/python tools/bench_e2e.py --layers 2 --d 512    # quick smoke run
 
-DeepSpeed (the issue's optional comparison (c)) is not run by this script: it must not
-be installed into .venv and no separate venv with it exists on this machine yet.
+(c) DeepSpeed ZeRO-3 with params and optimizer on NVMe runs in its own venv (never in
+.venv): create it once with ``bash tools/setup_deepspeed_venv.sh`` (default
+/tmp/infinity-dsvenv); the script then calls tools/peers/deepspeed_e2e.py with the same
+model (tools/e2e_model.py: same seeds, same weights and batch). ``--deepspeed-python ''``
+skips it.
 """
 from __future__ import annotations
 
@@ -25,30 +28,25 @@ import torch
 from torch import nn
 
 
-class Block(nn.Module):
-    def __init__(self, d, hidden):
-        super().__init__()
-        self.norm = nn.LayerNorm(d)
-        self.up = nn.Linear(d, hidden)
-        self.down = nn.Linear(hidden, d)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from e2e_model import build_model, make_batch  # noqa: E402  (shared with the DeepSpeed peer)
 
-    def forward(self, x):
-        return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+DEFAULT_DS_PYTHON = "/tmp/infinity-dsvenv/bin/python"  # tools/setup_deepspeed_venv.sh
 
 
 def build(layers, d, hidden):
-    torch.manual_seed(0)
-    return nn.Sequential(*[Block(d, hidden) for _ in range(layers)])
+    if hidden % d:
+        raise SystemExit(f"--hidden ({hidden}) must be a multiple of --d ({d})")
+    return build_model(layers, d, ffn_mult=hidden // d)
 
 
 def batch(d, tokens):
-    g = torch.Generator().manual_seed(1)
-    return torch.randn(tokens, d, generator=g), torch.randn(tokens, d, generator=g)
+    return make_batch(tokens, d)
 
 
 def run_torch(args):
     model = build(args.layers, args.d, args.hidden)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0, foreach=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0, fused=True)
     x, y = batch(args.d, args.tokens)
     times = []
     for i in range(args.warmup + args.steps):
@@ -90,6 +88,37 @@ def run_infinity(args, swap_dir, host_gb):
     return times[args.warmup:], moved[args.warmup:], final
 
 
+def run_deepspeed(args, swap_dir):
+    """Median step time of DeepSpeed ZeRO-3 (params + optimizer on NVMe), or None if skipped."""
+    py = args.deepspeed_python
+    if not py:
+        print("(c) DeepSpeed: skipped (--deepspeed-python '')")
+        return None
+    if not os.path.exists(py):
+        print(f"(c) DeepSpeed: skipped: {py} not found (create it: bash tools/setup_deepspeed_venv.sh)")
+        return None
+    if args.hidden % args.d:
+        raise SystemExit("--hidden must be a multiple of --d")
+    peer = os.path.join(os.path.dirname(os.path.abspath(__file__)), "peers", "deepspeed_e2e.py")
+    cmd = [py, peer, "--layers", str(args.layers), "--hidden", str(args.d),
+           "--ffn-mult", str(args.hidden // args.d), "--tokens", str(args.tokens),
+           "--steps", str(args.steps), "--warmup", str(args.warmup), "--nvme-path", swap_dir, "--json"]
+    r = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
+    try:
+        res = json.loads(r.stdout.strip().splitlines()[-1])
+    except (IndexError, json.JSONDecodeError):
+        print(f"(c) DeepSpeed: failed (exit {r.returncode}); command: {' '.join(cmd)}")
+        return None
+    if "error" in res or r.returncode:
+        print(f"(c) DeepSpeed: failed: {res.get('error')}")
+        return None
+    t = res["median_step_s"]
+    print(f"(c) DeepSpeed ZeRO-3 params+optimizer on NVMe: median step {t:.2f} s  "
+          f"{[round(x, 2) for x in res.get('step_s', [])]}; peak RSS "
+          f"{res.get('peak_rss_bytes', 0) / 1e9:.2f} GB")
+    return t
+
+
 def fio_bw(path, size_mb, seconds):
     """Sequential O_DIRECT read and write bandwidth (bytes/s) of ``path`` measured by fio."""
     if shutil.which("fio") is None:
@@ -129,6 +158,8 @@ def main(argv=None):
     ap.add_argument("--nvme-path", default=None, help="default: a temp dir under ./")
     ap.add_argument("--fio-mb", type=int, default=2048)
     ap.add_argument("--skip-torch", action="store_true")
+    ap.add_argument("--deepspeed-python", default=DEFAULT_DS_PYTHON,
+                    help="python of the DeepSpeed venv ('' to skip; default %(default)s)")
     args = ap.parse_args(argv)
 
     n_params = sum(p.numel() for p in build(1, args.d, args.hidden).parameters()) * args.layers
@@ -167,7 +198,9 @@ def main(argv=None):
         print(f"bound = max(compute-only {t_torch:.2f} s, NVMe bytes / fio bw {io_time:.2f} s) "
               f"= {bound:.2f} s;  infinity / bound = {t_inf / bound:.2f}  "
               f"(target <= 1.25);  infinity / torch = {t_inf / t_torch:.2f}")
-    print("(c) DeepSpeed ZeRO-3 NVMe offload: not run by this script (see docs/benchmarks.md)")
+    t_ds = run_deepspeed(args, os.path.join(root, "ds-swap"))
+    if t_ds is not None:
+        print(f"    infinity / DeepSpeed = {t_inf / t_ds:.2f}  (target <= 0.5)")
     if args.nvme_path is None:
         shutil.rmtree(root, ignore_errors=True)
 
