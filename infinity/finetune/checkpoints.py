@@ -10,7 +10,8 @@ that step (batches are a pure function of seed and index).
 import logging
 import os
 import re
-import shutil
+
+from infinity.checkpoint import delete_checkpoint
 
 log = logging.getLogger("infinity.finetune")
 
@@ -75,7 +76,8 @@ class Checkpointer:
                 continue
             path = os.path.join(self.root, tag)
             try:
-                shutil.rmtree(path)
+                # rename-then-remove: an interrupted prune never leaves a half-deleted tag
+                delete_checkpoint(self.root, tag)
                 log.info("removed old checkpoint %s (--keep-last %d)", path, self.keep_last)
             except OSError as e:
                 log.warning("could not remove old checkpoint %s: %s", path, e)
