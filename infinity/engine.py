@@ -114,6 +114,10 @@ class Engine:
                 and self.swap is not None and self.zero is None:
             placement.grad_home = "nvme"      # the cap cannot hold the fp32 grads: NVMe home
             placement.compute(self.gas)
+        if self.zero is not None:             # per-rank shares; spill grad shards if needed
+            from infinity.zero.distributed import partition_placement
+            self.zero = ZeroSetup.with_grad_spill(self.zero, cfg, gp.groups)
+            partition_placement(placement, self.zero)
         placement.check()
         self.placement = placement
         if self.swap is not None and placement.nvme_total:
@@ -310,13 +314,22 @@ class Engine:
         ``infinity.checkpoint.save_checkpoint`` for ``kw`` (async_, shard_bytes, ...)."""
         from infinity.checkpoint.engine_state import save_engine_checkpoint
         self._check_open()
+        self._single_rank_only("save_checkpoint")
         return save_engine_checkpoint(self, directory, tag, **kw)
 
     def load_checkpoint(self, directory, tag=None, **kw):
         """Verify then load ``directory/<tag>`` (default: ``latest``); returns its meta."""
         from infinity.checkpoint.engine_state import load_engine_checkpoint
         self._check_open()
+        self._single_rank_only("load_checkpoint")
         return load_engine_checkpoint(self, directory, tag, **kw)
+
+    def _single_rank_only(self, what: str) -> None:
+        if self.zero is not None and self.zero.world_size > 1:
+            raise NotImplementedError(
+                f"engine.{what}: engine checkpoints read whole groups and are not implemented "
+                f"for ZeRO shards at world size {self.zero.world_size} yet; use "
+                f"engine.save_pretrained(dir) (gathered weights) or a single rank")
 
     # ------------------------------------------------------------------ lifetime
     def _check_open(self) -> None:

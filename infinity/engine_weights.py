@@ -69,6 +69,10 @@ def _slot_of(engine, p) -> tuple[GroupRecord, ParamSlot]:
 
 def read_param(engine, p: torch.nn.Parameter) -> torch.Tensor:
     """The current value of ``p`` (its original dtype), read from where it lives."""
+    zero = getattr(engine, "zero", None)
+    if zero is not None and zero.world_size > 1:   # ZeRO shards: gather (collective)
+        from infinity.zero.distributed import read_param_gathered
+        return read_param_gathered(engine, p)
     g, s = _slot_of(engine, p)
     out_dtype = engine._orig_dtypes.get(id(p), torch.float32)
     if s.trainable and engine.dtype != torch.float32:
@@ -100,7 +104,10 @@ def _read_extent_range(engine, g: GroupRecord, s: ParamSlot) -> torch.Tensor:
 def save_pretrained(engine, directory, *, max_shard_bytes: int = 2 * 10 ** 9) -> list[str]:
     """Write safetensors shard(s) (+ index) and the HF config; returns the files written."""
     from safetensors.torch import save_file
-    os.makedirs(directory, exist_ok=True)
+    zero = getattr(engine, "zero", None)
+    writer = zero is None or zero.rank == 0   # at world size > 1 every rank gathers, rank 0 writes
+    if writer:
+        os.makedirs(directory, exist_ok=True)
     sd = StreamedStateDict(engine)
     # unique tensors only (safetensors cannot store aliases): tied weights keep the first name
     seen: set[int] = set()
@@ -139,9 +146,13 @@ def save_pretrained(engine, directory, *, max_shard_bytes: int = 2 * 10 ** 9) ->
             tensors[n] = sd[n].contiguous()
             total += tensors[n].numel() * tensors[n].element_size()
             weight_map[n] = fname
-        save_file(tensors, os.path.join(directory, fname), metadata={"format": "pt"})
+        if writer:
+            save_file(tensors, os.path.join(directory, fname), metadata={"format": "pt"})
         del tensors
         files.append(fname)
+    if not writer:
+        zero.comm.barrier("save_pretrained")
+        return files
     if len(shards) > 1:
         with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
@@ -158,4 +169,6 @@ def save_pretrained(engine, directory, *, max_shard_bytes: int = 2 * 10 ** 9) ->
             except Exception as e:  # generation config is optional metadata
                 log.debug("save_pretrained: generation_config not written: %s", e)
     log.info("save_pretrained: wrote %d file(s) to %s", len(files), directory)
+    if zero is not None and zero.world_size > 1:
+        zero.comm.barrier("save_pretrained")
     return files

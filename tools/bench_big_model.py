@@ -120,15 +120,11 @@ def main(argv=None) -> int:
           f"{res['rss_peak_after_construct'] / 2**30:.2f} GiB", flush=True)
 
     t0 = time.perf_counter()
-    import infinity.engine as E
-    if hasattr(E, "ZeroSetup"):
-        eng = infinity.initialize(model, cfg)
-    else:  # before the engine integration landed
-        from infinity.zero.dist_engine import PartitionedEngine
-        eng = PartitionedEngine(model, cfg)
+    eng = infinity.initialize(model, cfg)
     res["initialize_s"] = time.perf_counter() - t0
     res["rss_peak_after_initialize"] = rss_peak()
-    res["grads_spilled"] = bool(getattr(getattr(eng, "zero", None), "spill", False))
+    res["grads_spilled"] = bool(getattr(getattr(eng, "zero", None), "spill", False)) or \
+        getattr(eng.placement, "grad_home", "host") == "nvme"
     print(f"initialize (adopt) in {res['initialize_s']:.1f} s, peak RSS "
           f"{res['rss_peak_after_initialize'] / 2**30:.2f} GiB, grads spilled: "
           f"{res['grads_spilled']}", flush=True)

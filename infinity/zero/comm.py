@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 log = logging.getLogger("infinity.zero")
 
-__all__ = ["CollectiveError", "CommHandle", "Comm", "LocalComm", "ensure_process_group", "env_world_size"]
+__all__ = ["CollectiveError", "CommHandle", "Comm", "ensure_process_group", "env_world_size"]
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or \
@@ -215,46 +215,3 @@ class Comm:
                     log.debug("comm: destroying the %s group failed: %s", k, e)
                 self.groups[k] = None
 
-
-class LocalComm(Comm):
-    """World size 1 without a process group (the partitioned optimizer's gradient spill
-    path runs single-process too): gathers and reductions are local copies."""
-
-    def __init__(self, *, accounting=None, timeline=None):   # noqa: super().__init__ not called
-        self.rank = 0
-        self.world_size = 1
-        self.backend = "local"
-        self.timeout_s = 0.0
-        self.acct = accounting
-        self.timeline = timeline
-        self.groups = {}
-        self.device = torch.device("cpu")
-
-    def all_gather_into(self, out, shard, *, group="param", async_op=False, name=""):
-        if out.data_ptr() != shard.data_ptr():
-            out.copy_(shard)
-        return CommHandle(self, None, "local all_gather") if async_op else None
-
-    def reduce_scatter_sum(self, out, full, *, group="grad", async_op=False, post=None, name=""):
-        out.copy_(full)
-        h = CommHandle(self, None, "local reduce_scatter", post)
-        if not async_op:
-            h.wait()
-            return None
-        return h
-
-    def all_reduce_sum(self, t, *, group="grad", async_op=False, post=None, name=""):
-        h = CommHandle(self, None, "local all_reduce", post)
-        if not async_op:
-            h.wait()
-            return None
-        return h
-
-    def all_reduce_scalar(self, x, *, name="scalar"):
-        return float(x)
-
-    def barrier(self, name="barrier"):
-        return None
-
-    def close(self):
-        return None

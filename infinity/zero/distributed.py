@@ -56,25 +56,17 @@ class ZeroSetup:
         return cls(comm, stage, created)
 
     @classmethod
-    def with_grad_spill(cls, zero: "ZeroSetup | None", cfg, groups, *, accounting=None,
-                        timeline=None) -> "ZeroSetup | None":
-        """Decide the gradient home once the groups are known.  The averaged fp32 gradient
+    def with_grad_spill(cls, zero: "ZeroSetup", cfg, groups) -> "ZeroSetup":
+        """Decide the gradient home once the groups are known: the averaged fp32 gradient
         shards are *spilled to NVMe* when the optimizer lives on NVMe, the stage partitions
-        gradients (2, 3; any stage at world size 1) and the shards would take more than half
-        of the host budget (``offload.host_memory_gb``, else available RAM).  At world size
-        1 this returns a local (collective-free) setup so the same code path runs."""
-        world = zero.world_size if zero else 1
-        stage = zero.stage if zero else 3
-        if not grad_spill_needed(cfg, groups, world, stage):
-            return zero
-        if zero is None:
-            from infinity.zero.comm import LocalComm
-            return cls(LocalComm(accounting=accounting, timeline=timeline), 3, False, True)
-        zero.spill = True
+        gradients (2, 3) and the shards would take more than half of the host budget
+        (``offload.host_memory_gb``, else available RAM).  (At world size 1 the engine's
+        own NVMe gradient home, ``infinity.memory.grad_store``, does this.)"""
+        zero.spill = grad_spill_needed(cfg, groups, zero.world_size, zero.stage)
         return zero
 
     def memory_manager(self, groups, **kw):
-        if self.stage == 3 and self.world_size > 1:
+        if self.stage == 3:
             from infinity.zero.partitioned_memory import PartitionedMemoryManager
             return PartitionedMemoryManager(groups, comm=self.comm, **kw)
         from infinity.memory.manager import MemoryManager
@@ -119,7 +111,7 @@ def grad_spill_needed(cfg, groups, world_size: int, stage: int) -> bool:
     """True when the fp32 gradient shards should live on NVMe (see
     :meth:`ZeroSetup.with_grad_spill`)."""
     from infinity.memory.plan import mem_available_bytes
-    if cfg.offload.optimizer != "nvme" or (stage < 2 and world_size > 1):
+    if cfg.offload.optimizer != "nvme" or stage < 2:
         return False
     grad_bytes = sum(4 * g.padded_numel // world_size for g in groups if g.trainable)
     cap = cfg.host_memory_bytes or mem_available_bytes()

@@ -19,8 +19,7 @@ and keeps the fp32 master, ``exp_avg`` and ``exp_avg_sq`` of that shard only (ke
 * stage 3: as stage 2, but the parameter home itself is partitioned
   (:class:`infinity.zero.partitioned_memory.PartitionedMemoryManager`): the shard the
   optimizer updates *is* this rank's home shard, so nothing is gathered after the step.
-* gradient spill (``spill_grads``, stages 2 and 3, also at world size 1 through
-  :class:`infinity.zero.comm.LocalComm`): the averaged shard is written to an NVMe extent
+* gradient spill (``spill_grads``, stages 2 and 3): the averaged shard is written to an NVMe extent
   (asynchronously, as each group's reduction completes; read-added-written on later
   micro-steps) instead of a host buffer, and the optimizer reads it tile by tile.  Its
   squared norm is taken before the write, so clipping needs no extra pass.
@@ -96,11 +95,11 @@ class PartitionedOptimizer(EngineOptimizer):
                              f"Use zero_stage 3 to offload parameters")
         return g.device_buf[lo:hi]
 
-    def alloc_grads(self) -> None:
+    def alloc_grads(self, home: str = "host") -> None:
         """Stage 1: full-size fp32 accumulation buffers; stages 2, 3: this rank's shard
-        only (the full model gradient is never allocated)."""
+        only (the full model gradient is never allocated), on NVMe when spilling."""
         if self.stage == 1:
-            return super().alloc_grads()
+            return super().alloc_grads(home)
         for g in self.groups:
             lo, hi = self.shard(g)
             if self.spill:
@@ -156,9 +155,6 @@ class PartitionedOptimizer(EngineOptimizer):
             full.zero_()
         lo, hi = self.shard(g)
         name = f"gradients of group {g.gid} ({g.name or '<root>'})"
-        if self.comm.world_size == 1:       # nothing to reduce: the full buffer is the shard
-            self._shard_done(g, full, [full])
-            return
         out = self.host_pool.lease((hi - lo) * 4, torch.float32)
         h = self.comm.reduce_scatter_sum(
             out, full, async_op=True, name=name,
@@ -169,8 +165,7 @@ class PartitionedOptimizer(EngineOptimizer):
 
     def _shard_done(self, g: GroupRecord, summed: torch.Tensor, bufs: list) -> None:
         """``summed``: this rank's slice of the gradient summed over ranks."""
-        if self.comm.world_size > 1:
-            summed.mul_(1.0 / self.comm.world_size)
+        summed.mul_(1.0 / self.comm.world_size)
         if not self.spill:
             g.grad_buf.add_(summed)
             for b in bufs:

@@ -135,11 +135,7 @@ def test_initialize_adopts_and_trains_like_eager(home, tmp_path):
 
 
 def _engine(model, cfg):
-    import infinity.engine as E
-    if hasattr(E, "ZeroSetup"):
-        return infinity.initialize(model, cfg)
-    from infinity.zero.dist_engine import PartitionedEngine
-    return PartitionedEngine(model, cfg)
+    return infinity.initialize(model, cfg)
 
 
 def test_patching_is_undone_also_on_error(tmp_path):

@@ -86,12 +86,14 @@ def _run_matrix(tmp_path, combos, **extra):
     runs = []
     for combo in combos:
         stage, offload = combo[:2]
-        init = len(combo) > 2 and combo[2] == "init"
-        name = f"s{stage}-{offload}" + ("-init" if init else "")
+        flags = set(combo[2:])
+        name = "-".join([f"s{stage}", offload] + sorted(flags))
         swap = str(tmp_path / f"swap-{name}")
         runs.append({"name": name, "model": "awkward", "steps": STEPS, "batch": BATCH,
-                     "init": init, "config": base_config(stage, offload, swap, **extra)})
-    res = run_ranks("dist_child.py", {"runs": runs}, tmp_path, world_size=2, timeout=240)
+                     "init": "init" in flags, "spill": "spill" in flags,
+                     "config": base_config(stage, offload, swap, **extra)})
+    res = run_ranks("dist_child.py", {"runs": runs, "check_state_dict": True}, tmp_path,
+                    world_size=2, timeout=300)
     for r in res:
         assert r.returncode == 0 and r.result is not None, r
     prefix = str(tmp_path / [d for d in os.listdir(tmp_path) if d.startswith("ranks-")][0] /
@@ -102,10 +104,12 @@ def _run_matrix(tmp_path, combos, **extra):
 
 
 def test_stages_default_matrix(tmp_path):
-    """Stage 3 + NVMe, stage 2 + CPU, stage 1 without offload, and stage 3 + NVMe with the
-    model built under infinity.Init (each rank holding 1/2 of every parameter), in one
-    2-rank run."""
-    res = _run_matrix(tmp_path, [(3, "nvme"), (2, "cpu"), (1, "none"), (3, "nvme", "init")])
+    """Stage 3 + NVMe, stage 2 + CPU, stage 1 without offload, stage 3 + NVMe with the
+    model built under infinity.Init (each rank holding 1/2 of every parameter), and stage 2
+    with the gradient shards spilled to NVMe, in one 2-rank run; engine.state_dict() and
+    save_pretrained() checked against the gathered values on every run."""
+    res = _run_matrix(tmp_path, [(3, "nvme"), (2, "cpu"), (1, "none"), (3, "nvme", "init"),
+                                 (2, "nvme", "spill")])
     s3 = res[0].result["runs"]["s3-nvme"]
     assert s3["allgather_bytes"] > 0 and s3["reduce_scatter_bytes"] > 0
     assert s3["nvme_read_bytes"] > 0
@@ -117,11 +121,12 @@ def test_stages_default_matrix(tmp_path):
 @pytest.mark.slow
 def test_stages_full_matrix(tmp_path):
     combos = [(s, o) for s in (1, 2, 3) for o in ("none", "cpu", "nvme")] + \
-        [(3, "cpu", "init"), (2, "none", "init")]
+        [(3, "cpu", "init"), (2, "none", "init"), (3, "nvme", "spill")]
     _run_matrix(tmp_path, combos)
 
 
 @pytest.mark.slow
 def test_stages_accumulation_and_clipping(tmp_path):
-    _run_matrix(tmp_path, [(3, "nvme"), (2, "none"), (1, "cpu")],
+    _run_matrix(tmp_path, [(3, "nvme"), (2, "none"), (1, "cpu"), (3, "nvme", "spill"),
+                           (2, "nvme", "spill")],
                 gradient_accumulation_steps=2, gradient_clipping=0.5)
