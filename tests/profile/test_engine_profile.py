@@ -37,6 +37,8 @@ def test_profile_session_on_engine(tmp_path):
     rd = sum(e["args"].get("bytes", 0) for e in x_events if e["cat"] == "nvme_read")
     assert rd > 0 and rd == after["nvme_read_bytes"] - before["nvme_read_bytes"]
     assert prof.summary["links"]["nvme_read"]["bytes"] == rd
+    wr = sum(e["args"].get("bytes", 0) for e in x_events if e["cat"] == "nvme_write")
+    assert wr > 0 and wr == after["nvme_write_bytes"] - before["nvme_write_bytes"]
     p = prof.summary["prefetch"]
     assert p["prefetched"] == after["prefetched_fetches"] - before["prefetched_fetches"]
     assert p["on_demand"] == after["on_demand_fetches"] - before["on_demand_fetches"]
