@@ -5,6 +5,15 @@ between their home (device / host / NVMe) and the device tier.  On a CPU-only
 machine the device tier is host memory bounded by ``device_memory_gb``; an
 NVMe-homed group is read *straight into* the buffer compute uses (no staging copy),
 a host-homed group is used in place (the host buffer *is* device-addressable).
+On CUDA (or the :class:`~infinity.memory.device.SimulatedDevice` used by the tests) the
+device tier is a :class:`~infinity.memory.device.DeviceTier`: host-homed groups are
+copied H2D on a copy stream, NVMe-homed groups are read into pinned host staging and
+then copied H2D; compute waits on the copy's event, staging goes back to the host pool
+only once that event completed.
+
+Link timings: an NVMe read is timed from issue to the first moment its completion is
+observed (completions are polled at every fetch/wait/release), not to when compute
+happens to wait for it, so the ``nvme_read`` lane shows the device's busy time.
 
 Who calls what: the hooks (``infinity.zero.hooks``) call :meth:`use`/:meth:`done_with`
 through the prefetch coordinator, which calls :meth:`fetch_async` ahead of time.
@@ -17,6 +26,7 @@ import time
 import torch
 
 from .accounting import Accounting
+from .device import DeviceTier, make_device
 from .pool import BufferPool, PoolExhausted
 from .record import GroupRecord, Location
 
@@ -25,17 +35,37 @@ log = logging.getLogger("infinity.memory")
 __all__ = ["MemoryManager"]
 
 
+class _Fetch:
+    """What is in flight for one group between ``fetch_async`` and ``wait_resident``."""
+    __slots__ = ("handle", "t0", "t_read", "staging", "xfer")
+
+    def __init__(self, handle, t0: float, staging=None, xfer=None):
+        self.handle = handle          # NVMe read handle (None for a host-homed group)
+        self.t0 = t0                  # issue time
+        self.t_read = None            # first time the read was seen complete
+        self.staging = staging        # pinned host buffer the read lands in (CUDA path)
+        self.xfer = xfer              # the H2D Transfer (CUDA path)
+
+    def poll_read(self) -> bool:
+        if self.t_read is None and self.handle is not None and self.handle.done():
+            self.t_read = time.perf_counter()
+        return self.t_read is not None
+
+
 class MemoryManager:
     def __init__(self, groups: list[GroupRecord], *, device: torch.device,
                  device_budget: int | None, host_pool: BufferPool, swap=None,
-                 accounting: Accounting, timeline=None):
+                 accounting: Accounting, timeline=None, device_tier: DeviceTier | None = None):
         self.groups = groups
         self.device = device
         self.acct = accounting
         self.timeline = timeline
         self.swap = swap
         self.host_pool = host_pool
-        self.device_pool = BufferPool("device", device_budget, accounting)
+        self.dev = device_tier if device_tier is not None else \
+            make_device(device, device_budget, accounting)
+        self.device_pool: BufferPool = self.dev.pool
+        self._inflight: dict[int, GroupRecord] = {}   # gid -> group with a _Fetch pending
         self._by_storage: dict[int, GroupRecord] = {}
         self._overflow_warned = False
         self.closed = False
@@ -70,11 +100,7 @@ class MemoryManager:
         raise ValueError(f"memory: unknown home {g.home!r}")
 
     def _alloc_resident(self, g: GroupRecord) -> torch.Tensor:
-        buf = self.device_pool.lease(g.nbytes, g.dtype) if self.device.type == "cpu" else \
-            torch.empty(g.padded_numel, dtype=g.dtype, device=self.device)
-        if self.device.type != "cpu":
-            self.acct.alloc("device", g.nbytes)
-        return buf
+        return self.device_pool.lease(g.nbytes, g.dtype)
 
     @staticmethod
     def _fill(g: GroupRecord, buf: torch.Tensor) -> None:
@@ -89,7 +115,7 @@ class MemoryManager:
         (only possible with ``allow_overflow=False``)."""
         if g.state in (Location.DEVICE, Location.READING, Location.TO_DEVICE):
             return True
-        if g.home == "cpu" and self.device.type == "cpu":
+        if g.home == "cpu" and self.dev.zero_copy:
             # the host home is directly usable by CPU compute: no copy, no extra bytes
             g.begin_to_device(g.host_buf)
             g.finish_to_device()
@@ -97,10 +123,6 @@ class MemoryManager:
             # parameter itself, whose .data is swapped out on release
             self._by_storage[g.device_buf.untyped_storage().data_ptr()] = g
             return True
-        if g.home == "cpu":
-            raise NotImplementedError("memory: CUDA device tier is not implemented yet "
-                                      "(host-homed params on a GPU)")
-        # NVMe home
         if not self.device_pool.can_lease(g.nbytes):
             if not allow_overflow:
                 return False
@@ -117,45 +139,86 @@ class MemoryManager:
                 self.device_pool.budget = budget
         else:
             buf = self.device_pool.lease(g.nbytes, g.dtype)
-        if self.device.type != "cpu":
-            raise NotImplementedError("memory: CUDA device tier is not implemented yet "
-                                      "(NVMe-homed params on a GPU)")
         t0 = time.perf_counter()
-        handle = self.swap.read(g.extent, buf)
-        g.begin_read(buf, (handle, t0))
+        if g.home == "cpu":                       # separate device memory: H2D copy
+            g.begin_to_device(buf, _Fetch(None, t0, xfer=self.dev.h2d(buf, g.host_buf)))
+        elif self.dev.zero_copy:                  # read straight into the compute buffer
+            g.begin_read(buf, _Fetch(self.swap.read(g.extent, buf), t0))
+        else:                                     # NVMe -> pinned staging -> H2D
+            staging = self.host_pool.lease(g.nbytes, g.dtype)
+            g.begin_read(buf, _Fetch(self.swap.read(g.extent, staging), t0, staging=staging))
+        self._inflight[g.gid] = g
         return True
+
+    def _progress(self) -> None:
+        """Non-blocking: stamp completed reads, start the H2D of reads that landed in
+        staging, give back staging whose H2D completed."""
+        for g in list(self._inflight.values()):
+            f = g.pending
+            if g.state is Location.READING and f.poll_read() and f.staging is not None:
+                self._start_h2d(g, f)
+        self.dev.poll()
+
+    def _start_h2d(self, g: GroupRecord, f: _Fetch) -> None:
+        """READING -> TO_DEVICE (CUDA path): the read landed in staging; copy it up."""
+        f.handle.wait()                       # already complete: returns or raises AioError
+        self._link("nvme_read", g.nbytes, f.t0, f.t_read)
+        f.xfer = self.dev.h2d(g.device_buf, f.staging)
+        g.read_landed(f)
+
+    def _finish_h2d(self, g: GroupRecord, f: _Fetch) -> None:
+        """Compute waits on the H2D event; staging is given back once the copy is done."""
+        x = f.xfer
+        self.dev.compute_waits(x)
+        staging, f.staging = f.staging, None
+
+        def done(x=x, staging=staging):
+            self._link("h2d", x.nbytes, x.t0, x.t_done)
+            if staging is not None:
+                self.host_pool.give_back(staging)
+        self.dev.retire(x, done)
 
     def wait_resident(self, g: GroupRecord) -> None:
         """Block until ``g`` is on the device tier (it must have been fetched)."""
+        self._progress()
         if g.state is Location.READING:
-            handle, t0 = g.pending
-            if not handle.done() and self.timeline is not None and self.timeline.enabled:
-                with self.timeline.span("wait", f"fetch {g.name or '<root>'}", g.nbytes):
-                    handle.wait()
+            f = g.pending
+            if not f.poll_read():
+                if self.timeline is not None and self.timeline.enabled:
+                    with self.timeline.span("wait", f"fetch {g.name or '<root>'}", g.nbytes):
+                        f.handle.wait()
+                else:
+                    f.handle.wait()
+                f.t_read = time.perf_counter()
+            if f.staging is not None:
+                self._start_h2d(g, f)
             else:
-                handle.wait()
-            self._link("nvme_read", g.nbytes, t0)
-            g.finish_read()
-            self._by_storage[g.device_buf.untyped_storage().data_ptr()] = g
-        elif g.state is Location.TO_DEVICE:
+                f.handle.wait()               # complete: returns or raises AioError
+                self._link("nvme_read", g.nbytes, f.t0, f.t_read)
+                g.finish_read()
+        if g.state is Location.TO_DEVICE:
+            f = g.pending
+            if f is not None and f.xfer is not None:
+                self._finish_h2d(g, f)
             g.finish_to_device()
         elif g.state is not Location.DEVICE:
             raise RuntimeError(f"memory: group {g.gid} ({g.name}) was not fetched "
                                f"(state {g.state.name})")
+        if self._inflight.pop(g.gid, None) is not None:
+            self._by_storage[g.device_buf.untyped_storage().data_ptr()] = g
 
     def release(self, g: GroupRecord) -> None:
         """Drop ``g``'s device copy (its home copy stays current)."""
         if g.home == "device" or g.state is Location.NVME or g.state is Location.HOST:
             return
-        if g.state is Location.READING:
+        if g.state in (Location.READING, Location.TO_DEVICE):
             self.wait_resident(g)
-        if g.state is Location.TO_DEVICE:
-            g.finish_to_device()
         buf = g.device_buf
         self._by_storage.pop(buf.untyped_storage().data_ptr(), None)
         g.release()
-        if g.home == "nvme":
-            self.device_pool.give_back(buf)
+        if g.home == "nvme" or not self.dev.zero_copy:
+            self.dev.give_back(buf)       # CUDA: the next copy into it waits for compute
+        self._progress()
 
     def group_of_storage(self, ptr: int) -> GroupRecord | None:
         return self._by_storage.get(ptr)
@@ -164,8 +227,9 @@ class MemoryManager:
         return g.home != "device"
 
     # ------------------------------------------------------------------ accounting
-    def _link(self, name: str, nbytes: int, t0: float) -> None:
-        t1 = time.perf_counter()
+    def _link(self, name: str, nbytes: int, t0: float, t1: float | None = None) -> None:
+        if t1 is None:
+            t1 = time.perf_counter()
         self.acct.link(name, nbytes, t1 - t0)
         tl = self.timeline
         if tl is not None and getattr(tl, "enabled", False):
@@ -175,10 +239,14 @@ class MemoryManager:
         if self.closed:
             return
         self.closed = True
-        for g in self.groups:
-            if g.state is Location.READING:
+        for g in self._inflight.values():
+            f = g.pending
+            if isinstance(f, _Fetch) and f.handle is not None:
                 try:
-                    g.pending[0].wait()
+                    f.handle.wait()
                 except Exception:  # the close path must not mask the original error
                     log.debug("memory: pending read of group %d failed during close", g.gid)
-        self.device_pool.close()
+            if isinstance(f, _Fetch) and f.xfer is not None:
+                f.xfer.wait_host()
+        self._inflight.clear()
+        self.dev.close()

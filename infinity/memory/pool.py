@@ -45,8 +45,10 @@ class PoolExhausted(MemoryError):
 class BufferPool:
     """Size-classed pool of flat byte buffers for one tier (``"device"`` or ``"host"``)."""
 
-    def __init__(self, tier: str, budget_bytes: int | None, accounting: Accounting):
+    def __init__(self, tier: str, budget_bytes: int | None, accounting: Accounting, *,
+                 allocator=None):
         self.tier = tier
+        self._allocator = allocator or aligned_buffer   # nbytes -> flat uint8 tensor
         self.budget = budget_bytes
         self.acct = accounting
         self._free: dict[int, list[torch.Tensor]] = {}
@@ -75,7 +77,7 @@ class BufferPool:
                 raise PoolExhausted(
                     f"{self.tier} tier: cannot lease {size} bytes: {self.leased} bytes leased, "
                     f"budget {self.budget} bytes")
-            raw = aligned_buffer(size)
+            raw = self._allocator(size)
             self.allocated += size
             self.acct.alloc(self.tier, size)
         self.leased += size
@@ -87,7 +89,7 @@ class BufferPool:
         size = round_up(nbytes, ALIGN)
         raw = buf.view(torch.uint8)
         # rebuild the full-size raw view over the same storage start
-        raw = torch.empty(0, dtype=torch.uint8).set_(buf.untyped_storage(), buf.storage_offset()
+        raw = torch.empty(0, dtype=torch.uint8, device=buf.device).set_(buf.untyped_storage(), buf.storage_offset()
                                                      * buf.element_size(), (size,))
         self._free.setdefault(size, []).append(raw)
         self.leased -= size

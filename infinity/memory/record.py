@@ -12,6 +12,8 @@ States (``Location``)::
     NVME --begin_read--> READING --finish_read--> DEVICE      (NVMe home, read straight
                                                                into the compute buffer)
     HOST --begin_to_device--> TO_DEVICE --finish_to_device--> DEVICE   (host home)
+    READING --read_landed--> TO_DEVICE          (CUDA: the NVMe read landed in pinned host
+                                                 staging, the H2D copy is in flight)
     DEVICE --release--> NVME | HOST                              (home copy is current)
     HOST/DEVICE --begin_write--> WRITING --finish_write--> NVME (spilling a host copy)
 
@@ -123,6 +125,13 @@ class GroupRecord:
         self.pending = None
         self.state = Location.DEVICE
         self._point_params()
+
+    def read_landed(self, handle) -> None:
+        """READING -> TO_DEVICE: the NVMe read into host staging completed and the
+        host-to-device copy ``handle`` into ``device_buf`` is in flight."""
+        self._need(Location.READING, op="start the host-to-device copy of a finished read")
+        self.pending = handle
+        self.state = Location.TO_DEVICE
 
     def begin_to_device(self, buf: torch.Tensor, handle=None) -> None:
         """HOST -> TO_DEVICE: a host-to-device copy into ``buf`` is in flight (or done)."""

@@ -1,0 +1,312 @@
+"""The device tier's transfer protocol: buffers, host<->device copies, events.
+
+One small interface, three implementations:
+
+* :class:`CpuDevice` - a CPU-only machine.  The device tier is host memory bounded by
+  ``device_memory_gb``; a host-homed group is used in place (``zero_copy``) and an
+  NVMe-homed group is read straight into the compute buffer, so no copy happens.
+* :class:`CudaDevice` - a GPU.  Device buffers come from a budgeted pool on the GPU;
+  host->device and device->host copies run with ``non_blocking=True`` on two dedicated
+  ``torch.cuda.Stream`` s from pinned host buffers (``infinity.io.aligned_empty``
+  registers them with ``cudaHostRegister``); a ``torch.cuda.Event`` is recorded after
+  each copy.  Compute makes the current stream wait on that event
+  (:meth:`compute_waits`) instead of blocking the host, a host staging buffer goes back
+  to its pool only once its event has completed (:meth:`retire`/:meth:`poll`), and a
+  device buffer given back after compute records a compute-stream event that the next
+  copy into it waits on.
+* :class:`SimulatedDevice` - the same protocol on CPU with *deferred* copies: a copy
+  happens only when its event completes (after ``delay`` queries, or when someone
+  waits on it), and fresh device buffers are NaN-filled.  Reading a buffer before its
+  event, or reusing a source buffer before its copy ran, produces wrong numbers, so
+  the protocol's ordering is tested without a GPU (``tests/memory/test_device.py``).
+
+A :class:`Transfer` is one copy: ``dst``, ``src``, its ``event``, bytes and issue time.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+
+import torch
+
+from .accounting import Accounting
+from .pool import BufferPool
+
+log = logging.getLogger("infinity.memory")
+
+__all__ = ["Transfer", "DeviceTier", "CpuDevice", "CudaDevice", "SimulatedDevice",
+           "make_device"]
+
+
+class Transfer:
+    """One asynchronous copy ``dst <- src`` with the event recorded after it."""
+    __slots__ = ("dst", "src", "event", "link", "nbytes", "t0", "t_done")
+
+    def __init__(self, dst, src, event, link: str, t0: float):
+        self.dst, self.src, self.event, self.link = dst, src, event, link
+        self.nbytes = src.numel() * src.element_size()
+        self.t0 = t0
+        self.t_done: float | None = None     # first time the event was seen complete
+
+    def ready(self) -> bool:
+        """Non-blocking: has the copy completed? (stamps the completion time)."""
+        if self.t_done is None and self.event.query():
+            self.t_done = time.perf_counter()
+        return self.t_done is not None
+
+    def wait_host(self) -> None:
+        """Block the host until the copy completed (for host-side consumers of a D2H)."""
+        if self.t_done is None:
+            self.event.synchronize()
+            self.t_done = time.perf_counter()
+
+
+class DeviceTier:
+    """Interface shared by the implementations (see the module docstring)."""
+    kind = "abstract"
+    zero_copy = False     # True: host memory is directly usable by compute
+
+    def __init__(self, budget_bytes: int | None, accounting: Accounting):
+        self.acct = accounting
+        self.pool = BufferPool("device", budget_bytes, accounting, **self._pool_kw())
+        self._retiring: list[tuple[Transfer, object]] = []
+
+    def _pool_kw(self) -> dict:
+        return {}
+
+    # buffers ------------------------------------------------------------------
+    def lease(self, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
+        return self.pool.lease(nbytes, dtype)
+
+    def give_back(self, buf: torch.Tensor) -> None:
+        """Return a device buffer after compute used it (see :meth:`_after_compute`)."""
+        self._after_compute(buf)
+        self.pool.give_back(buf)
+
+    def _after_compute(self, buf: torch.Tensor) -> None:
+        pass
+
+    # copies -------------------------------------------------------------------
+    def h2d(self, dst: torch.Tensor, src: torch.Tensor) -> Transfer:
+        raise NotImplementedError
+
+    def d2h(self, dst: torch.Tensor, src: torch.Tensor) -> Transfer:
+        raise NotImplementedError
+
+    def compute_waits(self, t: Transfer) -> None:
+        """Compute may use ``t.dst`` after this call (stream-ordered, host not blocked)."""
+        raise NotImplementedError
+
+    # deferred release ------------------------------------------------------------
+    def retire(self, t: Transfer, on_done) -> None:
+        """Call ``on_done()`` once ``t`` completed (e.g. give a staging buffer back)."""
+        if t.ready():
+            on_done()
+        else:
+            self._retiring.append((t, on_done))
+
+    def poll(self) -> None:
+        """Run the ``retire`` callbacks whose transfers have completed."""
+        if not self._retiring:
+            return
+        keep = []
+        for t, fn in self._retiring:
+            if t.ready():
+                fn()
+            else:
+                keep.append((t, fn))
+        self._retiring = keep
+
+    def drain(self) -> None:
+        """Wait for every pending transfer and run its callback (close, errors)."""
+        for t, fn in self._retiring:
+            t.wait_host()
+            fn()
+        self._retiring = []
+
+    def close(self) -> None:
+        self.drain()
+        self.pool.close()
+
+
+class _DoneEvent:
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+
+class CpuDevice(DeviceTier):
+    """CPU-only machine: the device tier is budgeted host memory; copies are memcpy."""
+    kind = "cpu"
+    zero_copy = True
+
+    def h2d(self, dst, src):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        return Transfer(dst, src, _DoneEvent(), "h2d", t0)
+
+    def d2h(self, dst, src):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        return Transfer(dst, src, _DoneEvent(), "d2h", t0)
+
+    def compute_waits(self, t):
+        pass
+
+
+class CudaDevice(DeviceTier):
+    """A CUDA device: budgeted device pool, two copy streams, events (see module doc)."""
+    kind = "cuda"
+
+    def __init__(self, device: torch.device, budget_bytes: int | None, accounting: Accounting):
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"memory: device {device} requested but CUDA is not available")
+        self.device = torch.device(device)
+        if self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        if budget_bytes is None:
+            free, _total = torch.cuda.mem_get_info(self.device)
+            budget_bytes = int(free)
+        super().__init__(budget_bytes, accounting)
+        self.h2d_stream = torch.cuda.Stream(self.device)
+        self.d2h_stream = torch.cuda.Stream(self.device)
+        self._free_after: dict[int, object] = {}   # device buffer ptr -> compute event
+
+    def _pool_kw(self) -> dict:
+        dev = self.device
+
+        def alloc(nbytes: int) -> torch.Tensor:
+            return torch.empty(nbytes, dtype=torch.uint8, device=dev)
+        return {"allocator": alloc}
+
+    def _after_compute(self, buf):
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self.device))
+        self._free_after[buf.untyped_storage().data_ptr()] = ev
+
+    def h2d(self, dst, src):
+        if src.device.type != "cpu" or dst.device != self.device:
+            raise ValueError(f"h2d: expected a host source and a {self.device} destination, "
+                             f"got {src.device} -> {dst.device}")
+        if not src.is_pinned():
+            log.debug("h2d: source is not pinned; the copy will not overlap compute")
+        t0 = time.perf_counter()
+        s = self.h2d_stream
+        prev = self._free_after.pop(dst.untyped_storage().data_ptr(), None)
+        with torch.cuda.stream(s):
+            if prev is not None:          # compute's last use of this buffer comes first
+                s.wait_event(prev)
+            dst.copy_(src, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(s)
+        return Transfer(dst, src, ev, "h2d", t0)
+
+    def d2h(self, dst, src):
+        if dst.device.type != "cpu" or src.device != self.device:
+            raise ValueError(f"d2h: expected a {self.device} source and a host destination, "
+                             f"got {src.device} -> {dst.device}")
+        t0 = time.perf_counter()
+        s = self.d2h_stream
+        produced = torch.cuda.Event()
+        produced.record(torch.cuda.current_stream(self.device))   # src written by compute
+        with torch.cuda.stream(s):
+            s.wait_event(produced)
+            dst.copy_(src, non_blocking=True)
+            src.record_stream(s)           # the allocator must not reuse src before this
+            ev = torch.cuda.Event()
+            ev.record(s)
+        return Transfer(dst, src, ev, "d2h", t0)
+
+    def compute_waits(self, t):
+        torch.cuda.current_stream(self.device).wait_event(t.event)
+
+
+# ---------------------------------------------------------------- simulation on CPU
+class _SimStream:
+    """An in-order queue of deferred operations."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.ops: deque = deque()            # (fn, event)
+
+    def run_until(self, event) -> None:
+        while not event.done:
+            fn, ev = self.ops.popleft()
+            if fn is not None:
+                fn()
+            ev.done = True
+
+
+class _SimEvent:
+    """Completes after ``delay`` queries, or when waited on; completing it runs every
+    operation queued on its stream before it (streams are in order)."""
+
+    def __init__(self, stream: _SimStream, delay: int):
+        self.stream, self.left, self.done = stream, delay, False
+
+    def query(self) -> bool:
+        if not self.done:
+            self.left -= 1
+            if self.left <= 0:
+                self.stream.run_until(self)
+        return self.done
+
+    def synchronize(self) -> None:
+        self.stream.run_until(self)
+
+
+class SimulatedDevice(DeviceTier):
+    """The CUDA protocol on CPU with deferred copies (for tests; see module doc).
+
+    ``delay``: how many ``query()`` calls an event needs before it completes by itself
+    (a large value means "only when waited on").  ``log`` records the order of
+    ``h2d``/``d2h``/``wait``/``done`` operations for assertions."""
+    kind = "simulated"
+
+    def __init__(self, budget_bytes: int | None, accounting: Accounting, *, delay: int = 2):
+        super().__init__(budget_bytes, accounting)
+        self.delay = delay
+        self.h2d_stream = _SimStream("h2d")
+        self.d2h_stream = _SimStream("d2h")
+        self.log: list[tuple[str, int]] = []
+
+    def _pool_kw(self) -> dict:
+        def alloc(nbytes: int) -> torch.Tensor:
+            # fresh device memory is garbage: NaN makes any early use visible
+            return torch.full((nbytes // 4,), float("nan"), dtype=torch.float32).view(torch.uint8)
+        return {"allocator": alloc}
+
+    def _copy(self, stream: _SimStream, link: str, dst, src) -> Transfer:
+        if dst.shape != src.shape:
+            raise ValueError(f"{link}: shape mismatch {tuple(src.shape)} -> {tuple(dst.shape)}")
+        t0 = time.perf_counter()
+        ev = _SimEvent(stream, self.delay)
+        key = dst.data_ptr()
+        stream.ops.append((lambda: (dst.copy_(src), self.log.append(("done", key))), ev))
+        self.log.append((link, key))
+        return Transfer(dst, src, ev, link, t0)
+
+    def h2d(self, dst, src):
+        return self._copy(self.h2d_stream, "h2d", dst, src)
+
+    def d2h(self, dst, src):
+        return self._copy(self.d2h_stream, "d2h", dst, src)
+
+    def compute_waits(self, t):
+        # compute runs on the host thread here: waiting on the event = running the copy
+        t.event.synchronize()
+        self.log.append(("wait", t.dst.data_ptr()))
+
+
+def make_device(device: torch.device, budget_bytes: int | None,
+                accounting: Accounting) -> DeviceTier:
+    """The device tier for ``device`` (``cpu`` or ``cuda[:i]``)."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return CpuDevice(budget_bytes, accounting)
+    if device.type == "cuda":
+        return CudaDevice(device, budget_bytes, accounting)
+    raise ValueError(f"memory: no device tier for {device}; supported: cpu, cuda")
