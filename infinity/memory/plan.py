@@ -34,6 +34,15 @@ def mem_available_bytes() -> int | None:
     return None
 
 
+def _rss_bytes() -> int:
+    """Current resident set size of this process (0 if /proc is unavailable)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 def _gb(n: int | float) -> str:
     return f"{n / GB:.3f} GB"
 
@@ -123,6 +132,15 @@ class PlacementPlan:
         """Raise :class:`WorkingSetError` naming what is needed and which knob to turn."""
         host_cap = self.host_cap
         source = "offload.host_memory_gb"
+        if host_cap is not None:
+            avail = mem_available_bytes()
+            if avail is not None and host_cap > avail + _rss_bytes():
+                raise WorkingSetError(
+                    f"initialize: offload.host_memory_gb is {_gb(host_cap)} but this machine has "
+                    f"only {_gb(avail)} of RAM available (MemAvailable in /proc/meminfo) plus "
+                    f"{_gb(_rss_bytes())} this process already uses; a cap the machine cannot "
+                    "honour would end in the OOM killer half-way through training: lower "
+                    "offload.host_memory_gb (or leave it unset to use the available RAM)")
         if host_cap is None:
             host_cap = mem_available_bytes()
             source = "available RAM (MemAvailable)"
