@@ -79,9 +79,10 @@ def register(sub):
     k.add_argument("--activations", choices=("megatron", "eager"),
                    help="activation model: megatron (fused GPU kernels, Korthikanti et al.) or eager "
                         "(PyTorch eager, measured); default eager CPU-only, megatron with GPUs")
-    k.add_argument("--grad-spill", action="store_true",
-                   help="what-if: page fp32 gradients to NVMe when the host is short "
-                        "(infinity's engine does this itself when the optimizer is on NVMe)")
+    k.add_argument("--grad-spill", choices=("auto", "on", "off"), default="auto",
+                   help="fp32 gradient home: auto (default) = as the engine decides (NVMe when the "
+                        "host cap cannot hold them; the other home is shown for comparison), "
+                        "on = NVMe whenever a swap space exists, off = always host memory")
     k.add_argument("--only", action="append", metavar="PARAMS/OPTIMIZER",
                    help="estimate only these homes (repeatable), e.g. --only nvme/nvme")
     o = p.add_argument_group("output")
@@ -138,7 +139,7 @@ def run(args):
                        prefetch_depth=args.prefetch_depth, grad_accum=args.grad_accum,
                        host_cap_gb=args.host_cap, tile_numel=args.tile_numel,
                        state_dtype=args.state_dtype, grouping=args.grouping,
-                       grad_spill=args.grad_spill or None, activation_model=args.activations,
+                       grad_spill=args.grad_spill, activation_model=args.activations,
                        configs=[_home_pair(t) for t in args.only] if args.only else None)
     except (EstimateError, ConfigError) as e:
         raise CLIError(str(e)) from e

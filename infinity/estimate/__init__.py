@@ -19,8 +19,9 @@ import types
 from dataclasses import dataclass, field
 
 from .machine import GB, Machine, detect_free_disk_gb, detect_gpus, detect_host_mem_gb
-from .memory_plan import (HOMES, SPILL_NOTE, TIER_NAMES, Knobs, MemoryPlan, plan_memory,
-                          valid_configs)
+from .memory_plan import (GRAD_SPILL_MODES, HOMES, HOST_RESERVE_BASE_GB,  # noqa: F401
+                          HOST_RESERVE_PER_RANK_GB, SPILL_NOTE, TIER_NAMES, Knobs, MemoryPlan,
+                          host_reserve_bytes, plan_memory, valid_configs)
 from .model_spec import (GROUPINGS, EstimateError, ModelSpec, spec_from_dims, spec_from_factory,
                          spec_from_module)
 from .report import _num
@@ -29,8 +30,6 @@ from .step_time import StepEstimate, estimate_step
 __all__ = ["estimate", "Estimate", "ConfigEstimate", "ModelSpec", "Machine", "Knobs",
            "EstimateError", "spec_from_dims", "spec_from_module", "spec_from_factory"]
 
-HOST_RESERVE_BASE_GB = 1.0      # OS and page cache headroom per node
-HOST_RESERVE_PER_RANK_GB = 1.0  # a torch process's own resident memory (libraries, allocator)
 VARIANTS = ("checkpointing", "none")
 
 
@@ -63,7 +62,7 @@ class Estimate:
     machine: Machine
     knobs: Knobs
     configs: list = field(default_factory=list)
-    what_if: "Estimate | None" = None   # the same with gradients paged to NVMe, when nothing fits
+    what_if: "Estimate | None" = None   # the other gradient home, for comparison (see estimate())
 
     def fitting(self):
         """``[(ConfigEstimate, variant)]`` that fit, fastest first."""
@@ -78,30 +77,42 @@ class Estimate:
         f = self.fitting()
         return f[0] if f else None
 
-    def verdict(self):
-        b = self.best
+    def _where(self):
         m = self.machine
-        where = (f"{m.nodes}x" if m.nodes > 1 else "") + (
+        return (f"{m.nodes}x" if m.nodes > 1 else "") + (
             f"{m.gpus}x{m.gpu_mem_gb:g} GB GPU" if m.gpus else "CPU-only") + \
             f", {m.host_mem_gb:g} GB RAM, {m.nvme_gb:g} GB NVMe"
+
+    def _answer(self):
+        b = self.best
         if b is None:
-            out = (f"No: no offload configuration fits {_num(self.model.params)} parameters on "
-                   f"{where}; see the problems listed per configuration.")
-            w = self.what_if.best if self.what_if is not None else None
-            if w is not None:
-                c, v = w
-                s = c.steps[v]
-                out += (f" What-if: with gradients paged to NVMe (--grad-spill; "
-                        f"{SPILL_NOTE}) it fits with {c.name}"
-                        + (" and activation checkpointing" if v == "checkpointing" else "")
-                        + f": {s.step_s:.4g} s per step, {s.tokens_per_s:.3g} tokens/s, {s.bound}-bound.")
-            return out
+            return (f"No: no offload configuration fits {_num(self.model.params)} parameters on "
+                    f"{self._where()}; see the problems listed per configuration.")
         c, v = b
         s = c.steps[v]
         ck = "with activation checkpointing" if v == "checkpointing" else "without activation checkpointing"
-        return (f"Yes: {_num(self.model.params)} parameters fit on {where} with {c.name} "
-                f"({ck}); estimated {s.step_s:.4g} s per step, {s.tokens_per_s:.3g} tokens/s, "
+        grads = "; fp32 gradients on NVMe" if c.plan.grads_on_nvme else ""
+        return (f"Yes: {_num(self.model.params)} parameters fit on {self._where()} with {c.name} "
+                f"({ck}{grads}); estimated {s.step_s:.4g} s per step, {s.tokens_per_s:.3g} tokens/s, "
                 f"{s.bound}-bound (lower bound: perfect overlap).")
+
+    def verdict(self):
+        out = self._answer()
+        w = self.what_if
+        if w is not None:
+            label = {"off": "keeping fp32 gradients in host memory",
+                     "auto": "with the engine's own gradient placement",
+                     "on": "with fp32 gradients always on NVMe"}[w.knobs.grad_spill]
+            wb = w.best
+            if wb is None:
+                out += f" For comparison, {label} (grad_spill={w.knobs.grad_spill}) nothing fits."
+            else:
+                c, v = wb
+                s = c.steps[v]
+                out += (f" For comparison, {label} (grad_spill={w.knobs.grad_spill}) the best is "
+                        f"{c.name}" + (" with activation checkpointing" if v == "checkpointing" else "")
+                        + f": {s.step_s:.4g} s per step.")
+        return out
 
     def as_dict(self):
         b = self.best
@@ -112,7 +123,7 @@ class Estimate:
                                                 "activation_checkpointing": b[1] == "checkpointing",
                                                 "step_s": b[0].steps[b[1]].step_s},
                 "verdict": self.verdict(),
-                "what_if_grad_spill": None if self.what_if is None else self.what_if.as_dict()}
+                "what_if": None if self.what_if is None else self.what_if.as_dict()}
 
     def text(self, details=True):
         from .report import format_estimate
@@ -120,7 +131,7 @@ class Estimate:
 
 
 def _host_reserve(machine):
-    return int((HOST_RESERVE_BASE_GB + HOST_RESERVE_PER_RANK_GB * machine.ranks_per_node) * GB)
+    return host_reserve_bytes(machine)
 
 
 def _evaluate(spec, machine, knobs, p, o):
@@ -174,6 +185,10 @@ def _knobs_from(config, overrides):
         raise EstimateError(f"zero_stage must be 1, 2 or 3, got {k.zero_stage!r}")
     if k.state_dtype not in ("fp32", "bf16"):
         raise EstimateError(f"state_dtype must be fp32 or bf16, got {k.state_dtype!r}")
+    if k.grad_spill is True or k.grad_spill is False:
+        k.grad_spill = "on" if k.grad_spill else "off"
+    if k.grad_spill not in GRAD_SPILL_MODES:
+        raise EstimateError(f"grad_spill must be one of {GRAD_SPILL_MODES}, got {k.grad_spill!r}")
     if k.activation_model not in (None, "megatron", "eager"):
         raise EstimateError(f"activation_model must be 'megatron' or 'eager', got {k.activation_model!r}")
     if k.grouping not in GROUPINGS:
@@ -207,9 +222,12 @@ def estimate(model=None, *, params=None, layers=None, hidden=None, seq=2048, bat
         prefetch.depth, aio.*, gradient_accumulation_steps and offload.host_memory_gb are
         used (keyword arguments override them). Its offload homes are ignored: every valid
         (params, optimizer) pair is estimated, or only ``configs=[("nvme", "nvme"), ...]``.
-    grad_spill: page fp32 gradients to NVMe when the host cannot hold them (the engine
-        does so itself when the optimizer is on NVMe; here it stays an opt-in what-if). When nothing fits without it, ``Estimate.what_if`` holds the
-        estimate with it.
+    grad_spill: where the fp32 gradients live: ``"auto"`` (default) as the engine decides
+        (:func:`.memory_plan.grad_spill_decision`), ``"on"`` on NVMe whenever a swap space
+        exists, ``"off"`` always in host memory (``True``/``False`` mean on/off).
+        ``Estimate.what_if`` holds the estimate with the other home for comparison: with
+        ``"off"`` when ``"auto"`` paged gradients somewhere, with ``"auto"`` when
+        ``"off"`` was asked for and nothing fits.
     Returns an :class:`Estimate`.
     """
     if isinstance(model, ModelSpec):
@@ -252,9 +270,14 @@ def estimate(model=None, *, params=None, layers=None, hidden=None, seq=2048, bat
         valid = want
     est = Estimate(spec, machine, knobs)
     est.configs = [_evaluate(spec, machine, knobs, p, o) for p, o in valid]
-    if est.best is None and not knobs.grad_spill and any(o == "nvme" for _, o in valid):
-        import dataclasses
-        k2 = dataclasses.replace(knobs, grad_spill=True)
+    import dataclasses
+    alt = None
+    if knobs.grad_spill == "auto" and any(c.plan.grads_on_nvme for c in est.configs):
+        alt = "off"
+    elif knobs.grad_spill == "off" and est.best is None:
+        alt = "auto"
+    if alt is not None:
+        k2 = dataclasses.replace(knobs, grad_spill=alt)
         est.what_if = Estimate(spec, machine, k2)
         est.what_if.configs = [_evaluate(spec, machine, k2, p, o) for p, o in valid]
     return est

@@ -25,7 +25,11 @@ The data path follows the engine (``infinity/engine.py``, ``infinity/memory``,
   host-homed group is used in place (no copy) and an NVMe-homed group is read straight
   into a device-tier buffer, with one group-sized staging buffer during initialisation;
 * each group's gradient accumulates into an fp32 buffer (4 bytes per element) in host
-  memory (on a GPU with the optimizer on the device: on the device);
+  memory (on a GPU with the optimizer on the device: on the device), unless the engine
+  homes the fp32 gradients on NVMe (see :func:`grad_spill_decision` for its two rules);
+  then each group is assembled in a host staging buffer (``2*Gmax*4`` at most: one being
+  filled, one being written), written to its NVMe extent, read back and re-written on
+  later micro-steps of an accumulation window, and read tile-wise by the optimizer;
 * fp32: the parameter at its home *is* the fp32 master; the optimizer home keeps m and v
   (``2*sb`` bytes per param). bf16/fp16: the optimizer home keeps master + m + v
   (``4 + 2*sb``) and the low-precision params stay at their own home;
@@ -39,10 +43,20 @@ from dataclasses import asdict, dataclass, field
 
 from .machine import GB
 
-# What the engine does with fp32 gradients the host cannot hold (infinity/engine.py,
-# infinity/zero/distributed.py: grad_spill_needed); the estimator models it only with grad_spill.
-SPILL_NOTE = ("infinity's engine pages them itself when the optimizer is on NVMe and the host "
-              "budget cannot hold them")
+# Where the engine homes fp32 gradients (see grad_spill_decision)
+GRAD_SPILL_MODES = ("auto", "on", "off")
+SPILL_NOTE = ("infinity's engine pages them itself: single process when the host tier exceeds "
+              "offload.host_memory_gb and an NVMe swap space exists; ZeRO stage >= 2 across "
+              "ranks when the optimizer is on NVMe and the grad shard exceeds half the host budget")
+
+HOST_RESERVE_BASE_GB = 1.0      # OS and page cache headroom per node
+HOST_RESERVE_PER_RANK_GB = 1.0  # a torch process's own resident memory (libraries, allocator)
+
+
+def host_reserve_bytes(machine):
+    """Host memory per node not available to infinity (OS, page cache, torch runtime)."""
+    return int((HOST_RESERVE_BASE_GB + HOST_RESERVE_PER_RANK_GB * machine.ranks_per_node) * GB)
+
 
 HOMES = ("none", "cpu", "nvme")
 TIER_NAMES = {"device": "device per GPU", "pinned": "pinned host per node",
@@ -65,8 +79,9 @@ class Knobs:
     host_cap_gb: float | None = None   # [offload.host_memory_gb]
     grouping: str = "module"           # how params are flattened into groups
     activation_model: str | None = None  # "megatron" | "eager" (None: eager CPU-only, megatron GPU)
-    grad_spill: bool = False           # page fp32 grads to NVMe when the host is short (an
-                                       # opt-in what-if here; see SPILL_NOTE for the engine)
+    grad_spill: str = "auto"           # fp32 gradient home: "auto" decides as the engine does
+                                       # (grad_spill_decision), "on" = on NVMe whenever a swap
+                                       # space exists, "off" = always in host memory
 
     @property
     def lp(self) -> int:
@@ -241,23 +256,27 @@ def plan_memory(spec, machine, knobs, params_home, optimizer_home):
         # a tile never spans two partitions (groups): pages of a slot beyond the largest group
         # are allocated but never touched, so resident bytes use min(T, Gmax)
         D = knobs.pipeline_depth
-        T = min(knobs.tile_numel, -(-G // 2048) * 2048)
+        Gr = -(-G // 2048) * 2048
+        T = min(knobs.tile_numel, Gr)
+        if knobs.host_cap_gb:   # engine: the ring stays within ~15 % of offload.host_memory_gb
+            T = min(max(65536, min(T, int(knobs.host_cap_gb * GB * 0.15) // 48)), Gr)
         add(Item("pinned", "optimizer tile ring", r * D * T * per_slot,
                  f"r*D*min(T,Gmax)*{per_slot}  [D={D}, T={knobs.tile_numel}]"))
 
-    # ---------------------------------------------------------------- NVMe grads if host is short
+    # ---------------------------------------------------------------- NVMe grads (engine rule)
     if grad_item is not None:
-        host_now = pl.tier_total("pinned") + pl.tier_total("pageable")
-        if machine.cpu_only:
-            host_now += pl.tier_total("device")
-        cap = _host_cap(machine, knobs)
-        if knobs.grad_spill and cap is not None and host_now > cap and optimizer_home == "nvme":
+        spill, why = grad_spill_decision(pl, machine, knobs, shard)
+        if spill:
             pl.items.remove(grad_item)
-            add(Item("nvme", "grad accumulation (fp32, NVMe)",
-                     grad_item.nbytes, grad_item.formula))
+            add(Item("nvme", "grad accumulation (fp32, NVMe)", grad_item.nbytes, grad_item.formula))
+            if stage >= 2 and R > 1:   # a rank stages its reduce-scattered 1/R of a group
+                add(Item("pageable", "grad staging (grads on NVMe)", r * 2 * -(-G // R) * 4,
+                         "r*2*Gmax/R*4"))
+            else:
+                add(Item("pageable", "grad staging (grads on NVMe)", r * 2 * G * 4, "r*2*Gmax*4"))
             pl.grads_on_nvme = True
-            pl.notes.append("what-if: gradients paged to NVMe because the host cannot hold the fp32 "
-                            f"grad partition ({SPILL_NOTE})")
+        if why:
+            pl.notes.append(why)
 
     act_model = knobs.activation_model or ("eager" if machine.cpu_only else "megatron")
     pl.activations = activation_items(spec, knobs, act_model)
@@ -267,3 +286,53 @@ def plan_memory(spec, machine, knobs, params_home, optimizer_home):
 def _host_cap(machine, knobs):
     caps = [c for c in (knobs.host_cap_gb, machine.host_mem_gb) if c]
     return int(min(caps) * GB) if caps else None
+
+
+def grad_spill_decision(pl, machine, knobs, shard):
+    """``(on_nvme, note)``: where the engine homes the fp32 gradients for this plan.
+
+    ``pl`` holds every item except activations, with the gradients still in host memory.
+    The engine has two rules (``knobs.grad_spill == "auto"``):
+
+    * one process (``infinity/engine.py``): after computing its placement plan with the
+      gradients in host memory, if ``offload.host_memory_gb`` is set, the plan's host
+      total exceeds it and an NVMe swap space exists (params or optimizer on NVMe), the
+      gradients get an NVMe home (``infinity/memory/grad_store.py``). The host total is
+      the estimator's pinned + pageable (the device tier is checked on its own). Without
+      ``offload.host_memory_gb`` the engine does not page them, it refuses to start when
+      the host is short: the estimator assumes the cap is set to the RAM left after the
+      reserve (``r`` = 1).
+    * ZeRO across ranks (``infinity/zero/distributed.py`` ``grad_spill_needed``): with the
+      optimizer on NVMe and stage >= 2, a rank pages its fp32 gradient shard when
+      ``N/R*4`` exceeds half its host budget (``offload.host_memory_gb``, else available
+      RAM; the estimator takes the node's RAM after the reserve divided by ``r``).
+
+    ``"on"``: on NVMe whenever a swap space exists; ``"off"``: always in host memory.
+    """
+    mode = knobs.grad_spill
+    swap = pl.params_home == "nvme" or pl.optimizer_home == "nvme"
+    if mode == "off" or not swap:
+        return False, ""
+    if mode == "on":
+        return True, "grad_spill on: fp32 gradients homed on NVMe (forced)"
+    r = machine.ranks_per_node
+    set_cap = knobs.host_cap_gb is not None
+    if machine.ranks == 1:
+        cap = int(knobs.host_cap_gb * GB) if set_cap else \
+            int(machine.host_mem_gb * GB) - host_reserve_bytes(machine)
+        host = pl.tier_total("pinned") + pl.tier_total("pageable")
+        if host <= cap:
+            return False, ""
+        how = "" if set_cap else f" (set offload.host_memory_gb to {cap / GB:.4g}: without it the engine does not page gradients and refuses to start)"
+        return True, (f"engine: host tier with fp32 grads {host / GB:.4g} GB > host cap "
+                      f"{cap / GB:.4g} GB, so the fp32 gradients live on NVMe{how}")
+    if pl.optimizer_home != "nvme" or knobs.zero_stage < 2:
+        return False, ""
+    cap = int(knobs.host_cap_gb * GB) if set_cap else \
+        (int(machine.host_mem_gb * GB) - host_reserve_bytes(machine)) // r
+    if shard * 4 <= cap // 2:
+        return False, ""
+    how = "" if set_cap else (f" (set offload.host_memory_gb to {cap / GB:.4g} per rank: without it "
+                              f"each rank compares with the whole node's available RAM)")
+    return True, (f"ZeRO: fp32 grad shard N/R*4 = {shard * 4 / GB:.4g} GB > half the per-rank host "
+                  f"budget {cap / GB:.4g} GB, so each rank's gradient shard lives on NVMe{how}")

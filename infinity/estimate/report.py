@@ -51,7 +51,8 @@ def format_summary_table(est):
         sc, sf = c.steps["checkpointing"], c.steps["none"]
         lines.append(f"{c.params_home:<7}{c.optimizer_home:<7}{_gb(t['device_checkpointing']):>13}"
                      f"{_gb(t['device_none']):>13}{_gb(t['pinned']):>10}{_gb(t['pageable']):>11}"
-                     f"{_gb(t['nvme']):>11}{fit:>10}{sc.step_s:>10.4g}{sf.step_s:>9.4g}  {sc.bound}")
+                     f"{_gb(t['nvme']):>11}{fit:>10}{sc.step_s:>10.4g}{sf.step_s:>9.4g}  {sc.bound}"
+                     + ("  (grads on NVMe)" if c.plan.grads_on_nvme else ""))
     lines.append("GB = 10^9 bytes; device per GPU" + (" (*CPU-only: counted in host memory)" if cpu else "")
                  + ", host and NVMe per node; host fit also counts "
                  f"{_gb(est.configs[0].totals['host_reserve']) if est.configs else '?'} GB reserve "

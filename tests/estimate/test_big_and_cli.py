@@ -16,44 +16,55 @@ def test_one_trillion_on_one_8x80gb_node():
     est = estimate(**ONE_T, machine=Machine(**NODE), precision="bf16")
     by = {(c.params_home, c.optimizer_home): c for c in est.configs}
     assert len(by) == 9
-    # the engine keeps fp32 gradient accumulation in host memory: 1T x 4 B = 4 TB > 2 TB RAM,
-    # so no configuration fits this engine on this node ...
-    assert est.best is None and est.verdict().startswith("No:")
+    # as the engine decides (ZeRO rule): the fp32 grad shard N/R*4 = 500 GB exceeds half of a
+    # rank's share of the host (2000 GB - 9 GB reserve)/8 = 248.9 GB, optimizer on NVMe ->
+    # gradients on NVMe: 2 TB params + 12 TB fp32 master/m/v + 4 TB grads = 18 TB of NVMe
     nn = by[("nvme", "nvme")]
-    assert any("host: needs" in p for p in nn.problems["checkpointing"])
-    assert nn.totals["pageable"] == 4 * 10**12
-    # ... and the device side of params=nvme/optimizer=nvme does fit with checkpointing
-    assert not any("device" in p for p in nn.problems["checkpointing"])
-    assert any("device" in p for p in nn.problems["none"])
-    # paging gradients to NVMe (what-if) makes it fit: 2 TB params + 12 TB fp32 master/m/v
-    # + 4 TB grads = 18 TB of the 30.7 TB of NVMe
-    w = est.what_if
-    assert w is not None and "What-if" in est.verdict()
-    best, variant = w.best
+    assert nn.plan.grads_on_nvme and nn.totals["nvme"] == 18 * 10**12
+    assert any("ZeRO: fp32 grad shard" in n for n in nn.plan.notes)
+    best, variant = est.best
     assert (best.params_home, best.optimizer_home, variant) == ("nvme", "nvme", "checkpointing")
-    assert best.totals["nvme"] == 18 * 10**12
+    assert est.verdict().startswith("Yes: 1T parameters fit") and "gradients on NVMe" in est.verdict()
+    # the device side does not fit without checkpointing
+    assert any("device" in p for p in nn.problems["none"])
     s = best.steps["checkpointing"]
+    # NVMe per step: read 2*N*lp params + N*4 grads + N*12 master/m/v = 20 TB,
+    # write N*4 grads + N*12 + N*2 updated params = 18 TB
+    assert s.traffic["nvme_read"] == 20 * 10**12 and s.traffic["nvme_write"] == 18 * 10**12
     assert s.bound == "nvme" and 300 < s.step_s < 5000
-    # explicit grad_spill gives the same answer, and with 4 TB of NVMe nothing fits
-    est2 = estimate(**ONE_T, machine=Machine(**NODE), precision="bf16", grad_spill=True)
-    assert est2.best[0].name == best.name and est2.verdict().startswith("Yes: 1T parameters fit")
+    # optimizer on the host never spills (ZeRO rule needs it on NVMe): 4 TB of grads in RAM
+    assert not by[("nvme", "cpu")].plan.grads_on_nvme
+    # the comparison: fp32 grads kept in host memory (4 TB > 2 TB RAM) -> nothing fits
+    w = est.what_if
+    assert w is not None and w.knobs.grad_spill == "off" and w.best is None
+    assert "nothing fits" in est.verdict()
+    assert any("host: needs" in p for p in
+               {(c.params_home, c.optimizer_home): c for c in w.configs}[("nvme", "nvme")].problems["checkpointing"])
+    # explicit "off" answers No and offers the engine's placement for comparison
+    off = estimate(**ONE_T, machine=Machine(**NODE), precision="bf16", grad_spill="off")
+    assert off.best is None and off.verdict().startswith("No:")
+    assert off.what_if.best[0].name == best.name
+    # with 4 TB of NVMe nothing fits either way
     est3 = estimate(**ONE_T, machine=Machine(**{**NODE, "nvme_gb": 4000}), precision="bf16")
     assert est3.best is None and est3.what_if.best is None
 
 
 def test_cli_json_parses(capsys):
-    rc = main(["estimate", "--params", "1T", "--layers", "128", "--hidden", "25600", "--vocab", "51200",
-               "--heads", "160", "--gpus", "8", "--gpu-mem", "80", "--host-mem", "2000",
-               "--nvme-gb", "30720", "--nvme-drives", "8", "--nvme-gbps", "48", "--nvme-write-gbps", "32",
-               "--json"])
-    out = capsys.readouterr().out
+    args = ["estimate", "--params", "1T", "--layers", "128", "--hidden", "25600", "--vocab", "51200",
+            "--heads", "160", "--gpus", "8", "--gpu-mem", "80", "--host-mem", "2000",
+            "--nvme-gb", "30720", "--nvme-drives", "8", "--nvme-gbps", "48", "--nvme-write-gbps", "32",
+            "--json"]
+    rc = main(args)
+    d = json.loads(capsys.readouterr().out)
     assert rc == 0
-    d = json.loads(out)
-    assert d["best"] is None and d["verdict"].startswith("No:")
-    assert d["what_if_grad_spill"]["best"]["params"] == "nvme"
-    assert d["what_if_grad_spill"]["best"]["activation_checkpointing"] is True
+    assert d["best"]["params"] == "nvme" and d["best"]["optimizer"] == "nvme"
+    assert d["best"]["activation_checkpointing"] is True and d["verdict"].startswith("Yes:")
+    assert d["what_if"]["best"] is None and d["what_if"]["knobs"]["grad_spill"] == "off"
     assert {(c["params"], c["optimizer"]) for c in d["configs"]} >= {("nvme", "nvme"), ("none", "none")}
     assert d["model"]["params"] == 10**12
+    assert main(args + ["--grad-spill", "off"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["best"] is None and d["what_if"]["best"]["params"] == "nvme"
 
 
 def test_cli_text_and_errors(capsys, tmp_path):

@@ -30,7 +30,8 @@ def test_spec_from_dims_shape_model():
 
 
 def test_nvme_nvme_two_gpus_every_line():
-    m = Machine(gpus=2, gpu_mem_gb=1, host_mem_gb=1, nvme_gb=1, gpu_reserve_gb=0)
+    # RAM large enough that the engine keeps the fp32 grads in host memory
+    m = Machine(gpus=2, gpu_mem_gb=1, host_mem_gb=100, nvme_gb=1, gpu_reserve_gb=0)
     k = Knobs(precision="bf16", zero_stage=3, prefetch_depth=2, tile_numel=1000, pipeline_depth=3,
               aio_queue_depth=2, aio_block_size=4096)
     pl = plan_memory(small_spec(), m, k, "nvme", "nvme")
@@ -68,7 +69,7 @@ def test_device_homes_stage3_and_stage1():
 
 
 def test_fp32_param_is_master_stored_once_cpu_only():
-    m = Machine(gpus=0, host_mem_gb=1, nvme_gb=1)
+    m = Machine(gpus=0, host_mem_gb=100, nvme_gb=1)   # RAM enough to keep grads on the host
     pl = plan_memory(small_spec(), m, Knobs(precision="fp32", tile_numel=1000), "cpu", "cpu")
     # CPU-only: the host home is used in place (no device copy); the fp32 param is the
     # master, so the optimizer keeps only m and v; no swap space -> no tile ring
@@ -95,12 +96,47 @@ def test_grads_spill_to_nvme_when_host_cap_is_small():
     m = Machine(gpus=0, host_mem_gb=100, nvme_gb=100)
     big = Knobs(precision="bf16", tile_numel=1000)
     assert not plan_memory(small_spec(), m, big, "nvme", "nvme").grads_on_nvme
-    small = Knobs(precision="bf16", tile_numel=1000, host_cap_gb=0.001)  # 1 MB cap < 4 MB of grads
-    assert not plan_memory(small_spec(), m, small, "nvme", "nvme").grads_on_nvme  # engine: host only
-    small.grad_spill = True                                                    # the what-if
+    # engine rule (one process): host items with grads = staging 50000*2 + grads 4e6
+    # + tile ring > 1 MB cap, swap exists -> grads on NVMe
+    small = Knobs(precision="bf16", tile_numel=1000, host_cap_gb=0.001)
     pl = plan_memory(small_spec(), m, small, "nvme", "nvme")
     assert pl.grads_on_nvme
-    assert items(pl)[("nvme", "grad accumulation (fp32, NVMe)")] == 4_000_000
+    it = items(pl)
+    assert it[("nvme", "grad accumulation (fp32, NVMe)")] == 4_000_000
+    assert it[("pageable", "grad staging (grads on NVMe)")] == 2 * 50_000 * 4
+    assert ("pageable", "grad accumulation (fp32, host)") not in it
+    # the engine spills with the optimizer on the host too when params are on NVMe ...
+    assert plan_memory(small_spec(), m, small, "nvme", "cpu").grads_on_nvme
+    # ... but never without a swap space, nor when told not to
+    assert not plan_memory(small_spec(), m, small, "cpu", "cpu").grads_on_nvme
+    assert not plan_memory(small_spec(), m, Knobs(precision="bf16", tile_numel=1000, host_cap_gb=0.001,
+                                                   grad_spill="off"), "nvme", "nvme").grads_on_nvme
+    # "on" forces it whenever a swap space exists
+    assert plan_memory(small_spec(), m, Knobs(precision="bf16", tile_numel=1000, grad_spill="on"),
+                       "cpu", "nvme").grads_on_nvme
+    # the cap just above the host items with grads: no spill; just below: spill. Under a cap
+    # the engine's tile is max(65536, min(T, cap*0.15/48)), resident min(tile, Gmax rounded
+    # up to 2048 = 51200): ring 3*51200*18
+    need = 50_000 * 2 + 4_000_000 + 3 * 51_200 * 18
+    assert not plan_memory(small_spec(), m, Knobs(precision="bf16", tile_numel=1000,
+                                                  host_cap_gb=(need + 1) / GB), "nvme", "nvme").grads_on_nvme
+    assert plan_memory(small_spec(), m, Knobs(precision="bf16", tile_numel=1000,
+                                              host_cap_gb=(need - 1) / GB), "nvme", "nvme").grads_on_nvme
+
+
+def test_zero_rule_across_ranks():
+    # R = 2 on one node, stage 3: a rank pages its shard N/R*4 = 2 MB when it exceeds half its
+    # share of the host: (host - reserve)/r / 2, reserve = 1 + 1*2 = 3 GB
+    spec = small_spec()
+    m = Machine(gpus=2, gpu_mem_gb=1, host_mem_gb=3.004, nvme_gb=1)   # share 2 MB, half 1 MB
+    k = Knobs(precision="bf16")
+    assert plan_memory(spec, m, k, "nvme", "nvme").grads_on_nvme
+    assert not plan_memory(spec, m, k, "nvme", "cpu").grads_on_nvme      # optimizer not on NVMe
+    assert not plan_memory(spec, Machine(gpus=2, gpu_mem_gb=1, host_mem_gb=3.01, nvme_gb=1), k,
+                           "nvme", "nvme").grads_on_nvme                    # half-share 3.5 MB > 2 MB
+    assert not plan_memory(spec, m, Knobs(precision="bf16", zero_stage=1), "none", "nvme").grads_on_nvme
+    with pytest.raises(EstimateError, match="grad_spill"):
+        estimate(spec, machine=m, grad_spill="maybe")
 
 
 def test_valid_configs():
