@@ -1,0 +1,322 @@
+"""The device tier's transfer protocol, exercised on CPU.
+
+``SimulatedDevice`` defers every copy until its event completes (after ``delay``
+queries or when waited on) and NaN-fills fresh device memory, so using a buffer
+before its event, or reusing a staging buffer before its copy ran, gives wrong
+numbers.  The manager-level tests check values, budgets and ordering; the
+"broken manager" tests show that those checks do catch the two ordering bugs.
+"""
+import functools
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import infinity
+from infinity.io import AioEngine, SwapSpace
+from infinity.memory.accounting import Accounting
+from infinity.memory.device import CpuDevice, SimulatedDevice, make_device
+from infinity.memory.manager import MemoryManager
+from infinity.memory.pool import BufferPool
+from infinity.memory.record import GroupRecord, Location, ParamSlot
+from infinity.profile import Timeline
+
+NEVER = 10 ** 9          # an event that completes only when someone waits on it
+
+
+# ------------------------------------------------------------------ the device alone
+def test_simulated_copy_happens_only_when_its_event_completes():
+    dev = SimulatedDevice(None, Accounting(), delay=3)
+    dst = dev.lease(4096, torch.float32)
+    src = torch.arange(1024, dtype=torch.float32)
+    x = dev.h2d(dst, src)
+    assert torch.isnan(dst).all()                 # fresh device memory is garbage
+    assert not x.ready() and not x.ready()        # two queries: still in flight
+    assert torch.isnan(dst).all()
+    assert x.ready() and torch.equal(dst, src)    # third query completes it
+    assert x.t_done is not None and x.t_done >= x.t0
+
+
+def test_simulated_streams_are_in_order_and_compute_wait_runs_the_copy():
+    dev = SimulatedDevice(None, Accounting(), delay=NEVER)
+    a, b = dev.lease(4096, torch.float32), dev.lease(4096, torch.float32)
+    xa = dev.h2d(a, torch.full((1024,), 1.0))
+    xb = dev.h2d(b, torch.full((1024,), 2.0))
+    dev.compute_waits(xb)                         # waiting on b completes a first (in order)
+    assert xa.ready() and bool((a == 1).all()) and bool((b == 2).all())
+    host = torch.zeros(1024)
+    xd = dev.d2h(host, b)
+    assert bool((host == 0).all())
+    xd.wait_host()
+    assert bool((host == 2).all())
+
+
+def test_retire_runs_callback_only_after_the_copy_completed():
+    dev = SimulatedDevice(None, Accounting(), delay=2)
+    dst = dev.lease(4096, torch.float32)
+    x = dev.h2d(dst, torch.ones(1024))
+    freed = []
+    dev.retire(x, lambda: freed.append(1))        # first query: not done
+    assert freed == []
+    dev.poll()                                    # second query: done
+    assert freed == [1] and bool((dst == 1).all())
+
+
+def test_cpu_device_is_zero_copy_and_make_device_selects_by_device():
+    assert isinstance(make_device(torch.device("cpu"), None, Accounting()), CpuDevice)
+    assert make_device("cpu", None, Accounting()).zero_copy
+    with pytest.raises(ValueError, match="no device tier"):
+        make_device("meta", None, Accounting())
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="CUDA is not available"):
+            make_device("cuda", None, Accounting())
+
+
+def test_device_budget_is_enforced_by_the_pool():
+    acct = Accounting()
+    dev = SimulatedDevice(2 * 4096, acct)
+    a = dev.lease(4096, torch.float32)
+    dev.lease(4096, torch.float32)
+    assert not dev.pool.can_lease(4096)
+    dev.give_back(a)
+    assert dev.pool.can_lease(4096)
+    assert acct.as_dict()["device_peak_bytes"] == 2 * 4096
+
+
+# ------------------------------------------------------------------ through the manager
+def _groups(n, home, numel=1000, padded=1024, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out, values = [], []
+    for i in range(n):
+        p = nn.Parameter(torch.randn(numel, generator=g))
+        values.append(p.detach().clone())
+        slots = [ParamSlot(f"w{i}", p, 0, numel, p.shape, True)]
+        out.append(GroupRecord(i, f"m{i}", slots, numel, padded, torch.float32, home))
+    return out, values
+
+
+def _manager(groups, home, tmp, *, delay, budget=None, host_budget=None, cls=MemoryManager,
+             timeline=None):
+    acct = Accounting()
+    swap = aio = None
+    if home == "nvme":
+        aio = AioEngine(1 << 20, 8, 1, "auto")
+        swap = SwapSpace([tmp], aio)
+    host_pool = BufferPool("host", host_budget, acct)
+    dev = SimulatedDevice(budget, acct, delay=delay)
+    mm = cls(groups, device=torch.device("cpu"), device_budget=budget, host_pool=host_pool,
+             swap=swap, accounting=acct, timeline=timeline, device_tier=dev)
+    for g in groups:
+        mm.place(g)
+    return mm, dev, acct, swap, aio
+
+
+def _close(mm, swap, aio):
+    mm.close()
+    if swap is not None:
+        swap.close()
+        aio.close()
+
+
+def _run_window(mm, groups, values, depth):
+    """Use every group in order with ``depth`` fetched ahead; return per-group max error."""
+    errs = []
+    for i, g in enumerate(groups):
+        for j in range(i, min(i + 1 + depth, len(groups))):
+            mm.fetch_async(groups[j], allow_overflow=False)
+        mm.wait_resident(g)
+        p = g.slots[0].param
+        errs.append(float((p.detach() - values[i]).abs().nan_to_num(float("inf")).max()))
+        mm.release(g)
+    return errs
+
+
+@pytest.mark.parametrize("home", ["cpu", "nvme"])
+@pytest.mark.parametrize("delay", [1, 3, NEVER])
+def test_manager_fetch_protocol_delivers_the_right_values(swap_dir, home, delay):
+    groups, values = _groups(5, home)
+    mm, dev, acct, swap, aio = _manager(groups, home, swap_dir, delay=delay, budget=3 * 4096)
+    try:
+        for _ in range(2):       # second round reuses pooled device and staging buffers
+            assert _run_window(mm, groups, values, depth=2) == [0.0] * len(groups)
+        assert all(g.state is (Location.NVME if home == "nvme" else Location.HOST)
+                   for g in groups)
+        # every H2D was followed by compute waiting on that buffer's event before use
+        kinds = [k for k, _ in dev.log]
+        assert kinds.count("h2d") == 2 * len(groups) == kinds.count("wait")
+        for k, (kind, ptr) in enumerate(dev.log):
+            if kind == "wait":
+                assert ("done", ptr) in dev.log[:k]
+        st = acct.as_dict()
+        assert st["device_peak_bytes"] <= 3 * 4096          # within the device budget
+        assert st["h2d_bytes"] == 2 * len(groups) * 4096
+        if home == "nvme":
+            assert st["nvme_read_bytes"] == 2 * len(groups) * 4096
+            assert mm.host_pool.leased == 0                 # all staging came back
+    finally:
+        _close(mm, swap, aio)
+
+
+def test_staging_is_not_reused_before_its_copy_completed(swap_dir):
+    """With copies that only run when waited on, the staging buffer of a fetched group
+    must stay leased until its H2D ran; prefetching the next group needs a second one."""
+    groups, values = _groups(3, "nvme")
+    mm, dev, acct, swap, aio = _manager(groups, "nvme", swap_dir, delay=NEVER)
+    try:
+        mm.fetch_async(groups[0], allow_overflow=False)
+        mm.wait_resident(groups[0])           # compute waited: the copy ran
+        mm.fetch_async(groups[1], allow_overflow=False)
+        mm.fetch_async(groups[2], allow_overflow=False)
+        mm.wait_resident(groups[1])
+        mm.wait_resident(groups[2])
+        for g, v in zip(groups, values):
+            assert torch.equal(g.slots[0].param.detach(), v)
+        assert mm.host_pool.leased == 0
+    finally:
+        _close(mm, swap, aio)
+
+
+class _NoComputeWait(MemoryManager):
+    """Bug: uses the device buffer without waiting on the H2D event."""
+
+    def _finish_h2d(self, g, f):
+        staging, f.staging = f.staging, None
+        self.dev.retire(f.xfer, (lambda: self.host_pool.give_back(staging))
+                        if staging is not None else (lambda: None))
+
+
+class _EarlyStagingReuse(MemoryManager):
+    """Bug: gives the staging buffer back as soon as the H2D was issued."""
+
+    def _start_h2d(self, g, f):
+        super()._start_h2d(g, f)
+        self.host_pool.give_back(f.staging)
+        f.staging = None
+
+
+@pytest.mark.parametrize("bug,home", [(_NoComputeWait, "cpu"), (_NoComputeWait, "nvme"),
+                                      (_EarlyStagingReuse, "nvme")])
+def test_ordering_bugs_are_caught(swap_dir, bug, home):
+    groups, values = _groups(4, home)
+    mm, dev, acct, swap, aio = _manager(groups, home, swap_dir, delay=NEVER, cls=bug)
+    try:
+        errs = _run_window(mm, groups, values, depth=2)
+        assert any(e != 0.0 for e in errs), "the simulated device did not expose the bug"
+    finally:
+        try:
+            _close(mm, swap, aio)
+        except Exception:
+            pass
+
+
+# ------------------------------------------------------------------ NVMe read timing
+class _Handle:
+    def __init__(self):
+        self.finished = False
+
+    def done(self):
+        return self.finished
+
+    def wait(self):
+        self.finished = True
+        return 0
+
+
+class _FakeSwap:
+    """Reads copy immediately but report completion only when the test says so."""
+
+    def __init__(self):
+        self.data = {}
+        self.handles = []
+
+    def allocate(self, nbytes):
+        return len(self.data)
+
+    def write(self, ext, t, offset=0):
+        self.data[ext] = t.clone()
+        h = _Handle()
+        h.finished = True
+        return h
+
+    def read(self, ext, t, offset=0):
+        t.copy_(self.data[ext].view(t.dtype)[: t.numel()])
+        h = _Handle()
+        self.handles.append(h)
+        return h
+
+
+def test_nvme_read_is_timed_to_its_completion_not_to_the_wait():
+    groups, values = _groups(2, "nvme")
+    acct, tl = Accounting(), Timeline(enabled=True)
+    swap = _FakeSwap()
+    mm = MemoryManager(groups, device=torch.device("cpu"), device_budget=None,
+                       host_pool=BufferPool("host", None, acct), swap=swap, accounting=acct,
+                       timeline=tl)
+    for g in groups:
+        mm.place(g)
+    a, b = groups
+    mm.fetch_async(a, allow_overflow=False)
+    mm.fetch_async(b, allow_overflow=False)
+    swap.handles[0].finished = True          # a's read completes while b is in use
+    mm.wait_resident(b)                      # polls: a's completion observed here
+    t_seen = time.perf_counter()
+    time.sleep(0.02)                         # compute on b; a is not waited for yet
+    mm.wait_resident(a)
+    ev_a = [e for e in tl.events("nvme_read")]
+    assert len(ev_a) == 2
+    ends = sorted(e.t1 for e in ev_a)
+    assert ends[1] <= t_seen                 # both reads end before the later wait
+    assert torch.equal(a.slots[0].param.detach(), values[0])
+    mm.release(a)
+    mm.release(b)
+    mm.close()
+
+
+# ------------------------------------------------------------------ whole engine
+@pytest.mark.parametrize("params,precision", [("cpu", "fp32"), ("nvme", "fp32"),
+                                              ("nvme", "bf16")])
+def test_engine_trains_identically_through_the_simulated_device(swap_dir, monkeypatch,
+                                                                 params, precision):
+    import infinity.engine as eng_mod
+
+    def build(seed):
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32), nn.GELU(),
+                             nn.Linear(32, 8))
+
+    def run(model, sim):
+        cfg = {"precision": precision, "gradient_accumulation_steps": 2,
+               "gradient_clipping": 1.0, "optimizer": {"lr": 1e-2, "weight_decay": 0.1},
+               "offload": {"params": params, "optimizer": "cpu", "nvme_paths": [swap_dir],
+                           "device_memory_gb": 0.0001}}
+        devs = []
+        if sim:
+            def mm_factory(groups, **kw):
+                dev = SimulatedDevice(kw["device_budget"], kw["accounting"], delay=2)
+                devs.append(dev)
+                return MemoryManager(groups, device_tier=dev, **kw)
+            monkeypatch.setattr(eng_mod, "MemoryManager", mm_factory)
+        else:
+            monkeypatch.setattr(eng_mod, "MemoryManager", MemoryManager)
+        g = torch.Generator().manual_seed(3)
+        losses = []
+        with infinity.initialize(model, cfg) as e:
+            for _ in range(6):
+                x, y = torch.randn(8, 16, generator=g), torch.randn(8, 8, generator=g)
+                loss = torch.nn.functional.mse_loss(e(x).float(), y)
+                losses.append(loss.item())
+                e.backward(loss)
+                e.step()
+            sd = {k: v.clone() for k, v in e.state_dict().items()}
+            st = e.stats()
+        return losses, sd, st, devs
+
+    l_ref, sd_ref, _, _ = run(build(0), sim=False)
+    l_sim, sd_sim, st, devs = run(build(0), sim=True)
+    assert devs and devs[0].log                       # the simulated device was used
+    assert st["h2d_bytes"] > 0
+    assert st["device_peak_bytes"] <= 0.0001e9 or st["device_budget_overflows"] > 0
+    assert l_sim == l_ref                             # same arithmetic, bit for bit
+    for k in sd_ref:
+        assert torch.equal(sd_sim[k], sd_ref[k]), k
