@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 from torch import nn
@@ -68,6 +69,11 @@ class ParamHooks:
         self._fwd_depth = 0
         self._bw_callback_queued = False
         self.enabled = True
+        # profiling (only when the timeline is enabled): per-module forward spans and
+        # per-group backward spans (first use in backward -> last gradient arrived)
+        self._names: dict | None = None
+        self._fwd_t0: dict[int, list[float]] = {}
+        self._bw_span: dict[str, list[float]] = {}
 
     # ------------------------------------------------------------------ install
     def install(self) -> None:
@@ -134,9 +140,29 @@ class ParamHooks:
                 ctx.__exit__(None, None, None)
 
     # ------------------------------------------------------------------ modules
+    def _profiling(self):
+        tl = self.mm.timeline
+        return tl if tl is not None and tl.enabled else None
+
+    def _module_name(self, module) -> str:
+        if self._names is None:
+            self._names = {id(m): n or "<root>" for n, m in self.model.named_modules()}
+        return self._names.get(id(module), type(module).__name__)
+
+    def _bw_touch(self, g: GroupRecord, start: bool) -> None:
+        now = time.perf_counter()
+        span = self._bw_span.get(g.name)
+        if span is None:
+            if start:
+                self._bw_span[g.name] = [now, now]
+        else:
+            span[1] = now
+
     def _make_pre(self, groups: list[GroupRecord]):
         def pre(module, args):
             bw = in_backward()
+            if not bw and self._profiling() is not None:
+                self._fwd_t0.setdefault(id(module), []).append(time.perf_counter())
             track = bw or self._training_pass()
             for g in groups:
                 self.coord.use(g, track=track)
@@ -148,6 +174,12 @@ class ParamHooks:
     def _make_post(self, groups: list[GroupRecord]):
         def post(module, args, output):
             bw = in_backward()
+            tl = self._profiling()
+            if not bw and tl is not None:
+                starts = self._fwd_t0.get(id(module))
+                if starts:
+                    tl.add("forward", self._module_name(module), starts.pop(),
+                           time.perf_counter())
             for g in groups:
                 g.users -= 1
                 if g.users == 0 and not bw:
@@ -173,6 +205,8 @@ class ParamHooks:
         if not isinstance(x, _SavedRef):
             return x
         g = x.g
+        if self._profiling() is not None:
+            self._bw_touch(g, start=True)
         self.coord.use(g, track=True, kind="unpack")
         self._mark_backward(g, recompute=False)
         buf = g.device_buf
@@ -203,6 +237,8 @@ class ParamHooks:
         p.grad = None
         if grad is not None:
             self.on_grad(g, g.slots[i], grad)
+            if self._profiling() is not None:
+                self._bw_touch(g, start=True)
         if in_backward() and not self._bw_callback_queued:
             self._bw_callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
@@ -214,6 +250,11 @@ class ParamHooks:
 
     def _end_backward(self) -> None:
         self._bw_callback_queued = False
+        tl = self._profiling()
+        if tl is not None:
+            for name, (t0, t1) in self._bw_span.items():
+                tl.add("backward", name or "<root>", t0, t1)
+        self._bw_span.clear()
         self.finish_backward()
 
     def finish_backward(self) -> None:

@@ -49,3 +49,11 @@ def test_profile_session_on_engine(tmp_path):
     assert {r["step"] for r in rows if r["step"] is not None} <= set(marks)
     assert sum(r["time_s"] for r in rows) == pytest.approx(prof.summary["window_s"], rel=0.01)
     assert (tmp_path / "prof" / "timeline.png").stat().st_size > 0
+    # compute lanes carry one span per module (forward) and per parameter group (backward),
+    # named after the model's own modules
+    module_names = {n for n, _ in model.named_modules()}
+    fwd = {e["name"] for e in x_events if e["cat"] == "forward"}
+    bwd = {e["name"] for e in x_events if e["cat"] == "backward"}
+    assert "transformer.h.0.attn.c_attn" in fwd and "transformer.h.1.mlp.c_fc" in fwd
+    assert len(fwd & module_names) >= 8
+    assert len(bwd & module_names) >= 8
