@@ -39,6 +39,34 @@ def _jsonable(x):
         return None
 
 
+def _check_meta(meta, where):
+    """Reject meta the engine cannot restore, so a load fails before it changes anything
+    (meta is applied after the tensors; a bad value there would leave a half-loaded engine)."""
+    def bad(key, why):
+        return CheckpointError(f"checkpoint {where}: meta[{key!r}] {why}; the checkpoint was not "
+                               f"written by this engine or is damaged: load another tag")
+
+    for key in ("step", "boundaries", "micro_step"):
+        v = meta.get(key)
+        if key == "step" or v is not None:
+            if type(v) is not int or v < 0:
+                raise bad(key, f"must be an integer >= 0, got {v!r}")
+    ls = meta.get("loss_scaler")
+    if ls is not None:
+        if not isinstance(ls, dict):
+            raise bad("loss_scaler", f"must be an object, got {type(ls).__name__}")
+        sc = ls.get("scale", 1.0)
+        if isinstance(sc, bool) or not isinstance(sc, (int, float)) or not (0 < sc < float("inf")):
+            raise bad("loss_scaler", f"has scale {sc!r}; expected a finite number > 0")
+        for k in ("clean_steps", "skipped_steps"):
+            if k in ls and (type(ls[k]) is not int or ls[k] < 0):
+                raise bad("loss_scaler", f"has {k} {ls[k]!r}; expected an integer >= 0")
+    for key in ("torch_scheduler", "rng"):
+        v = meta.get(key)
+        if v is not None and not isinstance(v, dict):
+            raise bad(key, f"must be an object or null, got {type(v).__name__}")
+
+
 class EngineCheckpoint:
     """Adapter: ``save_checkpoint(EngineCheckpoint(engine), dir)``."""
 
@@ -155,6 +183,7 @@ class EngineCheckpoint:
 
     def load_checkpoint_tensors(self, reader):
         self._check_idle("load_checkpoint")
+        _check_meta(reader.meta, reader.path)  # before anything is written into the engine
         self._release_cached()
         slots = list(self._trainable_slots())
         stage = torch.empty(max([s.numel for _, _, s in slots] + [1]), dtype=torch.float32)

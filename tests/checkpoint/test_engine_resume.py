@@ -223,3 +223,31 @@ def test_engine_rejects_other_model_and_keeps_its_state(tmp_path):
         after = _state(e2)
         assert all(torch.equal(before[n], after[n]) for n in before)
         _train(e2, 1, 1)  # still usable
+
+
+@pytest.mark.parametrize("key,value", [("step", "3"), ("loss_scaler", {"scale": -1.0}),
+                                       ("loss_scaler", [1]), ("rng", [0])])
+def test_engine_rejects_bad_meta_before_changing_anything(tmp_path, key, value):
+    """A manifest whose meta the engine cannot restore (resealed, so checksums pass) is
+    refused before any tensor is written into the engine."""
+    import json
+
+    from infinity.checkpoint import CheckpointError
+    from infinity.checkpoint import manifest as mf
+    from infinity.engine import initialize
+    swap = str(tmp_path / "swap")
+    with initialize(_model(0), _cfg("nvme", swap)) as e1:
+        _train(e1, 2, 0)
+        e1.save_checkpoint(tmp_path / "ck")
+    mpath = tmp_path / "ck" / "step-2" / "manifest.json"
+    m = json.loads(mpath.read_text())
+    m["meta"][key] = value
+    mpath.write_text(mf.seal(m))
+    with initialize(_model(7), _cfg("nvme", swap)) as e2:
+        _train(e2, 1, 0)
+        before = _state(e2)
+        with pytest.raises(CheckpointError, match=f"meta\\['{key}'\\]"):
+            e2.load_checkpoint(tmp_path / "ck")
+        assert e2.global_steps == 1
+        after = _state(e2)
+        assert all(torch.equal(before[n], after[n]) for n in before)
