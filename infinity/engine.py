@@ -165,6 +165,9 @@ class Engine:
             self.opt.alloc_grads("nvme")
         else:
             self.opt.alloc_grads()
+        dev = getattr(self.mm, "dev", None)
+        if dev is not None and hasattr(self.opt, "attach_device"):
+            self.opt.attach_device(dev)      # separate device memory: grads leave by D2H
         self.coord = PrefetchCoordinator(self.mm, cfg.prefetch.depth, self.acct)
         self.hooks = ParamHooks(model, gp, self.mm, self.coord, self.opt.accumulate)
         self.hooks.install()

@@ -69,6 +69,7 @@ class EngineOptimizer:
         self.host_pool = host_pool
         self._written: set[int] = set()     # id(slot) with a gradient since the last step
         self.nvme_grads = None              # NvmeGradStore when grads are homed on NVMe
+        self.grad_d2h = None                # GradD2H when the device tier is not host memory
         self._slot_index = {id(s): i for g in self.groups for i, s in enumerate(g.slots)}
 
     def alloc_grads(self, home: str = "host") -> None:
@@ -99,7 +100,20 @@ class EngineOptimizer:
         return f"g{g.gid}"
 
     # ------------------------------------------------------------------ gradients
+    def attach_device(self, device_tier) -> None:
+        """Gradients computed in separate device memory leave it by D2H copies on the
+        device tier's copy stream and are accumulated on the host once each copy is done."""
+        if not device_tier.zero_copy:
+            from infinity.memory.grad_d2h import GradD2H
+            self.grad_d2h = GradD2H(device_tier, self.host_pool, self._accumulate_host)
+
     def accumulate(self, g: GroupRecord, slot: ParamSlot, grad: torch.Tensor) -> None:
+        if self.grad_d2h is not None:
+            self.grad_d2h.push(g, slot, grad)
+            return
+        self._accumulate_host(g, slot, grad)
+
+    def _accumulate_host(self, g: GroupRecord, slot: ParamSlot, grad: torch.Tensor) -> None:
         """First gradient of a slot since the last step: copy (no zeroing pass needed);
         later micro-steps: add, in fp32."""
         if self.nvme_grads is not None:
@@ -117,6 +131,8 @@ class EngineOptimizer:
             self.nvme_grads.final_micro = final_micro
 
     def end_backward(self) -> None:
+        if self.grad_d2h is not None:
+            self.grad_d2h.drain()
         if self.nvme_grads is not None:
             self.nvme_grads.end_backward()
 

@@ -315,8 +315,50 @@ def test_engine_trains_identically_through_the_simulated_device(swap_dir, monkey
     l_ref, sd_ref, _, _ = run(build(0), sim=False)
     l_sim, sd_sim, st, devs = run(build(0), sim=True)
     assert devs and devs[0].log                       # the simulated device was used
+    kinds = {k for k, _ in devs[0].log}
+    assert {"h2d", "d2h", "wait", "done"} <= kinds    # params up, grads down, events waited
     assert st["h2d_bytes"] > 0
     assert st["device_peak_bytes"] <= 0.0001e9 or st["device_budget_overflows"] > 0
     assert l_sim == l_ref                             # same arithmetic, bit for bit
     for k in sd_ref:
         assert torch.equal(sd_sim[k], sd_ref[k]), k
+
+
+def test_engine_grad_d2h_consumed_before_its_event_is_caught(swap_dir, monkeypatch):
+    """Bug variant: accumulate gradients from the staging buffer without waiting for the
+    D2H event; the simulated device leaves the staging stale, so training diverges."""
+    import infinity.engine as eng_mod
+    from infinity.memory.grad_d2h import GradD2H
+
+    def eager_poll(self):
+        while self._queue:
+            self._consume(self._queue.popleft())
+    monkeypatch.setattr(GradD2H, "poll", eager_poll)
+    monkeypatch.setattr(GradD2H, "drain", eager_poll)
+
+    def mm_factory(groups, **kw):
+        return MemoryManager(groups, device_tier=SimulatedDevice(None, kw["accounting"],
+                                                                 delay=NEVER), **kw)
+    monkeypatch.setattr(eng_mod, "MemoryManager", mm_factory)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 8))
+    ref = [p.detach().clone() for p in model.parameters()]
+    ref_model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 8))
+    with torch.no_grad():
+        for p, r in zip(ref_model.parameters(), ref):
+            p.copy_(r)
+    opt = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, weight_decay=0.0)
+    cfg = {"optimizer": {"lr": 1e-2}, "offload": {"params": "cpu", "optimizer": "cpu"}}
+    g = torch.Generator().manual_seed(3)
+    with infinity.initialize(model, cfg) as e:
+        for _ in range(2):
+            x, y = torch.randn(8, 16, generator=g), torch.randn(8, 8, generator=g)
+            loss = torch.nn.functional.mse_loss(e(x), y)
+            e.backward(loss)
+            e.step()
+            torch.nn.functional.mse_loss(ref_model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        sd = {k: v.clone() for k, v in e.state_dict().items()}
+    err = max(float((sd[k] - p.detach()).abs().max()) for k, p in ref_model.named_parameters())
+    assert not err < 1e-6, "gradients used before their D2H completed went unnoticed"
