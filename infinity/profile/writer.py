@@ -17,10 +17,19 @@ def output_names(rank=0):
 
 
 def _atomic_write(path, data, mode="w"):
+    """Write ``path`` through a temp sibling renamed into place; no temp file is left
+    behind when writing fails (the error propagates)."""
     tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, mode, **({"encoding": "utf-8"} if "b" not in mode else {})) as f:
-        f.write(data)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, mode, **({"encoding": "utf-8"} if "b" not in mode else {})) as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
 
 
 def write_outputs(timeline, dir, *, ceilings=None, counters=None, plot=True):

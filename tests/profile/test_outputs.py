@@ -85,3 +85,13 @@ def test_unwritable_dir_gives_clear_error(tmp_path):
     f.write_text("x")
     with pytest.raises(OSError, match="profile directory"):
         synthetic().write(f / "sub")
+
+
+def test_failed_output_write_leaves_no_temp_file(tmp_path):
+    from infinity.profile.writer import _atomic_write
+    target = tmp_path / "summary.txt"
+    with pytest.raises(UnicodeEncodeError):
+        _atomic_write(str(target), "ok \udc80")     # a lone surrogate cannot be UTF-8 encoded
+    assert list(tmp_path.iterdir()) == []
+    _atomic_write(str(target), "fine")
+    assert target.read_text() == "fine" and [p.name for p in tmp_path.iterdir()] == ["summary.txt"]
