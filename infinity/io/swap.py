@@ -79,12 +79,15 @@ def _norm_paths(paths):
 class SwapSpace:
     """Swap store striped over one or several directories (ideally one per NVMe device)."""
 
-    def __init__(self, paths, engine, *, rank=0, stripe_bytes=None):
+    def __init__(self, paths, engine, *, rank=0, stripe_bytes=None, accounting=None):
+        """``accounting``: optional object with ``alloc(tier, n)``/``free(tier, n)`` told of
+        every extent (tier ``"nvme"``), so NVMe-tier bytes and peaks appear in stats."""
         if not isinstance(engine, AioEngine):
             raise ValueError(f"engine must be an AioEngine, got {type(engine).__name__}")
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
             raise ValueError(f"rank must be a non-negative int, got {rank!r}")
         self._engine = engine
+        self._accounting = accounting
         self._paths = _norm_paths(paths)
         stripe = stripe_bytes or max(engine.block_size, 1 << 20)
         if stripe % ALIGN:
@@ -219,12 +222,16 @@ class SwapSpace:
             except BaseException:
                 self._alloc.undo_grow(ext, old_end)
                 raise
+        if self._accounting is not None:
+            self._accounting.alloc("nvme", ext.span)
         return ext
 
     def free(self, extent):
         if not isinstance(extent, Extent):
             raise ValueError(f"free() takes an Extent, got {type(extent).__name__}")
         self._alloc.free(extent)
+        if self._accounting is not None:
+            self._accounting.free("nvme", extent.span)
 
     # ------------------------------------------------------------- transfers
     def _segments(self, extent, tensor, offset, what):
