@@ -211,6 +211,11 @@ class MemoryManager:
         """Drop ``g``'s device copy (its home copy stays current)."""
         if g.home == "device" or g.state is Location.NVME or g.state is Location.HOST:
             return
+        if g.state is Location.TO_DEVICE and isinstance(g.pending, _Fetch) \
+                and g.pending.xfer is not None and g.pending.staging is None:
+            # fetched but never used: the host home may be updated (optimizer) right
+            # after this, so its H2D must have finished reading it
+            g.pending.xfer.wait_host()
         if g.state in (Location.READING, Location.TO_DEVICE):
             self.wait_resident(g)
         buf = g.device_buf

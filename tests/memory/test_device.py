@@ -97,10 +97,12 @@ def _groups(n, home, numel=1000, padded=1024, seed=0):
 
 
 def _manager(groups, home, tmp, *, delay, budget=None, host_budget=None, cls=MemoryManager,
-             timeline=None):
+             timeline=None, fake_swap=False):
     acct = Accounting()
     swap = aio = None
-    if home == "nvme":
+    if home == "nvme" and fake_swap:
+        swap = _FakeSwap(instant=True)
+    elif home == "nvme":
         aio = AioEngine(1 << 20, 8, 1, "auto")
         swap = SwapSpace([tmp], aio)
     host_pool = BufferPool("host", host_budget, acct)
@@ -114,7 +116,7 @@ def _manager(groups, home, tmp, *, delay, budget=None, host_budget=None, cls=Mem
 
 def _close(mm, swap, aio):
     mm.close()
-    if swap is not None:
+    if aio is not None:
         swap.close()
         aio.close()
 
@@ -177,6 +179,16 @@ def test_staging_is_not_reused_before_its_copy_completed(swap_dir):
         _close(mm, swap, aio)
 
 
+@pytest.mark.parametrize("home", ["cpu", "nvme"])
+def test_correct_manager_passes_the_bug_scenario(swap_dir, home):
+    groups, values = _groups(4, home)
+    mm, dev, acct, swap, aio = _manager(groups, home, swap_dir, delay=NEVER, fake_swap=True)
+    try:
+        assert _run_window(mm, groups, values, depth=2) == [0.0] * 4
+    finally:
+        _close(mm, swap, aio)
+
+
 class _NoComputeWait(MemoryManager):
     """Bug: uses the device buffer without waiting on the H2D event."""
 
@@ -198,8 +210,10 @@ class _EarlyStagingReuse(MemoryManager):
 @pytest.mark.parametrize("bug,home", [(_NoComputeWait, "cpu"), (_NoComputeWait, "nvme"),
                                       (_EarlyStagingReuse, "nvme")])
 def test_ordering_bugs_are_caught(swap_dir, bug, home):
+    # reads that complete at once make the staging reuse order deterministic
     groups, values = _groups(4, home)
-    mm, dev, acct, swap, aio = _manager(groups, home, swap_dir, delay=NEVER, cls=bug)
+    mm, dev, acct, swap, aio = _manager(groups, home, swap_dir, delay=NEVER, cls=bug,
+                                        fake_swap=True)
     try:
         errs = _run_window(mm, groups, values, depth=2)
         assert any(e != 0.0 for e in errs), "the simulated device did not expose the bug"
@@ -226,9 +240,10 @@ class _Handle:
 class _FakeSwap:
     """Reads copy immediately but report completion only when the test says so."""
 
-    def __init__(self):
+    def __init__(self, instant=False):
         self.data = {}
         self.handles = []
+        self.instant = instant
 
     def allocate(self, nbytes):
         return len(self.data)
@@ -242,6 +257,7 @@ class _FakeSwap:
     def read(self, ext, t, offset=0):
         t.copy_(self.data[ext].view(t.dtype)[: t.numel()])
         h = _Handle()
+        h.finished = self.instant
         self.handles.append(h)
         return h
 
