@@ -83,6 +83,10 @@ class Knobs:
                                        # (grad_spill_decision), "on" = on NVMe whenever a swap
                                        # space exists, "off" = always in host memory
 
+    def __post_init__(self):
+        if self.grad_spill is True or self.grad_spill is False:   # the old boolean form
+            self.grad_spill = "on" if self.grad_spill else "off"
+
     @property
     def lp(self) -> int:
         return 4 if self.precision == "fp32" else 2
