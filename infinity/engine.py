@@ -59,8 +59,8 @@ class Engine:
             # The CUDA transfer layer exists (infinity.memory.device.CudaDevice: copy streams,
             # events, pinned staging; grads D2H via GradD2H) and its protocol is tested on CPU,
             # but the rest of a GPU run is not: device-homed ("none") groups would give the CPU
-            # optimizer CUDA masters, released params point at CPU placeholders, state_dict and
-            # ZeRO assume host memory, and it never ran on a GPU. See docs/architecture.md.
+            # optimizer CUDA masters, state_dict and ZeRO assume host memory, and it never ran
+            # on a GPU. See docs/architecture.md.
             raise NotImplementedError(f"initialize: parameters on {sorted(devs)}; this build "
                                       f"trains with a CPU device tier only (the CUDA copy-stream "
                                       f"layer is written but not wired end to end); move the "

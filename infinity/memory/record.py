@@ -29,16 +29,19 @@ import torch
 
 __all__ = ["Location", "StateError", "ParamSlot", "GroupRecord", "placeholder"]
 
-_PLACEHOLDERS: dict[torch.dtype, torch.Tensor] = {}
+_PLACEHOLDERS: dict[tuple, torch.Tensor] = {}
 
 
-def placeholder(dtype: torch.dtype, shape) -> torch.Tensor:
+def placeholder(dtype: torch.dtype, shape, device=None) -> torch.Tensor:
     """What a released parameter's ``.data`` points at: its true shape over ONE NaN element
     (zero strides), so ``p.shape``/``p.dtype`` stay right, autograd can accumulate a grad
     into it, and any accidental use computes NaN instead of silently plausible numbers."""
-    t = _PLACEHOLDERS.get(dtype)
+    device = torch.device("cpu") if device is None else torch.device(device)
+    # a parameter's .data can only be pointed at a tensor of its own device type
+    t = _PLACEHOLDERS.get((dtype, device))
     if t is None:
-        t = _PLACEHOLDERS[dtype] = torch.full((), float("nan"), dtype=dtype)
+        t = _PLACEHOLDERS[(dtype, device)] = torch.full((), float("nan"), dtype=dtype,
+                                                        device=device)
     return t.expand(shape)
 
 
@@ -159,7 +162,7 @@ class GroupRecord:
         self._need(Location.DEVICE, op="release")
         buf, self.device_buf = self.device_buf, None
         for s in self.slots:
-            s.param.data = placeholder(self.dtype, s.shape)
+            s.param.data = placeholder(self.dtype, s.shape, s.param.device)
         self.state = Location.NVME if self.home == "nvme" else Location.HOST
         self.prefetched = False
         self.hold_until_backward_end = False
@@ -189,7 +192,7 @@ class GroupRecord:
         """Initial state after the home copy has been written (params empty until fetched)."""
         self.state = Location.NVME if self.home == "nvme" else Location.HOST
         for s in self.slots:
-            s.param.data = placeholder(self.dtype, s.shape)
+            s.param.data = placeholder(self.dtype, s.shape, s.param.device)
 
     # ------------------------------------------------------------------ helpers
     def _point_params(self) -> None:

@@ -378,3 +378,17 @@ def test_engine_grad_d2h_consumed_before_its_event_is_caught(swap_dir, monkeypat
         sd = {k: v.clone() for k, v in e.state_dict().items()}
     err = max(float((sd[k] - p.detach()).abs().max()) for k, p in ref_model.named_parameters())
     assert not err < 1e-6, "gradients used before their D2H completed went unnoticed"
+
+
+def test_released_param_placeholder_stays_on_the_params_device():
+    """A CUDA parameter's .data cannot point at a CPU tensor; 'meta' stands in for cuda."""
+    p = nn.Parameter(torch.empty(2, 3, device="meta"))
+    g = GroupRecord(0, "m", [ParamSlot("w", p, 0, 6, p.shape, True)], 6, 1024,
+                    torch.float32, "cpu")
+    g.set_home_state()
+    assert p.device.type == "meta" and p.shape == (2, 3)
+    q = nn.Parameter(torch.ones(4))
+    h = GroupRecord(1, "n", [ParamSlot("w", q, 0, 4, q.shape, True)], 4, 1024,
+                    torch.float32, "cpu")
+    h.set_home_state()
+    assert q.device.type == "cpu" and torch.isnan(q).all()
