@@ -74,10 +74,16 @@ def main():
             eng.close()
         if rank == 0:
             save_file({k: v.contiguous() for k, v in sd.items()}, f"{out_path}.{run['name']}.safetensors")
+        # every rank has closed before anyone looks (a rank that closes first would
+        # otherwise see the other's private dir); the rank that created the shared user
+        # dir removes it once empty, possibly while another rank is listing it
+        dist.barrier()
         swap_left = []
         for p in cfg.get("offload", {}).get("nvme_paths", []):
-            if os.path.isdir(p):
+            try:
                 swap_left += os.listdir(p)
+            except FileNotFoundError:
+                pass
         result["runs"][run["name"]] = {"losses": losses, "swap_left": swap_left,
                                        "nvme_read_bytes": stats.get("nvme_read_bytes", 0),
                                        "allgather_bytes": stats.get("allgather_bytes", 0),
