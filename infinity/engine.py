@@ -99,7 +99,8 @@ class Engine:
             self._created_dirs = nvme_dirs_ok(cfg.offload.nvme_paths)
             a = cfg.aio
             self.aio = AioEngine(a.block_size, a.queue_depth, a.threads, a.engine)
-            self.swap = SwapSpace(cfg.offload.nvme_paths, self.aio, rank=rank)
+            self.swap = SwapSpace(cfg.offload.nvme_paths, self.aio, rank=rank,
+                                   accounting=self.acct)
         from infinity.optim.offload_step import DEFAULT_TILE_NUMEL, OptimizerStateStore
         largest_trainable = max((g.padded_numel // ws for g in gp.groups if g.trainable),
                                 default=1)
@@ -288,18 +289,7 @@ class Engine:
         })
         return d
 
-    # ------------------------------------------------------------------ checkpoints, profile
-    def save_checkpoint(self, directory, tag=None, **kw):
-        """Sharded, checksummed, atomic checkpoint (``infinity.checkpoint``)."""
-        from infinity.checkpoint.engine_state import save_engine_checkpoint
-        self._check_open()
-        return save_engine_checkpoint(self, directory, tag, **kw)
-
-    def load_checkpoint(self, directory, tag=None, **kw):
-        from infinity.checkpoint.engine_state import load_engine_checkpoint
-        self._check_open()
-        return load_engine_checkpoint(self, directory, tag, **kw)
-
+    # ------------------------------------------------------------------ profile
     def profile(self, directory=None, **kw):
         """``with engine.profile("prof/"):`` records the timeline (I/O, forward, backward,
         optimizer, waits) and writes the Chrome trace, summary and plots on exit."""
