@@ -284,6 +284,9 @@ class SwapSpace:
 
     def close(self):
         """Waits for in-flight transfers, releases the swap files and removes the private dirs."""
+        if self._accounting is not None and not self._state.closed:
+            # the files go, so do the extents still live in them
+            self._accounting.free("nvme", self._alloc.allocated)
         self._finalizer()
 
     def __enter__(self):

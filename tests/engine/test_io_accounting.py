@@ -50,3 +50,20 @@ def test_stats_nvme_bytes_match_bytes_moved(swap_dir, harness, io_counter, preci
     assert wrote > 0 and read > 0
     assert s1["nvme_write_bytes"] - s0["nvme_write_bytes"] == wrote
     assert s1["nvme_read_bytes"] - s0["nvme_read_bytes"] == read
+
+
+def test_stats_nvme_tier_bytes_are_the_swap_extents(swap_dir, harness):
+    """nvme_bytes / nvme_peak_bytes are the extents the SwapSpace allocated: at least the
+    params (fp32 here) plus two fp32 optimizer states per element, and 0 again after close."""
+    model = harness.MLPStack()
+    numel = sum(p.numel() for p in model.parameters())
+    cfg = {"offload": {"params": "nvme", "optimizer": "nvme", "nvme_paths": [swap_dir]}}
+    eng = infinity.initialize(model, cfg)
+    out = eng(torch.randn(8, 16))
+    eng.backward(out.float().pow(2).mean())
+    eng.step()
+    s = eng.stats()
+    eng.close()
+    assert s["nvme_bytes"] >= numel * 4 * 3, (s["nvme_bytes"], numel)
+    assert s["nvme_peak_bytes"] >= s["nvme_bytes"]
+    assert eng.acct.current["nvme"] == 0          # every extent freed at close
