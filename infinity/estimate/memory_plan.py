@@ -309,7 +309,7 @@ def grad_spill_decision(pl, machine, knobs, shard):
     * ZeRO across ranks (``infinity/zero/distributed.py`` ``grad_spill_needed``): with the
       optimizer on NVMe and stage >= 2, a rank pages its fp32 gradient shard when
       ``N/R*4`` exceeds half its host budget (``offload.host_memory_gb``, else available
-      RAM; the estimator takes the node's RAM after the reserve divided by ``r``).
+      RAM / ``LOCAL_WORLD_SIZE``; the estimator takes the node's RAM after the reserve divided by ``r``).
 
     ``"on"``: on NVMe whenever a swap space exists; ``"off"``: always in host memory.
     """

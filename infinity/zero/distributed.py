@@ -114,12 +114,27 @@ def grad_spill_needed(cfg, groups, world_size: int, stage: int) -> bool:
     if cfg.offload.optimizer != "nvme" or stage < 2:
         return False
     grad_bytes = sum(4 * g.padded_numel // world_size for g in groups if g.trainable)
-    cap = cfg.host_memory_bytes or mem_available_bytes()
+    cap = cfg.host_memory_bytes
+    if cap is None:
+        # no cap: this rank's share of the node's free RAM (the ranks of a node share it)
+        avail = mem_available_bytes()
+        cap = None if avail is None else avail // local_ranks(world_size)
     if cap is None or grad_bytes <= cap // 2:
         return False
     log.info("gradients: %.3f GB of fp32 gradient shards exceed half the host budget "
              "(%.3f GB): spilling them to NVMe", grad_bytes / 1e9, cap / 1e9)
     return True
+
+
+def local_ranks(world_size: int) -> int:
+    """Ranks sharing this node: torchrun's ``LOCAL_WORLD_SIZE``, else the whole world
+    (the conservative answer for a single node)."""
+    import os
+    try:
+        n = int(os.environ.get("LOCAL_WORLD_SIZE", ""))
+    except ValueError:
+        n = 0
+    return n if 0 < n <= world_size else max(1, int(world_size))
 
 
 def _shard_values(engine, g, lo: int, hi: int) -> torch.Tensor:
