@@ -10,6 +10,8 @@ import os
 import shutil
 import sys
 
+from infinity.procutil import pid_alive  # noqa: F401  (re-exported for writer.py)
+
 from .errors import CheckpointError
 
 log = logging.getLogger("infinity.checkpoint")
@@ -132,19 +134,6 @@ def _unlink_quiet(p):
         os.unlink(p)
     except OSError:
         pass
-
-
-def pid_alive(pid):
-    """True if a process with this pid exists (on this host)."""
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def exchange(a, b):

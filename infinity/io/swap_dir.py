@@ -9,6 +9,8 @@ import logging
 import os
 import stat
 
+from infinity.procutil import pid_alive
+
 from .errors import AioError
 
 log = logging.getLogger("infinity.io")
@@ -44,18 +46,6 @@ def ensure_user_dir(path):
         raise AioError(errno.EACCES, f"swap directory {path} is not writable by this user", path,
                        hint="fix its permissions or choose another path")
     return created
-
-
-def _pid_alive(pid):
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _read_pid(fd):
@@ -170,7 +160,7 @@ class PrivateDir:
                 os.close(fd)
                 continue
             pid = _read_pid(fd)
-            if pid and not _pid_alive(pid):
+            if pid and not pid_alive(pid):
                 log.info("reaping stale swap directory %s of dead process %d", d, pid)
                 _remove_tree_flat(d)
             os.close(fd)
