@@ -77,4 +77,15 @@ def run(args):
         finetune(opts)
     except FinetuneError as e:
         raise CLIError(str(e)) from e
+    finally:
+        _ignore_late_interrupts()
     return 0
+
+
+def _ignore_late_interrupts():
+    """The run is over (engine closed, swap removed, summary printed): a Ctrl-C from here on
+    would only interrupt the interpreter's exit and print a traceback from an atexit hook."""
+    import signal
+    import threading
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
