@@ -43,13 +43,13 @@ def _cleanup(state):
     for h in pending:  # never free files under in-flight I/O
         try:
             h.wait()
-        except Exception:
-            pass
+        except Exception as e:  # its owner saw (or will never ask for) this error
+            log.debug("swap cleanup: an in-flight transfer failed: %s", e)
     for f in state.files:
         try:
             f.close()
-        except Exception:
-            pass
+        except Exception as e:
+            log.warning("swap cleanup: closing a swap file failed: %s", e)
     state.files = []
     for d in state.dirs:
         try:
