@@ -17,6 +17,21 @@ compute copies and the frozen parameters at each parameter's home, copies the
 buffers, and restores counters/scaler/scheduler/RNG. The
 names and shapes are the model's, so a checkpoint loads under another offload
 configuration or precision (fp32 masters are always saved).
+
+World size > 1 (ZeRO, ``engine.zero``): every rank owns the element range
+``[lo, hi)`` of each padded flat group (:mod:`infinity.zero.partition`). A rank
+writes the parts of masters and Adam states that fall in its range, each as a flat
+:class:`~infinity.checkpoint.writer.Piece` of the parameter's full shape (the
+padding is never written; a shard may cut a parameter or hold none of it). Frozen
+parameters are written by rank 0 at stages 1/2 (complete on every rank) and by
+their owners at stage 3 (each rank homes only its shard); buffers by rank 0. The
+manifest therefore holds whole, unpadded model tensors split in pieces, which
+:meth:`CheckpointReader.read_slice` reads at any world size. Loading: every rank
+reads exactly its own ranges (whoever wrote them) into its shard of the store; at
+stages 1/2 every rank also rebuilds its full compute-dtype parameters, at stage 3
+its home shard. The meta (rank 0's) also holds every rank's RNG state
+(``rng_ranks``). :func:`load_engine_checkpoint` is collective: all ranks verify,
+then agree (an all-reduce) before any of them changes state.
 """
 import dataclasses
 import json
@@ -25,7 +40,9 @@ import logging
 import torch
 
 from .errors import CheckpointError
+from .reader import CheckpointReader
 from .rng import rng_state_from_json, rng_state_to_json
+from .writer import Piece
 
 log = logging.getLogger("infinity.checkpoint")
 
@@ -65,6 +82,9 @@ def _check_meta(meta, where):
         v = meta.get(key)
         if v is not None and not isinstance(v, dict):
             raise bad(key, f"must be an object or null, got {type(v).__name__}")
+    rr = meta.get("rng_ranks")
+    if rr is not None and (not isinstance(rr, list) or not all(isinstance(x, dict) for x in rr)):
+        raise bad("rng_ranks", "must be a list of objects (one RNG state per rank) or null")
 
 
 class EngineCheckpoint:
@@ -75,6 +95,14 @@ class EngineCheckpoint:
         self.opt = engine.opt
         self.store = engine.opt.store
         self.groups = list(engine.mm.groups)
+        z = getattr(engine, "zero", None)
+        self.zero = z if (z is not None and z.world_size > 1) else None
+        self.rank = self.zero.rank if self.zero else 0
+        self.world = self.zero.world_size if self.zero else 1
+        # stage 3: each rank homes only its shard of every group's compute-dtype values
+        self.sharded_home = self.zero is not None and self.zero.stage == 3
+        # stages 1, 2: full compute-dtype params on every rank, optimizer state sharded
+        self.replicated = self.zero is not None and self.zero.stage < 3
 
     # -- helpers -----------------------------------------------------------------
     def _check_idle(self, what):
@@ -103,16 +131,45 @@ class EngineCheckpoint:
                 if b is not None and bn not in skip:
                     yield (f"{mod_name}.{bn}" if mod_name else bn), mod, bn, b
 
+    def _shard(self, g):
+        """This rank's element range of group ``g`` (the whole group at world size 1)."""
+        if self.zero is None:
+            return 0, g.padded_numel
+        return self.zero.part.range(g.padded_numel)
+
+    def _own(self, g, s):
+        """Group-relative range ``(a, b)`` of slot ``s`` inside this rank's shard, or None.
+        An empty parameter belongs to rank 0 (every tensor must have a writer)."""
+        if s.numel == 0:
+            return (s.offset, s.offset) if self.rank == 0 else None
+        lo, hi = self._shard(g)
+        a, b = max(lo, s.offset), min(hi, s.offset + s.numel)
+        return (a, b) if a < b else None
+
+    def _item(self, name, s, flat, a):
+        """What the writer gets: the whole tensor at world size 1, else a flat piece."""
+        if self.world == 1:
+            return name, flat.view(s.shape)
+        return name, flat, Piece(s.shape, a - s.offset)
+
+    def _home_range(self, g):
+        """Group elements held at ``g``'s home: its shard at stage 3, else all of it."""
+        return self._shard(g) if self.sharded_home else (0, g.padded_numel)
+
     def _home_read(self, g):
-        """The group's compute-dtype values (flat), from wherever they are current."""
+        """The compute-dtype values of :meth:`_home_range` (flat), from wherever they are
+        current."""
         from infinity.memory.record import Location
-        if g.state is Location.DEVICE and g.device_buf is not None:
+        if g.host_buf is not None:   # host home, or the host mirror of a resident CUDA group
+            return g.host_buf
+        if not self.sharded_home and g.state is Location.DEVICE and g.device_buf is not None:
             return g.device_buf
         if g.home == "cpu":
             return g.host_buf
         if g.home == "nvme":
             from infinity.io import aligned_empty
-            buf = aligned_empty(g.padded_numel, g.dtype)
+            lo, hi = self._home_range(g)
+            buf = aligned_empty(hi - lo, g.dtype)
             self.e.swap.read(g.extent, buf).wait()
             return buf
         return g.device_buf
@@ -127,22 +184,45 @@ class EngineCheckpoint:
     # -- Checkpointable: save ------------------------------------------------------
     def checkpoint_tensors(self):
         self._check_idle("save_checkpoint")
-        slots = list(self._trainable_slots())
-        stage = torch.empty(max([s.numel for _, _, s in slots] + [1]), dtype=torch.float32)
-        for g, key, s in slots:
-            buf = stage[: s.numel]
-            self.store.read_master(key, buf, start=s.offset)
-            yield s.name, buf.view(s.shape)
+        own = [(g, key, s, r) for g, key, s in self._trainable_slots()
+               if (r := self._own(g, s)) is not None]
+        stage = torch.empty(max([b - a for *_, (a, b) in own] + [1]), dtype=torch.float32)
+        for g, key, s, (a, b) in own:
+            lo = self._shard(g)[0]
+            buf = stage[: b - a]
+            self.store.read_master(key, buf, start=a - lo)
+            yield self._item(s.name, s, buf, a)
             for which in OPTIM_STATES:
-                self.store.read_state(key, which, buf, start=s.offset)
-                yield f"optim.{s.name}.{which}", buf.view(s.shape)
+                self.store.read_state(key, which, buf, start=a - lo)
+                yield self._item(f"optim.{s.name}.{which}", s, buf, a)
+        # frozen params: complete on every rank except at stage 3, where each owner
+        # writes its shard; at stages 1/2 (and world size 1) rank 0 writes them whole
         last, flat = None, None
         for g, s in self._frozen_slots():
+            if self.sharded_home:
+                r = self._own(g, s)
+                if r is None:
+                    continue
+                (a, b), lo = r, self._home_range(g)[0]
+            elif self.rank == 0:
+                a, b, lo = s.offset, s.offset + s.numel, 0
+            else:
+                continue
             if g is not last:
                 flat, last = self._home_read(g), g
-            yield s.name, flat[s.offset:s.offset + s.numel].view(s.shape)
-        for name, _, _, b in self._buffers():
-            yield name, b
+            yield self._item(s.name, s, flat[a - lo:b - lo], a)
+        if self.rank == 0:
+            for name, _, _, b in self._buffers():
+                yield name, b.cpu()
+
+    def _rng_ranks(self, mine):
+        """Every rank's RNG state (collective; called on all ranks by save_checkpoint)."""
+        if self.world == 1:
+            return None
+        import torch.distributed as dist
+        out = [None] * self.world
+        dist.all_gather_object(out, mine)
+        return out
 
     def checkpoint_meta(self):
         e, opt = self.e, self.opt
@@ -154,16 +234,19 @@ class EngineCheckpoint:
                             "(the resumed run recomputes it from the step count only if it is "
                             "the config scheduler)")
         cfg = _jsonable(dataclasses.asdict(e.cfg)) if dataclasses.is_dataclass(e.cfg) else None
+        rng = rng_state_to_json()
         return {
             "step": int(opt.step_count),
             "boundaries": int(opt.boundaries),
             "micro_step": int(e.micro_steps),
             "loss_scaler": _jsonable(opt.scaler.state_dict()),
             "torch_scheduler": sched,
-            "rng": rng_state_to_json(),
+            "rng": rng,
+            "rng_ranks": self._rng_ranks(rng),
             "config": cfg,
             "precision": e.cfg.precision,
-            "world_size": 1,
+            "world_size": self.world,
+            "zero_stage": self.zero.stage if self.zero else None,
             "model_names": [s.name for _, _, s in self._trainable_slots()]
             + [s.name for _, s in self._frozen_slots()] + [n for n, *_ in self._buffers()],
         }
@@ -182,47 +265,67 @@ class EngineCheckpoint:
         return exp
 
     def load_checkpoint_tensors(self, reader):
+        """Each rank reads its own ranges of every tensor, whatever world size wrote them."""
         self._check_idle("load_checkpoint")
         _check_meta(reader.meta, reader.path)  # before anything is written into the engine
         self._release_cached()
-        slots = list(self._trainable_slots())
-        stage = torch.empty(max([s.numel for _, _, s in slots] + [1]), dtype=torch.float32)
-        fp32 = self.e.cfg.precision == "fp32"
+        self.e.mm.wait_host_reads()     # no copy still reads a home about to be written
+        own = [(g, key, s, r) for g, key, s in self._trainable_slots()
+               if (r := self._own(g, s)) is not None]
+        stage = torch.empty(max([b - a for *_, (a, b) in own] + [1]), dtype=torch.float32)
+        # the compute copy at the home is separate from the master unless fp32; at
+        # stages 1/2 it is the full replicated parameter buffer, rebuilt below
+        home_copy = self.e.cfg.precision != "fp32" and not self.replicated
         by_group = {}
-        for g, key, s in slots:
-            buf = stage[: s.numel]
-            reader.read(s.name, out=buf)
-            self.store.write_master(key, buf, start=s.offset)
-            if not fp32:  # the compute copy at the param home is separate from the master
-                by_group.setdefault(g.gid, (g, []))[1].append((s, buf.clone()))
+        for g, key, s, (a, b) in own:
+            lo = self._shard(g)[0]
+            buf = stage[: b - a]
+            reader.read_slice(s.name, a - s.offset, b - a, out=buf)
+            self.store.write_master(key, buf, start=a - lo)
+            if home_copy:
+                by_group.setdefault(g.gid, (g, []))[1].append((a, buf.clone()))
                 if sum(t.numel() for _, t in by_group[g.gid][1]) > (1 << 26):
                     self._write_home(*by_group.pop(g.gid))
             for which in OPTIM_STATES:
-                reader.read(f"optim.{s.name}.{which}", out=buf)
-                self.store.write_state(key, which, buf, start=s.offset)
+                reader.read_slice(f"optim.{s.name}.{which}", a - s.offset, b - a, out=buf)
+                self.store.write_state(key, which, buf, start=a - lo)
         for g, items in by_group.values():
             self._write_home(g, items)
+        if self.replicated:  # every rank holds every parameter: rebuild them all
+            for g, _, s in self._trainable_slots():
+                t = reader.read(s.name).reshape(-1).to(g.dtype)
+                self._write_home(g, [(s.offset, t)])
         frozen = {}
         for g, s in self._frozen_slots():  # after the masters: a group may hold both kinds
-            t = reader.read(s.name).reshape(-1).to(g.dtype)
-            frozen.setdefault(g.gid, (g, []))[1].append((s, t))
+            if self.sharded_home:
+                r = self._own(g, s)
+                if r is None:
+                    continue
+                a, b = r
+                t = reader.read_slice(s.name, a - s.offset, b - a)
+            else:
+                a, t = s.offset, reader.read(s.name).reshape(-1)
+            frozen.setdefault(g.gid, (g, []))[1].append((a, t.to(g.dtype)))
         for g, items in frozen.values():
             self._write_home(g, items)
         with torch.no_grad():
             for name, mod, bn, b in self._buffers():
                 b.copy_(reader.read(name).to(b.dtype))
+        self.e.mm.refresh_resident()    # separate device: resident copies from host mirrors
 
     def _write_home(self, g, items):
-        """Refresh low-precision compute values of ``g``'s slots at its home."""
+        """Write compute values ``(group offset, flat tensor)`` into ``g``'s home (its
+        shard of it at stage 3)."""
+        lo = self._home_range(g)[0]
         if g.home == "nvme":
             flat = self._home_read(g)
-            for s, t in items:
-                flat[s.offset:s.offset + s.numel].copy_(t)
+            for a, t in items:
+                flat[a - lo:a - lo + t.numel()].copy_(t)
             self.e.swap.write(g.extent, flat).wait()
         else:
-            flat = g.host_buf if g.home == "cpu" else g.device_buf
-            for s, t in items:
-                flat[s.offset:s.offset + s.numel].copy_(t)
+            flat = g.host_buf if g.host_buf is not None else g.device_buf
+            for a, t in items:
+                flat[a - lo:a - lo + t.numel()].copy_(t)
 
     def load_checkpoint_meta(self, meta):
         e, opt = self.e, self.opt
@@ -239,18 +342,83 @@ class EngineCheckpoint:
             lrs = opt.torch_sched.get_last_lr()
             for pg, lr in zip(opt.sched_target.param_groups, lrs):
                 pg["lr"] = lr
-        if meta.get("rng") is not None:
-            rng_state_from_json(meta["rng"])
+        rng = meta.get("rng")
+        ranks = meta.get("rng_ranks")
+        if ranks and self.rank < len(ranks):  # this rank's own stream when it was saved
+            rng = ranks[self.rank]
+        if rng is not None:
+            rng_state_from_json(rng)
 
 
 def save_engine_checkpoint(engine, directory, tag=None, **kw):
     """Checkpoint writes show on the engine's timeline ("nvme_write" lane, "ckpt:<name>");
-    they are not added to its link accounting (that counts swap traffic per step)."""
+    they are not added to its link accounting (that counts swap traffic per step).
+    Collective at world size > 1: every rank calls it (see ``save_checkpoint``)."""
     from .api import save_checkpoint
     kw.setdefault("timeline", getattr(engine, "timeline", None))
     return save_checkpoint(EngineCheckpoint(engine), directory, tag, **kw)
 
 
 def load_engine_checkpoint(engine, directory, tag=None, **kw):
+    """Verify, then load. At world size > 1 every rank must call it: all ranks verify
+    the checkpoint and agree before any changes state, so a damaged or incompatible
+    checkpoint (or ranks resolving ``latest`` differently) fails every rank with the
+    engine unchanged."""
     from .api import load_checkpoint
-    return load_checkpoint(EngineCheckpoint(engine), directory, tag, **kw)
+    ec = EngineCheckpoint(engine)
+    if ec.world == 1:
+        return load_checkpoint(ec, directory, tag, **kw)
+    return _load_collective(ec, directory, tag, **kw)
+
+
+def _agree(ok, fingerprint=0):
+    """All-reduce: (every rank ok, every rank has the same fingerprint)."""
+    from .api import _dist_device
+    import torch.distributed as dist
+    t = torch.tensor([1 if ok else 0, fingerprint, -fingerprint], dtype=torch.int64,
+                     device=_dist_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    v = [int(x) for x in t.tolist()]
+    return v[0] == 1, v[1] == -v[2]
+
+
+def _load_collective(ec, directory, tag=None, *, strict=True):
+    from .api import wait_pending
+    wait_pending(raise_errors=False)
+    r, err, fp = None, None, 0
+    try:
+        r = CheckpointReader(directory, tag)
+        fp = int(r.manifest["checksum"][:15], 16)   # which checkpoint this rank resolved
+        r.verify()
+        r.check_compatible(ec.checkpoint_expected(), strict=strict)
+        _check_meta(r.meta, r.path)
+        ec._check_idle("load_checkpoint")
+    except Exception as e:  # noqa: BLE001 - reported on every rank below
+        err = e
+    try:
+        ok, same = _agree(err is None, fp)
+        if err is not None:
+            raise err
+        if not ok:
+            raise CheckpointError(f"loading checkpoint {r.path}: verification failed on another "
+                                  f"rank (see its error); nothing was loaded on any rank")
+        if not same:
+            raise CheckpointError(f"loading checkpoint from {directory}: the ranks resolved "
+                                  f"different checkpoints ('latest' changed during the load?); "
+                                  f"nothing was loaded, pass tag= explicitly")
+        try:
+            ec.load_checkpoint_tensors(r)
+        except Exception as e:  # noqa: BLE001
+            err = e
+        ok, _ = _agree(err is None)
+        if err is not None:
+            raise err
+        if not ok:
+            raise CheckpointError(f"loading checkpoint {r.path} failed on another rank after "
+                                  f"verification; the engine's parameters are partly loaded: "
+                                  f"load a checkpoint again before training")
+        ec.load_checkpoint_meta(r.meta)
+        return r.meta
+    finally:
+        if r is not None:
+            r.close()
