@@ -235,7 +235,7 @@ def _profile_session(engine, timeline, directory, rank, bench_io_file=None):
     except OSError as e:
         raise FinetuneError(f"--profile: cannot create {directory}: {e.strerror or e}") from e
     if hasattr(engine, "profile"):
-        return engine.profile(directory)
+        return engine.profile(directory, ceilings=bench_io_file)
     from infinity.profile import ProfileSession
 
     return ProfileSession(timeline, directory, stats_fn=engine.stats, ceilings=bench_io_file)

@@ -75,7 +75,15 @@ def test_save_and_resume_continue_the_loss_curve(tmp_path, tiny_config):
 
 
 def test_profile_dir_gets_a_trace_and_a_plot(tmp_path, tiny_config):
+    """--profile writes a trace with the link and compute lanes, a PNG and a summary whose
+    GB/s ceilings come from the bench-io result saved in the swap path."""
     prof = tmp_path / "prof" / "run1"
+    swap = tmp_path / "swap"
+    swap.mkdir()
+    (swap / "bench-io.json").write_text(json.dumps(
+        {"aio": {"block_size": 1 << 20, "queue_depth": 32},
+         "results": [{"read_gbps": 2.5, "write_gbps": 1.5},
+                     {"read_gbps": 1.0, "write_gbps": 0.5}]}))
     recs, err, _ = _run(tmp_path, "swap", model=tiny_config("llama"), steps=2, batch_tokens=128,
                         profile=str(prof))
     assert len(recs) == 2
@@ -83,10 +91,17 @@ def test_profile_dir_gets_a_trace_and_a_plot(tmp_path, tiny_config):
     traces = [f for f in files if f.endswith(".json")]
     pngs = [f for f in files if f.endswith(".png")]
     assert traces and pngs, files
-    for t in traces:
-        json.loads((prof / t).read_text())
+    docs = {t: json.loads((prof / t).read_text()) for t in traces}
     assert (prof / pngs[0]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert _no_files(tmp_path / "swap")
+    summary = next(d for t, d in docs.items() if "summary" in t)
+    assert summary["ceilings_gbps"] == {"nvme_read": 2.5, "nvme_write": 1.5}, summary
+    trace = next(d for t, d in docs.items() if "summary" not in t)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    lanes = {e.get("args", {}).get("name") for e in events if e.get("ph") == "M"}
+    lanes |= {e.get("cat") for e in events if e.get("ph") == "X"}
+    for lane in ("nvme_read", "nvme_write", "forward", "backward", "optimizer"):
+        assert lane in lanes, (lane, sorted(x for x in lanes if x))
+    assert [p.name for p in swap.rglob("*") if p.is_file()] == ["bench-io.json"]
 
 
 def _save_bpe_tokenizer(directory, texts, vocab_size=300):
