@@ -14,6 +14,7 @@ from torch import nn
 from infinity.config import InfinityConfig
 from infinity.engine_optimizer import EngineOptimizer
 from infinity.memory.accounting import Accounting
+from infinity.memory.device import choose_device, default_device_budget, make_device
 from infinity.memory.manager import MemoryManager
 from infinity.memory.plan import PlacementPlan, nvme_dirs_ok, remove_if_empty
 from infinity.memory.pool import BufferPool
@@ -54,23 +55,43 @@ class Engine:
         self.aio = self.swap = None
         self.mm = self.opt = self.hooks = self.zero = None
         self._orig_dtypes: dict[int, torch.dtype] = {}
-        devs = {p.device.type for p in model.parameters()}
-        if devs - {"cpu"}:
-            # The CUDA transfer layer exists (infinity.memory.device.CudaDevice: copy streams,
-            # events, pinned staging; grads D2H via GradD2H) and its protocol is tested on CPU,
-            # but the rest of a GPU run is not: device-homed ("none") groups would give the CPU
-            # optimizer CUDA masters, state_dict and ZeRO assume host memory, and it never ran
-            # on a GPU. See docs/architecture.md.
-            raise NotImplementedError(f"initialize: parameters on {sorted(devs)}; this build "
-                                      f"trains with a CPU device tier only (the CUDA copy-stream "
-                                      f"layer is written but not wired end to end); move the "
-                                      f"model to CPU before initialize")
-        self.device = torch.device("cpu")
+        self._dev_tier = None
+        self.device = self._choose_device(model)
+        self._move_buffers(model)
         try:
             self._setup(lr_scheduler)
         except BaseException:
             self.close()
             raise
+
+    # ------------------------------------------------------------------ device
+    @staticmethod
+    def _choose_device(model: nn.Module) -> torch.device:
+        """cpu, or the one CUDA device holding every parameter (single process); see
+        :func:`infinity.memory.device.choose_device` for what is refused."""
+        import torch.distributed as dist
+        ws = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        return choose_device([p.device for p in model.parameters()],
+                             cuda_available=torch.cuda.is_available(), world_size=ws)
+
+    def _move_buffers(self, model: nn.Module) -> None:
+        """Buffers live where compute runs (a CPU buffer of a CUDA model moves there)."""
+        if self.device.type == "cpu":
+            return                        # the CPU path leaves buffers as they are
+        for mod in model.modules():
+            for k, b in mod._buffers.items():
+                if b is not None and b.device != self.device:
+                    mod._buffers[k] = b.to(self.device)
+
+    def _to_device(self, x):
+        if isinstance(x, torch.Tensor) and x.device != self.device:
+            return x.to(self.device, non_blocking=x.is_pinned())
+        return x
+
+    def _device_budget(self, model: nn.Module) -> int | None:
+        on_dev = sum(p.numel() * p.element_size() for p in model.parameters()
+                     if p.device == self.device)
+        return default_device_budget(self.device, self.cfg.device_memory_bytes, on_dev)
 
     # ------------------------------------------------------------------ setup
     def _setup(self, lr_scheduler) -> None:
@@ -83,6 +104,11 @@ class Engine:
         param_home = _PARAM_HOME[cfg.offload.params]
         for p in model.parameters():
             self._orig_dtypes.setdefault(id(p), p.dtype)
+        # the device tier (budget: device_memory_gb, on CUDA default free memory) is made
+        # before the plan: a separate device memory adds copies and host staging to it
+        device_budget = self._device_budget(model)
+        self._dev_tier = make_device(self.device, device_budget, self.acct)
+        separate = not self._dev_tier.zero_copy
         gp = build_groups(model, self.dtype, param_home, world_size=ws)
         self.plan = gp
         if not gp.groups:
@@ -114,8 +140,9 @@ class Engine:
                                          timeline=self.timeline, sink_dtype=sink)
         placement = PlacementPlan(cfg.precision, param_home, cfg.offload.optimizer,
                                   cfg.prefetch.depth, gp.groups, cfg.host_memory_bytes,
-                                  cfg.device_memory_bytes,
-                                  optimizer_ring_bytes=self.store.host_bytes())
+                                  device_budget,
+                                  optimizer_ring_bytes=self.store.host_bytes(),
+                                  separate_device=separate)
         placement.compute(self.gas)
         if cfg.host_memory_bytes is not None and placement.host_total > cfg.host_memory_bytes \
                 and self.swap is not None and self.zero is None:
@@ -136,9 +163,9 @@ class Engine:
             store_host = sum(v for k, v in placement.host.items() if k.startswith("optimizer"))
             pool_budget = host_cap - store_host
         self.host_pool = BufferPool("host", pool_budget, self.acct)
-        mm_kw = dict(device=self.device, device_budget=cfg.device_memory_bytes,
+        mm_kw = dict(device=self.device, device_budget=device_budget,
                      host_pool=self.host_pool, swap=self.swap, accounting=self.acct,
-                     timeline=self.timeline)
+                     timeline=self.timeline, device_tier=self._dev_tier)
         opt_kw = dict(store=self.store, swap=self.swap, host_pool=self.host_pool,
                       accounting=self.acct, timeline=self.timeline, lr_scheduler=lr_scheduler)
         if self.zero is None:
@@ -147,6 +174,7 @@ class Engine:
         else:
             self.mm = self.zero.memory_manager(gp.groups, **mm_kw)
             self.opt = self.zero.optimizer(model, cfg, gp.groups, gp.names, **opt_kw)
+        self._dev_tier = None                 # owned (and closed) by the manager now
         staging = None
         paged_nvme = [g for g in gp.groups if g.home == "nvme"]
         if paged_nvme:
@@ -174,7 +202,8 @@ class Engine:
             self.opt.alloc_grads()
         dev = getattr(self.mm, "dev", None)
         if dev is not None and hasattr(self.opt, "attach_device"):
-            self.opt.attach_device(dev)      # separate device memory: grads leave by D2H
+            # separate device memory: grads leave by D2H, staging bounded as planned
+            self.opt.attach_device(dev, placement.grad_d2h_bytes)
         self.coord = PrefetchCoordinator(self.mm, cfg.prefetch.depth, self.acct)
         self.hooks = ParamHooks(model, gp, self.mm, self.coord, self.opt.accumulate)
         self.hooks.install()
@@ -185,6 +214,9 @@ class Engine:
 
     def forward(self, *args, **kwargs):
         self._check_open()
+        if self.device.type != "cpu":     # inputs follow the parameters (top-level tensors)
+            args = tuple(self._to_device(a) for a in args)
+            kwargs = {k: self._to_device(v) for k, v in kwargs.items()}
         if self.dtype != torch.float32:
             args = tuple(self._cast(a) for a in args)
             kwargs = {k: self._cast(v) for k, v in kwargs.items()}
@@ -228,8 +260,11 @@ class Engine:
             raise RuntimeError(f"engine.step: called while modules are still executing "
                                f"(groups in use: {busy[:4]}); call it after backward")
         od = self.acct.counters.get("on_demand_fetches", 0)
+        self.mm.wait_host_reads()          # no copy may still read a home being updated
         with self.timeline.span("optimizer", "step"):
             applied = self.opt.boundary_step()
+        if applied:
+            self.mm.refresh_resident()     # separate device: resident copies from mirrors
         self.timeline.mark_step(self.opt.boundaries)
         self._last_on_demand = od - getattr(self, "_od_at_last_step", 0)
         self._od_at_last_step = od
@@ -337,6 +372,7 @@ class Engine:
         errors = []
         for what, fn in (("hooks", getattr(self.hooks, "remove", None)),
                          ("memory", getattr(self.mm, "close", None)),
+                         ("device", getattr(self._dev_tier, "close", None)),
                          ("optimizer", getattr(getattr(self, "store", None), "close", None)),
                          ("swap", getattr(self.swap, "close", None)),
                          ("aio", getattr(self.aio, "close", None))):

@@ -90,22 +90,32 @@ class EngineOptimizer:
         """Create ``g``'s optimizer partition (after its param home exists)."""
         key = self.key(g)
         if self.precision == "fp32":
-            master = {"device": g.device_buf, "cpu": g.host_buf, "nvme": g.extent}[g.home]
+            master = {"device": self._device_home(g), "cpu": g.host_buf,
+                      "nvme": g.extent}[g.home]
             self.store.add(key, g.padded_numel, external_master=master)
         else:
             self.store.add(key, g.padded_numel, init=init_fp32)
+
+    @staticmethod
+    def _device_home(g: GroupRecord) -> torch.Tensor:
+        """What the CPU optimizer updates for a device-homed group: the resident buffer
+        when the device tier is host memory, else its host mirror (the manager copies it
+        to the device after the step)."""
+        return g.host_buf if g.host_buf is not None else g.device_buf
 
     @staticmethod
     def key(g: GroupRecord) -> str:
         return f"g{g.gid}"
 
     # ------------------------------------------------------------------ gradients
-    def attach_device(self, device_tier) -> None:
+    def attach_device(self, device_tier, max_inflight_bytes: int | None = None) -> None:
         """Gradients computed in separate device memory leave it by D2H copies on the
-        device tier's copy stream and are accumulated on the host once each copy is done."""
+        device tier's copy stream and are accumulated on the host once each copy is done
+        (at most ``max_inflight_bytes`` of pinned staging outstanding)."""
         if not device_tier.zero_copy:
             from infinity.memory.grad_d2h import GradD2H
-            self.grad_d2h = GradD2H(device_tier, self.host_pool, self._accumulate_host)
+            self.grad_d2h = GradD2H(device_tier, self.host_pool, self._accumulate_host,
+                                    max_inflight_bytes)
 
     def accumulate(self, g: GroupRecord, slot: ParamSlot, grad: torch.Tensor) -> None:
         if self.grad_d2h is not None:
@@ -224,7 +234,7 @@ class EngineOptimizer:
         sink = None
         if self.precision != "fp32":
             if g.home == "device":
-                param_out = g.device_buf
+                param_out = self._device_home(g)
             elif g.home == "cpu":
                 param_out = g.host_buf
             else:

@@ -2,7 +2,8 @@
 
 ``engine.state_dict()`` is a read-only mapping whose values are produced one tensor at a
 time from their homes (device/host buffer, NVMe extent, or the optimizer's fp32 master
-in bf16/fp16), so iterating it never holds the whole model in memory.
+in bf16/fp16), so iterating it never holds the whole model in memory.  Values are CPU
+tensors also when the model trains on a GPU.
 ``save_pretrained(dir)`` writes ``model.safetensors`` (or shards
 ``model-0000i-of-0000n.safetensors`` plus ``model.safetensors.index.json``) with the
 model's own parameter names, and the Hugging Face ``config.json`` when there is one.
@@ -55,7 +56,7 @@ class StreamedStateDict(Mapping):
         if key in self._params:
             return read_param(self.engine, self._params[key])
         if key in self._buffers:
-            return self._buffers[key].detach().clone()
+            return self._buffers[key].detach().to(device="cpu", copy=True)
         raise KeyError(key)
 
 
@@ -79,15 +80,15 @@ def read_param(engine, p: torch.nn.Parameter) -> torch.Tensor:
         out = torch.empty(s.numel, dtype=torch.float32)
         engine.store.read_master(engine.opt.key(g), out, start=s.offset)
         return out.view(s.shape).to(out_dtype)
-    if g.state is Location.DEVICE and g.device_buf is not None:
+    if g.host_buf is not None:            # host home, or the host mirror of a resident
+        flat = g.host_buf[s.offset:s.offset + s.numel]      # group on a separate device
+    elif g.state is Location.DEVICE and g.device_buf is not None:
         flat = g.device_buf[s.offset:s.offset + s.numel]
-    elif g.home == "cpu":
-        flat = g.host_buf[s.offset:s.offset + s.numel]
     elif g.home == "nvme":
         flat = _read_extent_range(engine, g, s)
     else:
         raise RuntimeError(f"state_dict: group {g.name} in state {g.state.name} has no readable copy")
-    return flat.view(s.shape).to(out_dtype, copy=True)
+    return flat.view(s.shape).to(device="cpu", dtype=out_dtype, copy=True)
 
 
 def _read_extent_range(engine, g: GroupRecord, s: ParamSlot) -> torch.Tensor:

@@ -36,7 +36,7 @@ from .pool import BufferPool
 log = logging.getLogger("infinity.memory")
 
 __all__ = ["Transfer", "DeviceTier", "CpuDevice", "CudaDevice", "SimulatedDevice",
-           "make_device"]
+           "make_device", "choose_device", "default_device_budget"]
 
 
 class Transfer:
@@ -97,6 +97,16 @@ class DeviceTier:
     def compute_waits(self, t: Transfer) -> None:
         """Compute may use ``t.dst`` after this call (stream-ordered, host not blocked)."""
         raise NotImplementedError
+
+    def refresh(self, dst: torch.Tensor, src: torch.Tensor) -> Transfer:
+        """Overwrite a device buffer that compute keeps using (a resident group after an
+        optimizer step): the copy waits for compute's earlier use of ``dst``, and compute's
+        later use waits for the copy.  The host is not blocked; ``src`` must stay
+        unchanged until the returned transfer completed."""
+        self._after_compute(dst)
+        t = self.h2d(dst, src)
+        self.compute_waits(t)
+        return t
 
     # deferred release ------------------------------------------------------------
     def retire(self, t: Transfer, on_done) -> None:
@@ -299,6 +309,54 @@ class SimulatedDevice(DeviceTier):
         # compute runs on the host thread here: waiting on the event = running the copy
         t.event.synchronize()
         self.log.append(("wait", t.dst.data_ptr()))
+
+
+def choose_device(param_devices, *, cuda_available: bool, world_size: int) -> torch.device:
+    """The device the engine computes on, from the devices of the model's parameters.
+
+    All on CPU (or no parameters): ``cpu``.  All on one CUDA device: that device, when
+    CUDA is available and the run is a single process.  Anything else raises with what to
+    do: parameters on several devices (``ValueError``), CUDA at world size > 1 or another
+    device type (``NotImplementedError``)."""
+    devs = sorted({torch.device(d) for d in param_devices}, key=str)
+    if not devs:
+        return torch.device("cpu")
+    if len(devs) > 1:
+        raise ValueError(f"initialize: the model's parameters are on several devices "
+                         f"({', '.join(map(str, devs))}); move the whole model to one device "
+                         f"(model.to('cuda:0') or model.cpu()) before initialize")
+    dev = devs[0]
+    if dev.type == "cpu":
+        return dev
+    if dev.type != "cuda":
+        raise NotImplementedError(f"initialize: parameters on {dev}; supported devices are "
+                                  f"cpu and cuda; move the model to one of them")
+    if not cuda_available:
+        raise RuntimeError(f"initialize: parameters on {dev} but CUDA is not available")
+    if dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    if world_size > 1:
+        raise NotImplementedError(
+            f"initialize: parameters on {dev} at world size {world_size}: the ZeRO "
+            f"partitioned manager and optimizer keep their shards and gathers in host memory "
+            f"and are not wired to a CUDA device tier; run ZeRO with the model on CPU, or a "
+            f"single process on the GPU")
+    return dev
+
+
+def default_device_budget(device: torch.device, configured: int | None,
+                          model_bytes_on_device: int = 0) -> int | None:
+    """The device tier's budget: ``offload.device_memory_gb`` when set; on CUDA otherwise
+    the free device memory now plus the bytes of the model's parameters already on that
+    device (they move into the engine's pools when the groups are placed); on CPU None
+    (unbounded, as before)."""
+    if configured is not None:
+        return configured
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    free, _total = torch.cuda.mem_get_info(device)
+    return int(free) + int(model_bytes_on_device)
 
 
 def make_device(device: torch.device, budget_bytes: int | None,

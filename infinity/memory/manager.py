@@ -9,7 +9,9 @@ On CUDA (or the :class:`~infinity.memory.device.SimulatedDevice` used by the tes
 device tier is a :class:`~infinity.memory.device.DeviceTier`: host-homed groups are
 copied H2D on a copy stream, NVMe-homed groups are read into pinned host staging and
 then copied H2D; compute waits on the copy's event, staging goes back to the host pool
-only once that event completed.
+only once that event completed.  A device-homed group (``offload.params = "none"``) on a
+separate device keeps a host mirror for the CPU optimizer and a resident device copy
+that :meth:`refresh_resident` updates after each step.
 
 Link timings: an NVMe read is timed from issue to the first moment its completion is
 observed (completions are polled at every fetch/wait/release), not to when compute
@@ -73,6 +75,17 @@ class MemoryManager:
     # ------------------------------------------------------------------ setup
     def place(self, g: GroupRecord, staging: torch.Tensor | None = None) -> None:
         """Create ``g``'s home from the parameters' current values (called once)."""
+        if g.home == "device" and not self.dev.zero_copy:
+            # separate device memory (CUDA): the optimizer side works on a host mirror
+            # (the fp32 master in fp32, the low-precision copy it writes otherwise); the
+            # resident device copy is refreshed from it after each step (refresh_resident)
+            g.host_buf = self.host_pool.lease(g.nbytes, g.dtype)
+            self._fill(g, g.host_buf)
+            buf = self._alloc_resident(g)
+            x = self.dev.refresh(buf, g.host_buf)
+            g.make_resident(buf)
+            self.dev.retire(x, lambda x=x: self._link("h2d", x.nbytes, x.t0, x.t_done))
+            return
         if g.home == "device":
             buf = self._alloc_resident(g)
             self._fill(g, buf)
@@ -224,6 +237,27 @@ class MemoryManager:
         if g.home == "nvme" or not self.dev.zero_copy:
             self.dev.give_back(buf)       # CUDA: the next copy into it waits for compute
         self._progress()
+
+    # ------------------------------------------------------------------ host updates
+    def mirrored(self) -> list[GroupRecord]:
+        """Device-homed groups with a host mirror (separate device memory only)."""
+        return [g for g in self.groups if g.home == "device" and g.host_buf is not None]
+
+    def wait_host_reads(self) -> None:
+        """Block until no issued copy still reads a host home or mirror, so the optimizer
+        (or a checkpoint load) may write them: in-flight H2D fetches and refreshes."""
+        for g in self._inflight.values():
+            f = g.pending
+            if isinstance(f, _Fetch) and f.xfer is not None:
+                f.xfer.wait_host()
+        self.dev.drain()
+
+    def refresh_resident(self) -> None:
+        """After the host mirrors changed (optimizer step, checkpoint load): copy them to
+        the resident device buffers on the copy stream; compute waits on the copies."""
+        for g in self.mirrored():
+            x = self.dev.refresh(g.device_buf, g.host_buf)
+            self.dev.retire(x, lambda x=x: self._link("h2d", x.nbytes, x.t0, x.t_done))
 
     def group_of_storage(self, ptr: int) -> GroupRecord | None:
         return self._by_storage.get(ptr)

@@ -58,6 +58,7 @@ class PlacementPlan:
     device_cap: int | None
     optimizer_ring_bytes: int = 0
     grad_home: str = "host"   # "host" | "nvme" (when the host cap cannot hold the grads)
+    separate_device: bool = False   # device tier is not host memory (CUDA): copies + staging
     host: dict = field(default_factory=dict)      # item -> bytes
     device: dict = field(default_factory=dict)
     nvme: dict = field(default_factory=dict)
@@ -72,15 +73,23 @@ class PlacementPlan:
         fp32 = self.precision == "fp32"
         self.host, self.device, self.nvme = {}, {}, {}
         largest_trainable = max((4 * g.padded_numel for g in trainable), default=0)
+        sep = self.separate_device
         # device tier
         self.device["resident params"] = sum(g.nbytes for g in self.groups if g.home == "device")
-        if self.param_home == "nvme":
+        if self.param_home == "nvme" or (sep and self.param_home == "cpu"):
             self.device["fetch window (largest group x (depth + 2))"] = largest * (self.depth + 2)
         # host tier
         if self.param_home == "cpu":
             self.host["param home"] = param_bytes
-        if self.param_home == "nvme":
+        if sep and self.param_home == "device":
+            self.host["host mirror of resident params (optimizer side)"] = \
+                sum(g.nbytes for g in self.groups if g.home == "device")
+        if self.param_home == "nvme" and not sep:
             self.host["staging (init only)"] = largest
+        if self.param_home == "nvme" and sep:     # NVMe -> pinned staging -> H2D
+            self.host["H2D staging (largest group x (depth + 2))"] = largest * (self.depth + 2)
+        if sep and trainable:
+            self.host["gradient D2H staging"] = self.grad_d2h_bytes
         if self.grad_home == "host":
             self.host["fp32 gradient accumulation"] = 4 * n_train
         else:
@@ -115,6 +124,13 @@ class PlacementPlan:
             rd += 4 * n_train * grad_accum
         self.links = {"nvme_read": rd, "nvme_write": wr}
         return self
+
+    @property
+    def grad_d2h_bytes(self) -> int:
+        """Bound on pinned staging held by gradient D2H copies not yet accumulated
+        (separate device only): two of the largest trainable group, rounded to pages."""
+        largest = max((g.nbytes for g in self.groups if g.trainable), default=0)
+        return 2 * (-(-largest // 4096) * 4096)
 
     @property
     def host_total(self) -> int:

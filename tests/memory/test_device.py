@@ -308,13 +308,13 @@ def test_engine_trains_identically_through_the_simulated_device(swap_dir, monkey
                            "device_memory_gb": 0.0001}}
         devs = []
         if sim:
-            def mm_factory(groups, **kw):
-                dev = SimulatedDevice(kw["device_budget"], kw["accounting"], delay=2)
+            def dev_factory(device, budget, acct):
+                dev = SimulatedDevice(budget, acct, delay=2)
                 devs.append(dev)
-                return MemoryManager(groups, device_tier=dev, **kw)
-            monkeypatch.setattr(eng_mod, "MemoryManager", mm_factory)
+                return dev
+            monkeypatch.setattr(eng_mod, "make_device", dev_factory)
         else:
-            monkeypatch.setattr(eng_mod, "MemoryManager", MemoryManager)
+            monkeypatch.setattr(eng_mod, "make_device", make_device)
         g = torch.Generator().manual_seed(3)
         losses = []
         with infinity.initialize(model, cfg) as e:
@@ -352,10 +352,8 @@ def test_engine_grad_d2h_consumed_before_its_event_is_caught(swap_dir, monkeypat
     monkeypatch.setattr(GradD2H, "poll", eager_poll)
     monkeypatch.setattr(GradD2H, "drain", eager_poll)
 
-    def mm_factory(groups, **kw):
-        return MemoryManager(groups, device_tier=SimulatedDevice(None, kw["accounting"],
-                                                                 delay=NEVER), **kw)
-    monkeypatch.setattr(eng_mod, "MemoryManager", mm_factory)
+    monkeypatch.setattr(eng_mod, "make_device",
+                        lambda device, budget, acct: SimulatedDevice(None, acct, delay=NEVER))
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 8))
     ref = [p.detach().clone() for p in model.parameters()]
