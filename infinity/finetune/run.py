@@ -48,18 +48,6 @@ def dist_env():
     return rank, world, local
 
 
-def _init_distributed(world, timeout_s):
-    import datetime
-
-    import torch.distributed as dist
-
-    if world <= 1 or dist.is_initialized():
-        return False
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
-    return True
-
-
 def _validate(opts):
     for name in ("steps", "batch_tokens", "seq_len"):
         v = getattr(opts, name)
@@ -126,7 +114,10 @@ def finetune(opts, *, reporter_streams=None):
         else:
             tok = ByteTokenizer()
         texts = load_texts(opts.data)
-        own_pg = _init_distributed(world, int(cfg.get("dist_timeout_s", 600)))  # Init shards by rank
+        from infinity.zero.comm import ensure_process_group
+
+        # before the model is built: Init shards it by rank
+        own_pg = world > 1 and ensure_process_group(int(cfg.get("dist_timeout_s", 600)))
         model, desc = resolve_model(opts.model, init_config=cfg)
         check_vocab(model, tok)
         seq_len, batch = _shape(opts, model)

@@ -62,9 +62,9 @@ def ensure_process_group(timeout_s: float) -> bool:
     if missing:
         raise RuntimeError(f"WORLD_SIZE={ws} but {', '.join(missing)} not set; launch with "
                            f"torchrun (or set RANK, MASTER_ADDR and MASTER_PORT)")
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    # gloo even on a CUDA machine: ZeRO's shards and collectives live in host memory (the
+    # CUDA device tier is single-process; see docs/zero.md)
+    backend = "gloo"
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=float(timeout_s)))
     log.info("created the %s process group: rank %d of %d (timeout %ss)", backend,
              dist.get_rank(), ws, timeout_s)
@@ -112,6 +112,12 @@ class Comm:
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.backend = dist.get_backend()
+        if self.backend != "gloo":
+            raise RuntimeError(
+                f"ZeRO over {self.world_size} ranks: the default process group uses "
+                f"{self.backend!r}, but infinity's partitioned shards and collectives live in "
+                f"host memory and need gloo; create it with "
+                f"dist.init_process_group('gloo') or let infinity.initialize create it")
         self.timeout_s = float(timeout_s)
         self.acct = accounting
         self.timeline = timeline
@@ -120,8 +126,7 @@ class Comm:
         self.groups = {"default": None,
                        "param": dist.new_group(timeout=td),
                        "grad": dist.new_group(timeout=td)}
-        self.device = torch.device("cuda", torch.cuda.current_device()) \
-            if self.backend == "nccl" else torch.device("cpu")
+        self.device = torch.device("cpu")
 
     # ------------------------------------------------------------------ errors, accounting
     def error(self, what: str, e: BaseException) -> CollectiveError:
