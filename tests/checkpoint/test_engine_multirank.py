@@ -97,7 +97,10 @@ def world(tmp_path_factory):
     - ``s2``: 2 ranks, stage 2, optimizer CPU offload: 3 steps, save ``ck_s2``,
     - ``from2``: 1 process, CPU offload (no ZeRO) loads ``ck2`` and trains 3.
     """
-    tmp = tmp_path_factory.mktemp("multirank")
+    return build_world(tmp_path_factory.mktemp("multirank"))
+
+
+def build_world(tmp):
     swap = str(tmp / "swap")
     d = {k: str(tmp / k) for k in ("ck1", "ck2", "endA", "endB", "ck_s2")}
     z3 = config(3, "nvme", swap)
