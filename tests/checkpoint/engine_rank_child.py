@@ -31,13 +31,20 @@ def _slice(t, rank, ws):
     return t[rank * n:(rank + 1) * n]
 
 
+def _rng_digest():
+    import hashlib
+    return hashlib.sha256(torch.get_rng_state().numpy().tobytes()).hexdigest()[:16]
+
+
 def run_one(run, rank, ws, out_path=None):
     import infinity
     from infinity.zero.distributed import gathered_state_dict
     dist = torch.distributed if ws > 1 else None
     torch.manual_seed(run.get("seed", 1234))
     model = make_model("awkward")
-    res = {"losses": [], "load_error": None, "unchanged": None, "meta_step": None}
+    torch.manual_seed(1000 * run.get("seed", 1234) + rank)   # a different stream per rank
+    res = {"losses": [], "load_error": None, "unchanged": None, "meta_step": None,
+           "rng_at_save": None, "rng_after_load": None}
     saves = {s["after"]: s for s in run.get("save", [])}
     batches = make_batches("awkward", run["start"] + run["steps"], run.get("batch", 8))
     steps = run["steps"]
@@ -48,6 +55,7 @@ def run_one(run, rank, ws, out_path=None):
             try:
                 meta = eng.load_checkpoint(src, run.get("load_tag"))
                 res["meta_step"] = meta["step"]
+                res["rng_after_load"] = _rng_digest()
             except Exception as e:  # noqa: BLE001 - reported to the test
                 res["load_error"] = f"{type(e).__name__}: {e}"
                 after = gathered_state_dict(eng) if ws > 1 else None
@@ -56,6 +64,8 @@ def run_one(run, rank, ws, out_path=None):
                 steps, saves = 0, {}
         for i in range(steps):
             if i in saves:
+                if res["rng_at_save"] is None:
+                    res["rng_at_save"] = _rng_digest()
                 eng.save_checkpoint(saves[i]["dir"], saves[i].get("tag"))
             x, y = batches[run["start"] + i]
             xs, ys = _slice(x, rank, ws), _slice(y, rank, ws)

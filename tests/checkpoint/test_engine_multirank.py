@@ -184,6 +184,16 @@ def test_load_failing_on_one_rank_fails_every_rank_unchanged(world):
     assert "does not exist" in world["ranks"][1]["bad"]["load_error"]
 
 
+def test_each_rank_gets_its_own_rng_state_back(world):
+    """Ranks draw from different streams; after a load each is where it was at the save."""
+    at_save = [runs["a"]["rng_at_save"] for runs in world["ranks"]]
+    assert at_save[0] != at_save[1]
+    assert [runs["b"]["rng_after_load"] for runs in world["ranks"]] == at_save
+    assert world["from2"]["rng_after_load"] == at_save[0]        # 1 process: rank 0's
+    one_at_save = world["one"]["rng_at_save"]
+    assert [runs["from1"]["rng_after_load"] for runs in world["ranks"]] == [one_at_save] * 2
+
+
 def test_stage2_checkpoint_export_gives_gathered_weights(world, tmp_path):
     """Stage 2 with CPU optimizer offload saved on 2 ranks; ``infinity export`` of it."""
     from infinity.cli.main import main as cli
