@@ -106,7 +106,7 @@ class Engine:
             self._orig_dtypes.setdefault(id(p), p.dtype)
         # the device tier (budget: device_memory_gb, on CUDA default free memory) is made
         # before the plan: a separate device memory adds copies and host staging to it
-        device_budget = self._device_budget(model)
+        self.device_budget = device_budget = self._device_budget(model)
         self._dev_tier = make_device(self.device, device_budget, self.acct)
         separate = not self._dev_tier.zero_copy
         gp = build_groups(model, self.dtype, param_home, world_size=ws)
@@ -319,7 +319,7 @@ class Engine:
             "optimizer_step_seconds": float(self.opt.last_step_seconds),
             "on_demand_fetches_last_step": int(getattr(self, "_last_on_demand", 0)),
             "host_cap_bytes": self.cfg.host_memory_bytes or 0,
-            "device_cap_bytes": self.cfg.device_memory_bytes or 0,
+            "device_cap_bytes": getattr(self, "device_budget", None) or 0,
             "groups": len(self.mm.groups),
         })
         return d

@@ -76,6 +76,17 @@ def test_inputs_follow_the_device():
     assert Engine._to_device(same, x) is x
 
 
+def test_buffers_follow_the_device_and_stay_put_on_cpu():
+    model = nn.BatchNorm1d(4)
+    fake = types.SimpleNamespace(device=torch.device("meta"))
+    Engine._move_buffers(fake, model)
+    assert {b.device.type for b in model.buffers()} == {"meta"}
+    model = nn.BatchNorm1d(4)
+    before = {k: v for k, v in model.named_buffers()}
+    Engine._move_buffers(types.SimpleNamespace(device=torch.device("cpu")), model)
+    assert all(v is before[k] for k, v in model.named_buffers())
+
+
 # ------------------------------------------------------------------ the plan
 def _plan_groups(home, sizes=(1024, 4096, 2048)):
     out = []
@@ -211,6 +222,7 @@ def test_engine_on_a_separate_device_matches_the_cpu_path(swap_dir, monkeypatch,
     assert st_ref["d2h_bytes"] == 0                       # CPU path: no copies
     assert st["d2h_bytes"] == 6 * grad_bytes              # every micro-step's gradients
     budget = _budget_gb(params) * 1e9
+    assert abs(st["device_cap_bytes"] - budget) < 1
     assert st["device_budget_overflows"] == 0 and 0 < st["device_peak_bytes"] <= budget
     if params != "none":                                  # paged through a smaller window
         assert st["device_peak_bytes"] < st["model_bytes"]
