@@ -10,6 +10,23 @@ PY=${PYTHON:-python3}
 TORCH_VERSION=${INFINITY_TORCH_VERSION:-2.13.0}
 log() { echo "[setup] $*" >&2; }
 
+# 0. a C++ compiler, the Python headers and venv: a fresh Debian may lack them.
+need=()
+command -v g++ >/dev/null || need+=(g++)
+"$PY" -c 'import os, sys, sysconfig; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))' \
+    || need+=(python3-dev)
+"$PY" -c 'import ensurepip, venv' 2>/dev/null || need+=(python3-venv)
+if [ ${#need[@]} -gt 0 ]; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        log "installing ${need[*]}"
+        (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}") >&2
+    else
+        log "ERROR: missing ${need[*]} (needed to build the C++ extensions)."
+        log "       Ask an administrator to run: apt-get install ${need[*]}   (then re-run this script)"
+        exit 1
+    fi
+fi
+
 # 1. liburing headers (io_uring engine). Without them we still build (POSIX engine).
 if [ ! -e /usr/include/liburing.h ]; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
@@ -36,8 +53,16 @@ PIP=("$VPY" -m pip --disable-pip-version-check -q)
 
 # 3. torch: the pinned CPU build first, unless a (CUDA) torch is already there.
 if ! "$VPY" -c "import torch" 2>/dev/null; then
-    log "installing torch==$TORCH_VERSION"
-    "${PIP[@]}" install "torch==$TORCH_VERSION"
+    if command -v nvidia-smi >/dev/null; then
+        log "installing torch==$TORCH_VERSION"
+        "${PIP[@]}" install "torch==$TORCH_VERSION"
+    else
+        # no GPU: the CPU build (PyPI's default Linux wheel is the multi-GB CUDA one); a
+        # local +cpu wheel (pip find-links) wins too, and an unreachable index only warns
+        log "installing torch==$TORCH_VERSION (CPU build)"
+        "${PIP[@]}" install "torch==$TORCH_VERSION" \
+            --extra-index-url https://download.pytorch.org/whl/cpu --timeout 30 --retries 2
+    fi
 fi
 
 # 4. build tools + runtime deps, then the package itself (editable, no build isolation:
