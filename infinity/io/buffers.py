@@ -29,8 +29,17 @@ def _warn_once(key, msg, *args):
     log.warning(msg, *args)
 
 
-def _cuda_register(ptr, nbytes, owner):
-    """cudaHostRegister the mapping when CUDA is available (never on CPU-only hosts)."""
+def _unregister(cudart, ptr, _mapping):
+    # `_mapping` (the mmap) is an argument only to keep the memory mapped until now
+    cudart.cudaHostUnregister(ptr)
+
+
+def _cuda_register(ptr, nbytes, owner, mapping):
+    """cudaHostRegister the mapping when CUDA is available (never on CPU-only hosts).
+
+    Unregistered when ``owner`` (the exporter the tensor's storage holds) dies, *before*
+    ``mapping`` is unmapped: the finalizer holds ``mapping`` until it has run (an mmap
+    unmaps in its own dealloc before its weakref callbacks run)."""
     try:
         if not torch.cuda.is_available():
             return
@@ -40,7 +49,7 @@ def _cuda_register(ptr, nbytes, owner):
             _warn_once("cudaHostRegister", "cudaHostRegister failed (code %s): host buffers are "
                        "not pinned, host<->device copies will be slower", int(rc))
             return
-        weakref.finalize(owner, cudart.cudaHostUnregister, ptr)
+        weakref.finalize(owner, _unregister, cudart, ptr, mapping)
     except Exception as e:  # CUDA present but unusable: tensors still work, unpinned
         _warn_once("cudaHostRegister", "cannot pin host buffers for CUDA: %s", e)
 
@@ -64,7 +73,9 @@ def aligned_empty(numel, dtype=torch.uint8, *, lock=True):
                        prot=mmap.PROT_READ | mmap.PROT_WRITE)
     except OSError as e:
         raise MemoryError(f"aligned_empty: cannot map {mapsize} bytes of host memory: {e}") from e
-    raw = torch.frombuffer(mm, dtype=torch.uint8)  # holds a reference to mm
+    # the storage holds the memoryview (the buffer's exporter), the memoryview holds mm
+    view = memoryview(mm)
+    raw = torch.frombuffer(view, dtype=torch.uint8)
     ptr = raw.data_ptr()
     if lock:
         err = _aio.mlock(ptr, mapsize)
@@ -73,7 +84,8 @@ def aligned_empty(numel, dtype=torch.uint8, *, lock=True):
             _warn_once("mlock", "cannot mlock host buffers (errno %d, RLIMIT_MEMLOCK %s bytes): they "
                        "may be swapped out; raise `ulimit -l` for best performance", err,
                        "unlimited" if soft < 0 else soft)
-    _cuda_register(ptr, mapsize, mm)
+    _cuda_register(ptr, mapsize, view, mm)
+    del view, mm
     out = raw[:nbytes]
     return out.view(dtype) if dtype != torch.uint8 else out
 

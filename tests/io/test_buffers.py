@@ -56,3 +56,45 @@ def test_is_aligned_and_errors():
         aligned_empty(-1)
     with pytest.raises(ValueError):
         aligned_empty(10, "float32")
+
+
+def _mapped(ptr):
+    with open("/proc/self/maps") as f:
+        for line in f:
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            if lo <= ptr < hi:
+                return True
+    return False
+
+
+def test_cuda_unregister_runs_before_the_unmap(monkeypatch):
+    """With CUDA, aligned_empty registers the mapping and unregisters it when the last view
+    dies — while the memory is still mapped (cudaHostUnregister after munmap is an error)."""
+    import gc
+
+    import infinity.io.buffers as B
+    calls = []
+
+    class FakeCudart:
+        def cudaHostRegister(self, ptr, nbytes, flags):
+            calls.append(("register", ptr, nbytes, _mapped(ptr)))
+            return 0
+
+        def cudaHostUnregister(self, ptr):
+            calls.append(("unregister", ptr, None, _mapped(ptr)))
+            return 0
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: FakeCudart())
+    t = B.aligned_empty(3 * 4096 + 5, torch.float32, lock=False)
+    ptr = t.data_ptr()
+    view = t[10:20]
+    del t
+    gc.collect()
+    assert [c[0] for c in calls] == ["register"] and calls[0][3]
+    view.fill_(1.0)                          # a view keeps the registration and the memory
+    del view
+    gc.collect()
+    assert [c[0] for c in calls] == ["register", "unregister"], calls
+    assert calls[1][1] == ptr and calls[1][3], "unregistered after the memory was unmapped"
+    assert not _mapped(ptr)                  # and then it was unmapped
