@@ -8,6 +8,7 @@ whole batch compute the same gradient up to rounding).
 """
 import importlib.util
 import os
+import shutil
 
 import pytest
 import torch
@@ -94,6 +95,7 @@ def world(tmp_path_factory):
     - ``b``: fresh 2-rank engines (other init) load ``ck2``, train the same 3, save ``endB``,
     - ``from1``: 2 ranks load ``ck1`` (a 1-process checkpoint), train 3,
     - ``bad``: rank 1 is given a directory that does not exist,
+    - ``corrupt``: both load a copy of ``ck1`` with a flipped data byte,
     - ``s2``: 2 ranks, stage 2, optimizer CPU offload: 3 steps, save ``ck_s2``,
     - ``from2``: 1 process, CPU offload (no ZeRO) loads ``ck2`` and trains 3.
     """
@@ -107,6 +109,15 @@ def build_world(tmp):
     cpu1 = config(3, "cpu", swap)   # at world size 1 the stage does not matter
     one = in_process({"name": "one", "config": cpu1, "seed": 1234, "start": 0, "steps": 6,
                       "save": [{"after": 3, "dir": d["ck1"]}]})
+    # a copy of it with one flipped data byte: only the rank that hashes that file sees it
+    d["bad1"] = str(tmp / "bad1")
+    shutil.copytree(d["ck1"], d["bad1"])
+    shard = os.path.join(d["bad1"], "step-3", "rank0-00000.safetensors")
+    with open(shard, "r+b") as f:
+        f.seek(-5, os.SEEK_END)
+        b = f.read(1)
+        f.seek(-5, os.SEEK_END)
+        f.write(bytes([b[0] ^ 0x40]))
     res = ranks([
         {"name": "a", "config": z3, "seed": 1234, "start": 0, "steps": 6,
          "save": [{"after": 3, "dir": d["ck2"]}, {"after": 6, "dir": d["endA"]}]},
@@ -115,6 +126,7 @@ def build_world(tmp):
         {"name": "from1", "config": z3, "seed": 5, "start": 3, "steps": 3, "load": d["ck1"]},
         {"name": "bad", "config": z3, "seed": 9, "start": 3, "steps": 3, "load": d["ck2"],
          "load_by_rank": {"1": str(tmp / "missing")}},
+        {"name": "corrupt", "config": z3, "seed": 11, "start": 3, "steps": 3, "load": d["bad1"]},
         {"name": "s2", "config": config(2, "cpu", swap), "seed": 1234, "start": 0, "steps": 3,
          "save": [{"after": 3, "dir": d["ck_s2"]}]},
     ], tmp)
@@ -182,6 +194,29 @@ def test_load_failing_on_one_rank_fails_every_rank_unchanged(world):
         assert bad["load_error"].startswith("CheckpointError"), bad
     assert "another rank" in world["ranks"][0]["bad"]["load_error"]
     assert "does not exist" in world["ranks"][1]["bad"]["load_error"]
+
+
+def test_corruption_seen_by_one_rank_fails_every_rank_unchanged(world):
+    """Ranks hash disjoint shares of the files (here: one file, rank 0's share); the
+    corruption found by one rank fails the load everywhere before anything changed."""
+    from infinity.checkpoint.engine_state import hash_share
+    with CheckpointReader(world["dirs"]["bad1"]) as r:
+        files = r.manifest["files"]
+    shares = [hash_share(files, k, 2) for k in range(2)]
+    assert shares == [sorted(files), []]
+    errs = [runs["corrupt"]["load_error"] for runs in world["ranks"]]
+    assert all(runs["corrupt"]["unchanged"] for runs in world["ranks"])
+    assert "SHA-256 mismatch" in errs[0] and "another rank" in errs[1], errs
+
+
+def test_hash_share_balances_and_covers_every_file():
+    from infinity.checkpoint.engine_state import hash_share
+    files = {f"rank{i % 3}-{i:05d}.safetensors": {"size": s}
+             for i, s in enumerate([10, 500, 7, 7, 300, 200, 1])}
+    shares = [hash_share(files, k, 3) for k in range(3)]
+    assert sorted(sum(shares, [])) == sorted(files)
+    loads = sorted(sum(files[n]["size"] for n in sh) for sh in shares)
+    assert loads == [225, 300, 500]
 
 
 def test_each_rank_gets_its_own_rng_state_back(world):
