@@ -30,8 +30,8 @@ manifest therefore holds whole, unpadded model tensors split in pieces, which
 reads exactly its own ranges (whoever wrote them) into its shard of the store; at
 stages 1/2 every rank also rebuilds its full compute-dtype parameters, at stage 3
 its home shard. The meta (rank 0's) also holds every rank's RNG state
-(``rng_ranks``). :func:`load_engine_checkpoint` is collective: all ranks verify,
-then agree (an all-reduce) before any of them changes state.
+(``rng_ranks``). :func:`load_engine_checkpoint` is collective: all ranks verify (each
+hashing its share of the files), then agree (an all-reduce) before any changes state.
 """
 import dataclasses
 import json
