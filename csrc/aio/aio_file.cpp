@@ -4,11 +4,13 @@
 
 #include <cerrno>
 #include <cstdlib>
+#include <cstdio>
 #include <cstring>
 #include <fcntl.h>
 #include <linux/fs.h>
 #include <sys/ioctl.h>
 #include <sys/stat.h>
+#include <sys/sysmacros.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -48,6 +50,24 @@ bool statx_dioalign(int fd, uint32_t* mem, uint32_t* off, uint32_t* blksize) {
     (void)fd; (void)mem; (void)off; (void)blksize;
     return false;
 #endif
+}
+
+// queue/logical_block_size of block device maj:min (a partition's queue is its parent's);
+// 0 when unknown (not a block device: tmpfs, NFS, ...) or not a power of two in [512, 64K].
+uint32_t sysfs_logical_block_size(unsigned maj, unsigned min) {
+    const char* fmts[] = {"/sys/dev/block/%u:%u/queue/logical_block_size",
+                          "/sys/dev/block/%u:%u/../queue/logical_block_size"};
+    for (const char* fmt : fmts) {
+        char path[128];
+        std::snprintf(path, sizeof path, fmt, maj, min);
+        FILE* f = std::fopen(path, "re");
+        if (!f) continue;
+        unsigned long v = 0;
+        int n = std::fscanf(f, "%lu", &v);
+        std::fclose(f);
+        if (n == 1 && v >= 512 && v <= 65536 && (v & (v - 1)) == 0) return (uint32_t)v;
+    }
+    return 0;
 }
 
 }  // namespace
@@ -137,7 +157,10 @@ std::shared_ptr<File> File::open_tmpfile(const std::string& dir, bool direct) {
 
 void File::discover_alignment() {
     uint32_t mem = 0, off = 0, blksize = 0;
-    if (statx_dioalign(fd_, &mem, &off, &blksize)) {
+    // INFINITY_AIO_IGNORE_STATX=1: behave as on a kernel without STATX_DIOALIGN (< 6.1)
+    const char* no_statx = std::getenv("INFINITY_AIO_IGNORE_STATX");
+    bool use_statx = !(no_statx && no_statx[0] && std::strcmp(no_statx, "0") != 0);
+    if (use_statx && statx_dioalign(fd_, &mem, &off, &blksize)) {
         if (mem == 0 || off == 0) {
             // The kernel says: no direct I/O on this file. Reopen buffered.
             int flags = fcntl(fd_, F_GETFL);
@@ -155,12 +178,18 @@ void File::discover_alignment() {
             return;
         }
     }
-    // No STATX_DIOALIGN: the logical block size of the device, else 4096 (safe).
+    // No STATX_DIOALIGN: the logical block size of the device (the file's own for a block
+    // device, else the one its file system sits on, from sysfs), else 4096 (safe).
     struct stat st;
     uint32_t guess = 4096;
-    if (fstat(fd_, &st) == 0 && S_ISBLK(st.st_mode)) {
-        int lbs = 0;
-        if (ioctl(fd_, BLKSSZGET, &lbs) == 0 && lbs > 0) guess = (uint32_t)lbs;
+    if (fstat(fd_, &st) == 0) {
+        if (S_ISBLK(st.st_mode)) {
+            int lbs = 0;
+            if (ioctl(fd_, BLKSSZGET, &lbs) == 0 && lbs > 0) guess = (uint32_t)lbs;
+        } else {
+            uint32_t lbs = sysfs_logical_block_size(major(st.st_dev), minor(st.st_dev));
+            if (lbs) guess = lbs;
+        }
     }
     mem_align_ = offset_align_ = guess;
     align_source_ = "fallback";
