@@ -148,7 +148,8 @@ class AioEngine:
     """
 
     def __init__(self, block_size=1 << 20, queue_depth=32, threads=1, engine="auto", *, direct=True):
-        _check_int("block_size", block_size, 4096)
+        # (a request is split into chunks whose length the C++ engine keeps in 32 bits)
+        _check_int("block_size", block_size, 4096, 1 << 30)
         if block_size % 4096:
             raise ValueError(f"block_size must be a multiple of 4096 bytes, got {block_size}")
         _check_int("queue_depth", queue_depth, 1, 4096)
@@ -157,7 +158,14 @@ class AioEngine:
         try:
             self._impl = _aio.Engine(kind, block_size, queue_depth, threads)
         except OSError as e:
-            raise AioError.from_os_error(e, f"cannot start the {kind} I/O engine") from None
+            if not (engine == "auto" and kind == "uring"):
+                raise AioError.from_os_error(e, f"cannot start the {kind} I/O engine") from None
+            # the probe passed but these rings could not be set up (e.g. RLIMIT_MEMLOCK
+            # for many or deep rings): auto means "whatever works here"
+            _warn_once(("uring-setup", block_size, queue_depth, threads),
+                       "io_uring rings could not be created (%s): using the POSIX engine", e)
+            kind = "posix"
+            self._impl = _aio.Engine(kind, block_size, queue_depth, threads)
         self.kind = kind
         self.direct = bool(direct)
         self.block_size = block_size

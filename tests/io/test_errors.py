@@ -138,3 +138,39 @@ def test_uring_refused_by_kernel(monkeypatch, caplog):
         with AioEngine(engine="auto") as e:
             assert e.kind == "posix"
     assert any("POSIX" in r.getMessage() for r in caplog.records)
+
+
+def test_auto_falls_back_when_the_rings_cannot_be_created(tmp_path, monkeypatch, caplog):
+    """The probe passes but creating the engine's rings fails (e.g. memlock for deep rings):
+    "auto" warns once and uses POSIX; "uring" raises with the reason."""
+    from infinity import _aio
+    real = _aio.Engine
+
+    def engine(kind, *a):
+        if kind == "uring":
+            raise OSError(errno.ENOMEM, "io_uring_queue_init: Cannot allocate memory")
+        return real(kind, *a)
+    monkeypatch.setattr(engine_mod, "_probe_result", 0)
+    monkeypatch.setattr(engine_mod, "_warned", set())
+    monkeypatch.setattr(_aio, "Engine", engine)
+    if not _aio.built_with_liburing():
+        pytest.skip("built without liburing: auto never tries io_uring")
+    with pytest.raises(AioError) as ei:
+        AioEngine(engine="uring")
+    assert ei.value.errno == errno.ENOMEM
+    with caplog.at_level(logging.WARNING, logger="infinity.io"):
+        with AioEngine(engine="auto") as e:
+            assert e.kind == "posix"
+            src = torch.arange(5000, dtype=torch.uint8)
+            e.pwrite(src, tmp_path / "f", 3).wait()
+            dst = torch.zeros_like(src)
+            e.pread(dst, tmp_path / "f", 3).wait()
+            assert torch.equal(src, dst)
+    assert sum("POSIX engine" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_block_size_is_capped_at_1_gib():
+    with pytest.raises(ValueError, match="block_size"):
+        AioEngine(block_size=1 << 32)
+    with AioEngine(block_size=1 << 30, engine="posix") as e:
+        assert e.block_size == 1 << 30
