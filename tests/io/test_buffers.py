@@ -58,15 +58,6 @@ def test_is_aligned_and_errors():
         aligned_empty(10, "float32")
 
 
-def _mapped(ptr):
-    with open("/proc/self/maps") as f:
-        for line in f:
-            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
-            if lo <= ptr < hi:
-                return True
-    return False
-
-
 def test_cuda_unregister_runs_before_the_unmap(monkeypatch):
     """With CUDA, aligned_empty registers the mapping and unregisters it when the last view
     dies — while the memory is still mapped (cudaHostUnregister after munmap is an error)."""
