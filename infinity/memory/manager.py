@@ -123,6 +123,25 @@ class MemoryManager:
                 buf[s.offset:s.offset + s.numel].copy_(s.param.detach().reshape(-1))
 
     # ------------------------------------------------------------------ fetch
+    def _lease_device(self, g: GroupRecord, allow_overflow: bool) -> torch.Tensor | None:
+        """A device buffer for ``g``; None when the budget is full and ``allow_overflow`` is
+        false, else one past the budget (warned once, counted) so training progresses."""
+        if self.device_pool.can_lease(g.nbytes):
+            return self.device_pool.lease(g.nbytes, g.dtype)
+        if not allow_overflow:
+            return None
+        if not self._overflow_warned:
+            log.warning("device tier: budget %s bytes too small for the working set; "
+                        "exceeding it to make progress (raise offload.device_memory_gb)",
+                        self.device_pool.budget)
+            self._overflow_warned = True
+        self.acct.count("device_budget_overflows")
+        budget, self.device_pool.budget = self.device_pool.budget, None
+        try:
+            return self.device_pool.lease(g.nbytes, g.dtype)
+        finally:
+            self.device_pool.budget = budget
+
     def fetch_async(self, g: GroupRecord, *, allow_overflow: bool) -> bool:
         """Start bringing ``g`` to the device tier. Returns False when the budget is full
         (only possible with ``allow_overflow=False``)."""
@@ -136,22 +155,9 @@ class MemoryManager:
             # parameter itself, whose .data is swapped out on release
             self._by_storage[g.device_buf.untyped_storage().data_ptr()] = g
             return True
-        if not self.device_pool.can_lease(g.nbytes):
-            if not allow_overflow:
-                return False
-            if not self._overflow_warned:
-                log.warning("device tier: budget %s bytes too small for the working set; "
-                            "exceeding it to make progress (raise offload.device_memory_gb)",
-                            self.device_pool.budget)
-                self._overflow_warned = True
-            self.acct.count("device_budget_overflows")
-            budget, self.device_pool.budget = self.device_pool.budget, None
-            try:
-                buf = self.device_pool.lease(g.nbytes, g.dtype)
-            finally:
-                self.device_pool.budget = budget
-        else:
-            buf = self.device_pool.lease(g.nbytes, g.dtype)
+        buf = self._lease_device(g, allow_overflow)
+        if buf is None:
+            return False
         t0 = time.perf_counter()
         if g.home == "cpu":                       # separate device memory: H2D copy
             g.begin_to_device(buf, _Fetch(None, t0, xfer=self.dev.h2d(buf, g.host_buf)))

@@ -91,22 +91,9 @@ class PartitionedMemoryManager(MemoryManager):
     def fetch_async(self, g: GroupRecord, *, allow_overflow: bool) -> bool:
         if g.state in (Location.DEVICE, Location.READING, Location.TO_DEVICE):
             return True
-        if not self.device_pool.can_lease(g.nbytes):
-            if not allow_overflow:
-                return False
-            if not self._overflow_warned:
-                log.warning("device tier: budget %s bytes too small for the working set; "
-                            "exceeding it to make progress (raise offload.device_memory_gb)",
-                            self.device_pool.budget)
-                self._overflow_warned = True
-            self.acct.count("device_budget_overflows")
-            budget, self.device_pool.budget = self.device_pool.budget, None
-            try:
-                buf = self.device_pool.lease(g.nbytes, g.dtype)
-            finally:
-                self.device_pool.budget = budget
-        else:
-            buf = self.device_pool.lease(g.nbytes, g.dtype)
+        buf = self._lease_device(g, allow_overflow)
+        if buf is None:
+            return False
         t0 = time.perf_counter()
         fut = self._worker.submit(self._gather, g, buf)
         if g.home == "nvme":
