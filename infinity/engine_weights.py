@@ -102,9 +102,16 @@ def _read_extent_range(engine, g: GroupRecord, s: ParamSlot) -> torch.Tensor:
     return buf[start - a0:end - a0].view(g.dtype).clone()
 
 
+def _header_reserve(names) -> int:
+    """Header bytes for a shard of these tensors (name + dtype/shape/offsets JSON each),
+    generously rounded up to a multiple of 4096."""
+    need = 4096 + sum(len(n.encode()) + 160 for n in names)
+    return -(-need // 4096) * 4096
+
+
 def save_pretrained(engine, directory, *, max_shard_bytes: int = 2 * 10 ** 9) -> list[str]:
     """Write safetensors shard(s) (+ index) and the HF config; returns the files written."""
-    from safetensors.torch import save_file
+    from infinity.checkpoint.safetensors_stream import SafetensorsStreamWriter
     zero = getattr(engine, "zero", None)
     writer = zero is None or zero.rank == 0   # at world size > 1 every rank gathers, rank 0 writes
     if writer:
@@ -142,14 +149,28 @@ def save_pretrained(engine, directory, *, max_shard_bytes: int = 2 * 10 ** 9) ->
     for i, shard in enumerate(shards):
         fname = "model.safetensors" if len(shards) == 1 else \
             f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        tensors = {}
-        for n in shard:
-            tensors[n] = sd[n].contiguous()
-            total += tensors[n].numel() * tensors[n].element_size()
-            weight_map[n] = fname
-        if writer:
-            save_file(tensors, os.path.join(directory, fname), metadata={"format": "pt"})
-        del tensors
+        path = os.path.join(directory, fname)
+        # one tensor in memory at a time: each is written as soon as it is read
+        w = SafetensorsStreamWriter(path, header_reserve=_header_reserve(shard),
+                                    metadata={"format": "pt"}) if writer else None
+        try:
+            for n in shard:
+                t = sd[n].contiguous()
+                total += t.numel() * t.element_size()
+                weight_map[n] = fname
+                if w is not None:
+                    w.add(n, t)
+                del t
+            if w is not None:
+                w.close()
+        except BaseException:
+            if w is not None:
+                w.abort()
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
+            raise
         files.append(fname)
     if not writer:
         zero.comm.barrier("save_pretrained")
