@@ -1,4 +1,10 @@
-"""Flatten a model's parameters into per-module groups (one group per module's direct params).
+"""Flatten a model's parameters into per-module groups.
+
+Each module's direct parameters form at most two groups: its trainable parameters
+(``requires_grad=True``) and its frozen ones.  Only trainable groups get gradient
+buffers, an fp32 master and Adam states, and only they are written back by the
+optimizer step; a frozen group is paged in for compute and never written.  A module
+whose parameters are all trainable (or all frozen) has one group.
 
 A parameter shared by several modules (tied weights) belongs to the first module that
 owns it in ``named_modules()`` order; every module that owns it *uses* that group.
@@ -40,8 +46,8 @@ def build_groups(model: nn.Module, dtype: torch.dtype, home: str, *,
     names: dict[int, str] = {}
     for mname, mod in model.named_modules():
         used: list[GroupRecord] = []
-        slots: list[ParamSlot] = []
-        off = 0
+        slots: dict[bool, list[ParamSlot]] = {True: [], False: []}   # trainable -> slots
+        end: dict[bool, int] = {True: 0, False: 0}
         for pname, p in mod.named_parameters(recurse=False):
             if p is None:
                 continue
@@ -54,17 +60,23 @@ def build_groups(model: nn.Module, dtype: torch.dtype, home: str, *,
             if not p.is_floating_point():
                 raise TypeError(f"initialize: parameter {qn} has dtype {p.dtype}; only "
                                 f"floating-point parameters can be managed")
-            off = round_up(off, palign)
-            slots.append(ParamSlot(qn, p, off, p.numel(), p.shape, bool(p.requires_grad)))
+            t = bool(p.requires_grad)
+            off = round_up(end[t], palign)
+            slots[t].append(ParamSlot(qn, p, off, p.numel(), p.shape, t))
             names[id(p)] = qn
-            off += p.numel()
-        if slots:
-            g = GroupRecord(gid=len(groups), name=mname, slots=slots, numel=off,
-                            padded_numel=round_up(max(off, 1), galign), dtype=dtype, home=home)
+            end[t] = off + p.numel()
+        own: list[GroupRecord] = []
+        for t in (True, False):           # trainable group first, then the frozen one
+            if not slots[t]:
+                continue
+            g = GroupRecord(gid=len(groups), name=mname, slots=slots[t], numel=end[t],
+                            padded_numel=round_up(max(end[t], 1), galign), dtype=dtype,
+                            home=home)
             groups.append(g)
-            for s in slots:
+            for s in slots[t]:
                 param_group[id(s.param)] = g
-            used.insert(0, g)
+            own.append(g)
+        used[:0] = own
         if used:
             module_groups[mod] = used
     return GroupPlan(groups, module_groups, param_group, names)
