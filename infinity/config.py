@@ -217,15 +217,61 @@ class AioConfig:
         self.threads = _int(p + "threads", self.threads, lo=1)
 
 
+PARAM_GROUP_KEYS = ("params", "lr", "weight_decay", "betas", "eps")
+
+
+def _betas(key: str, b: Any) -> tuple[float, float]:
+    if not isinstance(b, (list, tuple)) or len(b) != 2:
+        raise ConfigError(f"{key}: expected a list of two numbers in [0, 1), "
+                          f"e.g. [0.9, 0.999], got {_fmt(b)}")
+    return (_float(key + "[0]", b[0], lo=0.0, hi=1.0, hi_open=True),
+            _float(key + "[1]", b[1], lo=0.0, hi=1.0, hi_open=True))
+
+
+def _param_groups(key: str, value: Any) -> list[dict]:
+    """``optimizer.param_groups``: a list of ``{"params": [patterns], "lr", "weight_decay",
+    "betas", "eps"}`` (all but ``params`` optional); returns normalised copies holding only
+    the keys that were given (``betas`` as a list)."""
+    if value is None:
+        return []
+    if not isinstance(value, (list, tuple)):
+        raise ConfigError(f"{key}: expected a list of groups such as "
+                          f'[{{"params": ["*lora_*"], "lr": 1e-3}}], got {_fmt(value)} '
+                          f"({type(value).__name__})")
+    out = []
+    for i, g in enumerate(value):
+        k = f"{key}[{i}]"
+        if not isinstance(g, Mapping):
+            raise ConfigError(f"{k}: expected a mapping with a \"params\" list of name "
+                              f"patterns, got {_fmt(g)} ({type(g).__name__})")
+        _check_unknown(k + ".", g, list(PARAM_GROUP_KEYS))
+        if "params" not in g:
+            raise ConfigError(f"{k}.params: missing; list the name patterns of the parameters "
+                              f"in this group, e.g. [\"*lora_*\"]")
+        d: dict = {"params": _str_list(k + ".params", g["params"], allow_str=True,
+                                       allow_empty=False)}
+        if "lr" in g:
+            d["lr"] = _float(k + ".lr", g["lr"], lo=0.0)
+        if "weight_decay" in g:
+            d["weight_decay"] = _float(k + ".weight_decay", g["weight_decay"], lo=0.0)
+        if "betas" in g:
+            d["betas"] = list(_betas(k + ".betas", g["betas"]))
+        if "eps" in g:
+            d["eps"] = _float(k + ".eps", g["eps"], lo=0.0, lo_open=True)
+        out.append(d)
+    return out
+
+
 @dataclass
 class OptimizerConfig:
-    """Adam/AdamW hyperparameters and the no-decay name patterns."""
+    """Adam/AdamW hyperparameters, the no-decay name patterns and per-group overrides."""
     type: str = "adamw"
     lr: float = 1e-3
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     weight_decay: float = 0.0
     no_decay: list[str] = field(default_factory=lambda: ["bias", "norm"])
+    param_groups: list[dict] = field(default_factory=list)
 
     def __post_init__(self):
         self.validate()
@@ -234,16 +280,12 @@ class OptimizerConfig:
         p = "optimizer."
         self.type = _choice(p + "type", self.type, OPTIMIZER_TYPES)
         self.lr = _float(p + "lr", self.lr, lo=0.0)
-        b = self.betas
-        if not isinstance(b, (list, tuple)) or len(b) != 2:
-            raise ConfigError(f"{p}betas: expected a list of two numbers in [0, 1), "
-                              f"e.g. [0.9, 0.999], got {_fmt(b)}")
-        self.betas = (_float(p + "betas[0]", b[0], lo=0.0, hi=1.0, hi_open=True),
-                      _float(p + "betas[1]", b[1], lo=0.0, hi=1.0, hi_open=True))
+        self.betas = _betas(p + "betas", self.betas)
         self.eps = _float(p + "eps", self.eps, lo=0.0, lo_open=True)
         self.weight_decay = _float(p + "weight_decay", self.weight_decay, lo=0.0)
         self.no_decay = _str_list(p + "no_decay", self.no_decay,
                                   allow_str=False, allow_empty=True)
+        self.param_groups = _param_groups(p + "param_groups", self.param_groups)
 
 
 @dataclass
@@ -396,7 +438,8 @@ class InfinityConfig:
         return cls(**kwargs)
 
     def to_dict(self) -> dict:
-        """A plain JSON-able dict that round-trips through :meth:`from_dict`."""
+        """A plain JSON-able dict that round-trips through :meth:`from_dict`
+        (``optimizer.param_groups`` is left out while it is empty, its default)."""
         out = {}
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
@@ -404,6 +447,10 @@ class InfinityConfig:
                 sub = {}
                 for sf in dataclasses.fields(v):
                     sv = getattr(v, sf.name)
+                    if sf.name == "param_groups":
+                        if sv:
+                            sub[sf.name] = copy.deepcopy(sv)
+                        continue
                     sub[sf.name] = list(sv) if isinstance(sv, (list, tuple)) else sv
                 v = sub
             out[f.name] = v

@@ -5,6 +5,12 @@ One store partition per trainable parameter group (key ``"g<gid>"``).  In fp32 t
 parameter home *is* the fp32 master (``external_master``); in bf16/fp16 the store holds
 an fp32 master and writes the updated low-precision params back to the param home in
 the same pass (``param_out`` for host/device homes, ``param_sink`` for NVMe homes).
+Frozen parameters are in frozen groups (``infinity.zero.groups``) that have no partition.
+
+Per-parameter hyperparameters come from :mod:`infinity.optim.param_groups` (no-decay
+rules, ``optimizer.param_groups``): each step item's segments carry the ``lr`` and
+``weight_decay`` of the parameter's group and, when they differ from the top-level
+``optimizer`` values, its ``(beta1, beta2, eps)``.
 """
 from __future__ import annotations
 
@@ -23,12 +29,15 @@ __all__ = ["EngineOptimizer"]
 
 
 class _ScheduleTarget(torch.optim.Optimizer):
-    """A torch Optimizer whose only job is to carry per-group ``lr`` for torch LR
-    schedulers (``initialize(..., lr_scheduler=factory)``); the real update is CPU Adam."""
+    """A torch Optimizer whose only job is to carry per-group ``lr`` (and ``betas``, which
+    momentum-cycling schedulers change) for torch LR schedulers
+    (``initialize(..., lr_scheduler=factory)``); the real update is CPU Adam, which reads
+    them back from here at every step."""
 
     def __init__(self, groups: list[dict]):
-        super().__init__([{"params": g["params"], "lr": g["lr"],
-                           "weight_decay": g["weight_decay"]} for g in groups],
+        super().__init__([{"params": g["params"], "lr": g["lr"], "betas": tuple(g["betas"]),
+                           "eps": g["eps"], "weight_decay": g["weight_decay"]}
+                          for g in groups],
                          {"lr": groups[0]["lr"] if groups else 0.0})
 
     @torch.no_grad()
@@ -49,12 +58,13 @@ class EngineOptimizer:
         self.adamw = cfg.optimizer.type == "adamw"
         self.beta1, self.beta2 = (float(b) for b in cfg.optimizer.betas)
         self.eps = float(cfg.optimizer.eps)
-        self.base_lr = float(cfg.optimizer.lr)
+        self.base_lr = float(cfg.optimizer.lr)      # the top-level lr the schedule shapes
         self.clip = float(cfg.gradient_clipping)
         self.precision = cfg.precision
         self.scaler = DynamicLossScaler.from_config(cfg.fp16) if cfg.precision == "fp16" \
             else StaticLossScaler()
-        # parameter groups (decay / no-decay) -> per-parameter (group index, weight decay)
+        # parameter groups (decay / no-decay, per optimizer.param_groups entry) -> per
+        # parameter: group index -> (lr, weight decay, betas, eps)
         self.param_groups = build_param_groups_for_model(model, cfg.optimizer)
         self._pg_of: dict[int, int] = {}
         for i, pg in enumerate(self.param_groups):
@@ -62,6 +72,7 @@ class EngineOptimizer:
                 self._pg_of[id(p)] = i
         self.sched_target = _ScheduleTarget(self.param_groups)
         self.torch_sched = lr_scheduler(self.sched_target) if lr_scheduler is not None else None
+        self._overrides: list = []    # per param group (beta1, beta2, eps) or None
         self.step_count = 0          # applied optimizer steps (bias correction)
         self.boundaries = 0          # accumulation boundaries reached (applied + skipped)
         self.last_grad_norm = 0.0
@@ -171,10 +182,27 @@ class EngineOptimizer:
 
     # ------------------------------------------------------------------ lr
     def lr_for_group(self, i: int) -> float:
+        """Group ``i``'s lr for the next update.  The config schedule multiplies every
+        group's lr by the factor it applies to the top-level ``optimizer.lr`` (what
+        ``LambdaLR(opt, make_lambda(optimizer.lr, scheduler))`` does to each group's
+        initial lr; ``min_lr`` scales in proportion)."""
         if self.torch_sched is not None:
             return float(self.sched_target.param_groups[i]["lr"])
         from infinity.optim.schedule import lr_at
-        return float(lr_at(self.step_count, self.param_groups[i]["lr"], self.cfg.scheduler))
+        glr = float(self.param_groups[i]["lr"])
+        if glr == self.base_lr:
+            return float(lr_at(self.step_count, glr, self.cfg.scheduler))
+        if self.base_lr > 0:
+            return float(lr_at(self.step_count, self.base_lr, self.cfg.scheduler)) \
+                * glr / self.base_lr
+        return float(lr_at(self.step_count, glr, self.cfg.scheduler))  # min_lr is 0 here
+
+    def _adam_overrides(self, i: int) -> tuple[float, float, float] | None:
+        """Group ``i``'s ``(beta1, beta2, eps)`` when they differ from the top level."""
+        src = self.sched_target.param_groups[i] if self.torch_sched is not None \
+            else self.param_groups[i]
+        hp = (float(src["betas"][0]), float(src["betas"][1]), float(src["eps"]))
+        return None if hp == (self.beta1, self.beta2, self.eps) else hp
 
     @property
     def lr(self) -> float:
@@ -202,6 +230,7 @@ class EngineOptimizer:
         lrs = [self.lr_for_group(i) for i in range(len(self.param_groups))]
         self.step_count += 1
         wds = [float(pg["weight_decay"]) for pg in self.param_groups]
+        self._overrides = [self._adam_overrides(i) for i in range(len(self.param_groups))]
         items = [self._item(g, lrs, wds) for g in self.groups]
         self.store.step(items, step=self.step_count, beta1=self.beta1, beta2=self.beta2,
                         eps=self.eps, adamw=self.adamw, bias_correction=True,
@@ -224,7 +253,8 @@ class EngineOptimizer:
                 pgi = self._pg_of.get(id(s.param))
                 if pgi is None:  # tied duplicate dropped by param_groups: same tensor, first name
                     pgi = 0
-                segs.append((s.offset, s.numel, lrs[pgi], wds[pgi]))
+                ov = self._overrides[pgi] if pgi < len(self._overrides) else None
+                segs.append((s.offset, s.numel, lrs[pgi], wds[pgi], ov))
             else:
                 segs.append((s.offset, s.numel, 0.0, 0.0))
             pos = s.offset + s.numel

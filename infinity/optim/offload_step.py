@@ -48,7 +48,9 @@ class StepItem:
 
     ``grad``: flat host tensor (fp32/bf16/fp16) of the partition's numel, or a
     swap Extent holding it (``grad_dtype`` elements, read tile-wise).
-    ``segments``: ``(start, numel, lr, weight_decay)`` covering ``[0, numel)``.
+    ``segments``: ``(start, numel, lr, weight_decay)`` covering ``[0, numel)``; a
+    segment may carry a fifth element ``(beta1, beta2, eps)`` overriding the step's
+    values for its elements (per-group hyperparameters), or None.
     ``param_out``: flat tensor (bf16/fp16/fp32) receiving the updated params.
     ``param_sink(key, elem_offset, tile_tensor) -> handle | None``: called once
     per tile with the updated params of ``[elem_offset, elem_offset+len)``; the
@@ -58,7 +60,7 @@ class StepItem:
     """
     key: str
     grad: Any
-    segments: Sequence[Tuple[int, int, float, float]]
+    segments: Sequence[tuple]
     param_out: Optional[torch.Tensor] = None
     param_sink: Optional[Callable[[str, int, torch.Tensor], Any]] = None
     grad_dtype: torch.dtype = torch.float32
@@ -332,9 +334,9 @@ class OptimizerStateStore:
                 hi = min(part.numel, lo + self.tile_numel)
                 sub = []
                 while si < len(segs) and segs[si][0] < hi:
-                    s0, s1, lr, wd = segs[si]
+                    s0, s1, lr, wd, ov = segs[si]
                     a, b = max(s0, lo), min(s1, hi)
-                    sub.append((a - lo, b - a, lr, wd))
+                    sub.append((a - lo, b - a, lr, wd, ov))
                     if s1 <= hi:
                         si += 1
                     else:
@@ -558,22 +560,36 @@ def _state_role(which: str) -> str:
     return which
 
 
-def _normalize_segments(part: _Partition, segments) -> List[Tuple[int, int, float, float]]:
-    """Validate (start, numel, lr, wd) segments and return merged (start, end, lr, wd) ranges."""
+def _segment_overrides(key, seg) -> Optional[Tuple[float, float, float]]:
+    """The optional fifth element of a segment: ``(beta1, beta2, eps)`` or None."""
+    if len(seg) == 4 or seg[4] is None:
+        return None
+    ov = seg[4]
+    if len(seg) != 5 or not isinstance(ov, (tuple, list)) or len(ov) != 3:
+        raise ValueError(f"OptimizerStateStore.step({key!r}): a segment is (start, numel, lr, "
+                         f"weight_decay[, (beta1, beta2, eps)]), got {seg!r}")
+    return tuple(float(x) for x in ov)
+
+
+def _normalize_segments(part: _Partition, segments) -> List[tuple]:
+    """Validate (start, numel, lr, wd[, (beta1, beta2, eps)]) segments and return merged
+    (start, end, lr, wd, overrides-or-None) ranges."""
     if not segments:
         raise ValueError(f"OptimizerStateStore.step({part.key!r}): segments is empty; pass "
                          f"[(0, {part.numel}, lr, weight_decay)] for one group")
-    segs = sorted((int(s), int(n), float(lr), float(wd)) for s, n, lr, wd in segments)
-    out: List[Tuple[int, int, float, float]] = []
+    segs = sorted(((int(sg[0]), int(sg[1]), float(sg[2]), float(sg[3]),
+                    _segment_overrides(part.key, sg)) for sg in segments),
+                  key=lambda sg: sg[:2])
+    out: List[tuple] = []
     pos = 0
-    for s, n, lr, wd in segs:
+    for s, n, lr, wd, ov in segs:
         if s != pos or n <= 0:
             raise ValueError(f"OptimizerStateStore.step({part.key!r}): segments must tile [0, {part.numel}) "
                              f"without gaps or overlaps; found ({s}, {n}) where element {pos} was expected")
-        if out and out[-1][2] == lr and out[-1][3] == wd:
-            out[-1] = (out[-1][0], s + n, lr, wd)
+        if out and out[-1][2:] == (lr, wd, ov):
+            out[-1] = (out[-1][0], s + n, lr, wd, ov)
         else:
-            out.append((s, s + n, lr, wd))
+            out.append((s, s + n, lr, wd, ov))
         pos = s + n
     if pos != part.numel:
         raise ValueError(f"OptimizerStateStore.step({part.key!r}): segments cover [0, {pos}) but the partition "

@@ -79,7 +79,8 @@ class TileTask:
     index: int                     # tile index inside the partition
     start: int                     # first element (partition coordinates)
     numel: int
-    segs: List[Tuple[int, int, float, float]]  # (offset in tile, numel, lr, weight_decay)
+    # (offset in tile, numel, lr, weight_decay, (beta1, beta2, eps) overrides or None)
+    segs: List[tuple]
     grad: Any = None               # flat host tensor or Extent
     param_out: Optional[torch.Tensor] = None   # flat, or None
 
@@ -196,11 +197,12 @@ class TilePipeline:
         if fused_out is None and po_full is not None and po_full.device.type == "cpu":
             fused_out = po_full
         master, grad, m, s = v["master"], v["grad"], v["exp_avg"], v["exp_avg_sq"]
-        for off, k, lr, wd in task.segs:
+        for off, k, lr, wd, ov in task.segs:
             e = off + k
+            shp = hp if ov is None else {**hp, "beta1": ov[0], "beta2": ov[1], "eps": ov[2]}
             self.adam_step(master[off:e], grad[off:e], m[off:e], s[off:e],
                            lr=lr, weight_decay=wd,
-                           param_out=None if fused_out is None else fused_out[off:e], **hp)
+                           param_out=None if fused_out is None else fused_out[off:e], **shp)
         if po_full is not None and fused_out is not po_full:
             # A second output (or a device tensor): copy the rounded values, bit-identical
             # to the fused ones when the dtypes match, else rounded from the fp32 master.

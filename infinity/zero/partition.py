@@ -49,15 +49,16 @@ class Partition:
         return r * s, (r + 1) * s
 
 
-def clip_segments(segments, lo: int, hi: int) -> list[tuple[int, int, float, float]]:
-    """Restrict ``(start, numel, lr, weight_decay)`` segments covering a whole group to the
-    shard ``[lo, hi)``, re-based so the shard starts at 0.  The result covers ``[0, hi-lo)``."""
+def clip_segments(segments, lo: int, hi: int) -> list[tuple]:
+    """Restrict ``(start, numel, lr, weight_decay[, overrides])`` segments covering a whole
+    group to the shard ``[lo, hi)``, re-based so the shard starts at 0 (any further
+    elements are kept as they are).  The result covers ``[0, hi-lo)``."""
     out = []
-    for start, n, lr, wd in segments:
+    for start, n, *rest in segments:
         a, b = max(start, lo), min(start + n, hi)
         if a < b:
-            out.append((a - lo, b - a, lr, wd))
-    covered = sum(n for _, n, _, _ in out)
+            out.append((a - lo, b - a, *rest))
+    covered = sum(seg[1] for seg in out)
     if covered != hi - lo:
         raise ValueError(f"clip_segments: segments cover {covered} of the {hi - lo} elements of "
                          f"shard [{lo}, {hi}); they must cover the whole group")

@@ -32,6 +32,10 @@ class AwkwardNet(nn.Module):
 def make_model(kind="awkward"):
     if kind == "awkward":
         return AwkwardNet()
+    if kind == "awkward-mixed":          # a module with a frozen weight and a trainable bias
+        m = AwkwardNet()
+        m.frozen.bias.requires_grad_(True)
+        return m
     raise ValueError(kind)
 
 
