@@ -33,7 +33,10 @@ def main():
     result = {"rank": rank, "runs": {}}
     for run in spec["runs"]:
         cfg = run["config"]
-        ensure_process_group(cfg.get("dist_timeout_s", 60))
+        had_pg = dist.is_initialized()
+        if not (spec.get("pg_by_initialize") and not run.get("init")):
+            ensure_process_group(cfg.get("dist_timeout_s", 60))
+        # else: infinity.initialize creates the group from RANK/WORLD_SIZE/MASTER_* itself
         torch.manual_seed(1234)
         if run.get("init"):
             from infinity.zero.init import Init, is_managed
@@ -85,6 +88,7 @@ def main():
             except FileNotFoundError:
                 pass
         result["runs"][run["name"]] = {"losses": losses, "swap_left": swap_left,
+                                       "had_pg_before": had_pg,
                                        "nvme_read_bytes": stats.get("nvme_read_bytes", 0),
                                        "allgather_bytes": stats.get("allgather_bytes", 0),
                                        "reduce_scatter_bytes": stats.get("reduce_scatter_bytes", 0),

@@ -92,7 +92,8 @@ def _run_matrix(tmp_path, combos, **extra):
         runs.append({"name": name, "model": "awkward", "steps": STEPS, "batch": BATCH,
                      "init": "init" in flags, "spill": "spill" in flags,
                      "config": base_config(stage, offload, swap, **extra)})
-    res = run_ranks("dist_child.py", {"runs": runs, "check_state_dict": True}, tmp_path,
+    res = run_ranks("dist_child.py", {"runs": runs, "check_state_dict": True,
+                                      "pg_by_initialize": True}, tmp_path,
                     world_size=2, timeout=300)
     bad = [r for r in res if r.returncode != 0 or r.result is None]
     assert not bad, "\n".join(repr(r) for r in res)   # every rank: the first failure may be on any
@@ -111,6 +112,8 @@ def test_stages_default_matrix(tmp_path):
     res = _run_matrix(tmp_path, [(3, "nvme"), (2, "cpu"), (1, "none"), (3, "nvme", "init"),
                                  (2, "nvme", "spill")])
     s3 = res[0].result["runs"]["s3-nvme"]
+    # the first run started without a process group: infinity.initialize created it
+    assert all(r.result["runs"]["s3-nvme"]["had_pg_before"] is False for r in res)
     assert s3["allgather_bytes"] > 0 and s3["reduce_scatter_bytes"] > 0
     assert s3["nvme_read_bytes"] > 0
     # stage 3 gathers ahead of use: after the first (recording) step most fetches are
