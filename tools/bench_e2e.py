@@ -1,7 +1,14 @@
 #!/usr/bin/env python
 """End-to-end step time: plain PyTorch in memory vs infinity with params and optimizer on
-NVMe (host cap <= 40 % of the model states), against the bandwidth bound
+NVMe (host cap <= 40 % of the model states) vs DeepSpeed ZeRO-3 with params and optimizer on
+NVMe, in one run, against the bandwidth bound
 ``max(compute-only step, NVMe read bytes / fio read bw + NVMe write bytes / fio write bw)``.
+
+Order: fio, (a) torch, (b) infinity, fio again, (c) DeepSpeed. The bound takes the faster of
+the two fio measurements (read; write = rewrite of an already written file, as infinity's
+preallocated swap files are) and infinity's NVMe bytes per step from ``engine.stats()``.
+Printed per step: bytes and busy seconds per link (engine.stats()), the bytes the kernel saw
+the process read/write (/proc/self/io), and the same kernel counters for the DeepSpeed process.
 
     .venv/bin/python tools/bench_e2e.py                       # 268M-param fp32 MLP stack
     .venv/bin/python tools/bench_e2e.py --layers 2 --d 512    # quick smoke run
@@ -17,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -60,6 +68,19 @@ def run_torch(args):
     return times[args.warmup:]
 
 
+LINKS = ("nvme_read", "nvme_write", "h2d", "d2h")
+DELTA_KEYS = tuple(f"{k}_{u}" for k in LINKS for u in ("bytes", "seconds")) + ("on_demand_fetches",)
+
+
+def proc_io():
+    """This process's storage I/O counters (``/proc/self/io``: read_bytes/write_bytes), or None."""
+    try:
+        with open("/proc/self/io") as f:
+            return {k: int(v) for k, v in (line.split(":") for line in f)}
+    except (OSError, ValueError):
+        return None
+
+
 def run_infinity(args, swap_dir, host_gb):
     import infinity
     model = build(args.layers, args.d, args.hidden)
@@ -73,6 +94,7 @@ def run_infinity(args, swap_dir, host_gb):
     with infinity.initialize(model, cfg) as eng:
         for i in range(args.warmup + args.steps):
             s0 = eng.stats()
+            k0 = proc_io()
             t0 = time.perf_counter()
             loss = torch.nn.functional.mse_loss(eng(x), y)
             eng.backward(loss)
@@ -80,16 +102,18 @@ def run_infinity(args, swap_dir, host_gb):
             eng.step()
             t2 = time.perf_counter()
             s1 = eng.stats()
+            k1 = proc_io()
             times.append((t2 - t0, t1 - t0, t2 - t1))
-            moved.append({k: s1[k] - s0[k] for k in ("nvme_read_bytes", "nvme_write_bytes",
-                                                     "nvme_read_seconds", "nvme_write_seconds",
-                                                     "on_demand_fetches")})
+            moved.append({k: s1[k] - s0[k] for k in DELTA_KEYS})
+            if k0 and k1:  # what the kernel saw this process read/write from storage
+                moved[-1].update(kernel_read_bytes=k1["read_bytes"] - k0["read_bytes"],
+                                 kernel_write_bytes=k1["write_bytes"] - k0["write_bytes"])
         final = eng.stats()
     return times[args.warmup:], moved[args.warmup:], final
 
 
 def run_deepspeed(args, swap_dir):
-    """Median step time of DeepSpeed ZeRO-3 (params + optimizer on NVMe), or None if skipped."""
+    """The peer's JSON result for DeepSpeed ZeRO-3 (params + optimizer on NVMe), or None."""
     py = args.deepspeed_python
     if not py:
         print("(c) DeepSpeed: skipped (--deepspeed-python '')")
@@ -103,6 +127,7 @@ def run_deepspeed(args, swap_dir):
     cmd = [py, peer, "--layers", str(args.layers), "--hidden", str(args.d),
            "--ffn-mult", str(args.hidden // args.d), "--tokens", str(args.tokens),
            "--steps", str(args.steps), "--warmup", str(args.warmup), "--nvme-path", swap_dir, "--json"]
+    print(f"(c) DeepSpeed: running {' '.join(cmd)}", flush=True)
     r = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
     try:
         res = json.loads(r.stdout.strip().splitlines()[-1])
@@ -113,34 +138,65 @@ def run_deepspeed(args, swap_dir):
         print(f"(c) DeepSpeed: failed: {res.get('error')}")
         return None
     t = res["median_step_s"]
-    print(f"(c) DeepSpeed ZeRO-3 params+optimizer on NVMe: median step {t:.2f} s  "
-          f"{[round(x, 2) for x in res.get('step_s', [])]}; peak RSS "
-          f"{res.get('peak_rss_bytes', 0) / 1e9:.2f} GB")
-    return t
+    print(f"(c) DeepSpeed ZeRO-3 params+optimizer on NVMe: median step {t:.2f} s "
+          f"(forward+backward {statistics.median(res['fwd_bwd_s']):.2f} s, optimizer step "
+          f"{statistics.median(res['optimizer_step_s']):.2f} s)  "
+          f"{[round(x, 2) for x in res.get('step_s', [])]}; init {res.get('init_seconds', 0):.1f} s; "
+          f"peak RSS {res.get('peak_rss_bytes', 0) / 1e9:.2f} GB")
+    if res.get("io_read_bytes"):
+        print(f"    per step (median), kernel (/proc/self/io) of the DeepSpeed process: read "
+              f"{statistics.median(res['io_read_bytes']) / 1e9:.2f} GB, write "
+              f"{statistics.median(res['io_write_bytes']) / 1e9:.2f} GB; CPU over the measured "
+              f"steps {res.get('measured_user_s', 0):.1f} s user + "
+              f"{res.get('measured_sys_s', 0):.1f} s sys")
+    return res
+
+
+def fmt(t):
+    return "-" if t is None else f"{t:.2f} s"
+
+
+def ratio(a, b):
+    return "-" if not b else f"{a / b:.2f}"
+
+
+def peak_rss_bytes():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def fio_bw(path, size_mb, seconds):
-    """Sequential O_DIRECT read and write bandwidth (bytes/s) of ``path`` measured by fio."""
+    """Sequential O_DIRECT bandwidth (bytes/s) of ``path`` measured by fio: ``write`` is the
+    REwrite of a file fio has already written once (infinity's swap files are preallocated and
+    rewritten every step; writing fresh blocks is several times slower on ext4, which would
+    loosen the bound), ``first_write`` that first pass, ``read`` a read of the file."""
     if shutil.which("fio") is None:
+        print("fio: not installed (apt-get install fio); no bound")
         return None
     os.makedirs(path, exist_ok=True)
     out = {}
     fname = os.path.join(path, "fio-bench.dat")
     try:
-        for rw in ("write", "read"):
+        for key, rw in (("first_write", "write"), ("write", "write"), ("read", "read")):
             r = subprocess.run(["fio", "--name=bw", f"--filename={fname}", f"--rw={rw}",
                                 "--bs=1M", "--direct=1", "--ioengine=io_uring",
                                 "--iodepth=32", f"--size={size_mb}M", f"--runtime={seconds}",
                                 "--time_based=0", "--output-format=json"],
                                capture_output=True, text=True)
             if r.returncode:
+                print(f"fio: {rw} failed (exit {r.returncode}): {r.stderr.strip()[-300:]}; no bound")
                 return None
-            job = json.loads(r.stdout)["jobs"][0][rw]
-            out[rw] = job["bw_bytes"]
+            out[key] = json.loads(r.stdout)["jobs"][0][rw]["bw_bytes"]
     finally:
         if os.path.exists(fname):
             os.unlink(fname)
     return out
+
+
+def print_fio(when, bw, args):
+    if bw:
+        print(f"fio ({when}): read {bw['read'] / 1e9:.2f} GB/s, write {bw['write'] / 1e9:.2f} GB/s "
+              f"(rewrite; first write of the file {bw['first_write'] / 1e9:.2f} GB/s) "
+              f"({args.fio_mb} MiB file, 1 MiB blocks, O_DIRECT, io_uring, iodepth 32)")
 
 
 def main(argv=None):
@@ -171,9 +227,7 @@ def main(argv=None):
           f"infinity host cap {host_gb:.2f} GB ({args.host_frac:.0%}); torch threads "
           f"{torch.get_num_threads()}")
     bw = fio_bw(os.path.join(root, "fio"), args.fio_mb, 10)
-    if bw:
-        print(f"fio: read {bw['read'] / 1e9:.2f} GB/s, write {bw['write'] / 1e9:.2f} GB/s "
-              f"(1 MiB, O_DIRECT, io_uring, iodepth 32)")
+    print_fio("before", bw, args)
     t_torch = None
     if not args.skip_torch:
         tt = run_torch(args)
@@ -188,19 +242,41 @@ def main(argv=None):
     print(f"(b) infinity params+optimizer on NVMe: median step {t_inf:.2f} s "
           f"(forward+backward {fb:.2f} s, optimizer step {st:.2f} s)  "
           f"{[round(t[0], 2) for t in ti]}")
-    print(f"    per step: NVMe read {rd / 1e9:.2f} GB, NVMe write {wr / 1e9:.2f} GB, "
-          f"on-demand fetches {[m['on_demand_fetches'] for m in moved]}; peaks host "
-          f"{final['host_peak_bytes'] / 1e9:.2f} GB, device tier "
-          f"{final['device_peak_bytes'] / 1e9:.2f} GB")
+    print("    per step (median), engine.stats() deltas: link, bytes, busy seconds, bytes/busy s")
+    for k in LINKS:
+        b = statistics.median(m[f"{k}_bytes"] for m in moved)
+        sec = statistics.median(m[f"{k}_seconds"] for m in moved)
+        rate = f"{b / sec / 1e9:.2f} GB/s" if sec > 0 else "-"
+        print(f"      {k:<10} {b / 1e9:7.2f} GB  {sec:7.2f} s  {rate}")
+    if "kernel_read_bytes" in moved[0]:
+        print(f"    kernel (/proc/self/io) per step: read "
+              f"{statistics.median(m['kernel_read_bytes'] for m in moved) / 1e9:.2f} GB, write "
+              f"{statistics.median(m['kernel_write_bytes'] for m in moved) / 1e9:.2f} GB")
+    print(f"    on-demand fetches {[m['on_demand_fetches'] for m in moved]}; peaks host "
+          f"{final['host_peak_bytes'] / 1e9:.2f} GB (cap {host_gb:.2f} GB), device tier "
+          f"{final['device_peak_bytes'] / 1e9:.2f} GB, NVMe {final.get('nvme_peak_bytes', 0) / 1e9:.2f} GB; "
+          f"peak RSS {peak_rss_bytes() / 1e9:.2f} GB (process so far)")
+    bound = None
+    bw2 = fio_bw(os.path.join(root, "fio"), args.fio_mb, 10) if bw else None
+    print_fio("after infinity", bw2, args)
+    if bw and bw2:  # the faster of the two measurements: the stricter bound
+        bw = {k: max(bw[k], bw2[k]) for k in bw}
     if bw and t_torch is not None:
         io_time = rd / bw["read"] + wr / bw["write"]
         bound = max(t_torch, io_time)
-        print(f"bound = max(compute-only {t_torch:.2f} s, NVMe bytes / fio bw {io_time:.2f} s) "
-              f"= {bound:.2f} s;  infinity / bound = {t_inf / bound:.2f}  "
-              f"(target <= 1.25);  infinity / torch = {t_inf / t_torch:.2f}")
-    t_ds = run_deepspeed(args, os.path.join(root, "ds-swap"))
+        print(f"bound = max(compute-only {t_torch:.2f} s, NVMe bytes / fio bw "
+              f"{rd / 1e9:.2f} GB / {bw['read'] / 1e9:.2f} + {wr / 1e9:.2f} GB / "
+              f"{bw['write'] / 1e9:.2f} = {io_time:.2f} s) = {bound:.2f} s;  infinity / bound = "
+              f"{t_inf / bound:.2f}  (target <= 1.25);  infinity / torch = {t_inf / t_torch:.2f}")
+    elif not bw:
+        print("bound: not computed (fio missing or failed: apt-get install fio)")
+    ds = run_deepspeed(args, os.path.join(root, "ds-swap"))
+    t_ds = ds["median_step_s"] if ds else None
     if t_ds is not None:
         print(f"    infinity / DeepSpeed = {t_inf / t_ds:.2f}  (target <= 0.5)")
+    print(f"summary: torch {fmt(t_torch)} | infinity {t_inf:.2f} s | DeepSpeed {fmt(t_ds)} | "
+          f"bound {fmt(bound)} | infinity/bound {ratio(t_inf, bound)} (<= 1.25) | "
+          f"infinity/DeepSpeed {ratio(t_inf, t_ds)} (<= 0.5) | load {os.getloadavg()}")
     if args.nvme_path is None:
         shutil.rmtree(root, ignore_errors=True)
 

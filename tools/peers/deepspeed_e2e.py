@@ -17,7 +17,9 @@ DeepSpeed's ops JIT-compile on first use (minutes, cached in ~/.cache/torch_exte
 stdout carries exactly ONE JSON line (also on failure, with an ``error`` field and exit code
 1); everything else, DeepSpeed's C++ prints included, goes to stderr. The fields: median step
 time over the post-warmup steps, every step's time (split into forward+backward and optimizer
-step), each step's loss, peak RSS (``ru_maxrss``), parameter count, the DeepSpeed config used.
+step), each step's loss, each measured step's storage bytes read and written by this process
+(``/proc/self/io``: ``io_read_bytes``/``io_write_bytes``), peak RSS (``ru_maxrss``), parameter
+count, the DeepSpeed config used.
 The swap directory is a private 0700 directory made under ``--nvme-path`` and removed at the
 end (DeepSpeed itself leaves its swap files behind).
 """
@@ -142,6 +144,15 @@ def dir_bytes(path):
     return total
 
 
+def proc_io():
+    """Storage I/O counters of this process (``/proc/self/io``), or None where unavailable."""
+    try:
+        with open("/proc/self/io") as f:
+            return {k: int(v) for k, v in (line.split(":") for line in f)}
+    except (OSError, ValueError):
+        return None
+
+
 def peak_rss_bytes():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
@@ -180,17 +191,22 @@ def run(args, swap_dir, res):
         f"{res['rss_after_init_bytes'] / 1e9:.2f} GB, optimizer {res['optimizer_class']}")
 
     x, y = e2e_model.make_batch(args.tokens, args.hidden)
-    steps, fwd_bwd, opt_step, losses = [], [], [], []
+    steps, fwd_bwd, opt_step, losses, io_rd, io_wr = [], [], [], [], [], []
     cpu0 = None
     for i in range(args.warmup + args.steps):
         if i == args.warmup:
             cpu0 = os.times()
+        io0 = proc_io()
         ta = time.perf_counter()
         loss = e2e_model.loss_fn(engine(x), y)
         engine.backward(loss)
         tb = time.perf_counter()
         engine.step()
         tc = time.perf_counter()
+        io1 = proc_io()
+        if io0 and io1:
+            io_rd.append(io1["read_bytes"] - io0["read_bytes"])
+            io_wr.append(io1["write_bytes"] - io0["write_bytes"])
         steps.append(tc - ta)
         fwd_bwd.append(tb - ta)
         opt_step.append(tc - tb)
@@ -208,6 +224,8 @@ def run(args, swap_dir, res):
         losses=losses,
         measured_user_s=cpu1.user - cpu0.user,
         measured_sys_s=cpu1.system - cpu0.system,
+        io_read_bytes=io_rd[w:],
+        io_write_bytes=io_wr[w:],
     )
     if args.offload == "nvme":
         res["swap_bytes_on_disk"] = dir_bytes(swap_dir)
