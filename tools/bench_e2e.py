@@ -58,14 +58,17 @@ def run_torch(args):
     x, y = batch(args.d, args.tokens)
     times = []
     for i in range(args.warmup + args.steps):
+        if i == args.warmup:
+            cpu0 = os.times()
         t0 = time.perf_counter()
         loss = torch.nn.functional.mse_loss(model(x), y)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - t0)
+    cpu1 = os.times()
     del model, opt
-    return times[args.warmup:]
+    return times[args.warmup:], (cpu1.user - cpu0.user, cpu1.system - cpu0.system)
 
 
 LINKS = ("nvme_read", "nvme_write", "h2d", "d2h")
@@ -93,6 +96,8 @@ def run_infinity(args, swap_dir, host_gb):
     times, moved = [], []
     with infinity.initialize(model, cfg) as eng:
         for i in range(args.warmup + args.steps):
+            if i == args.warmup:
+                cpu0 = os.times()
             s0 = eng.stats()
             k0 = proc_io()
             t0 = time.perf_counter()
@@ -108,11 +113,14 @@ def run_infinity(args, swap_dir, host_gb):
             if k0 and k1:  # what the kernel saw this process read/write from storage
                 moved[-1].update(kernel_read_bytes=k1["read_bytes"] - k0["read_bytes"],
                                  kernel_write_bytes=k1["write_bytes"] - k0["write_bytes"])
+        cpu1 = os.times()
         final = eng.stats()
+    final["measured_user_s"] = cpu1.user - cpu0.user
+    final["measured_sys_s"] = cpu1.system - cpu0.system
     return times[args.warmup:], moved[args.warmup:], final
 
 
-def run_deepspeed(args, swap_dir):
+def run_deepspeed(args, swap_dir, max_in_cpu):
     """The peer's JSON result for DeepSpeed ZeRO-3 (params + optimizer on NVMe), or None."""
     py = args.deepspeed_python
     if not py:
@@ -126,7 +134,8 @@ def run_deepspeed(args, swap_dir):
     peer = os.path.join(os.path.dirname(os.path.abspath(__file__)), "peers", "deepspeed_e2e.py")
     cmd = [py, peer, "--layers", str(args.layers), "--hidden", str(args.d),
            "--ffn-mult", str(args.hidden // args.d), "--tokens", str(args.tokens),
-           "--steps", str(args.steps), "--warmup", str(args.warmup), "--nvme-path", swap_dir, "--json"]
+           "--steps", str(args.steps), "--warmup", str(args.warmup), "--nvme-path", swap_dir,
+           "--max-in-cpu", str(max_in_cpu), "--json"]
     print(f"(c) DeepSpeed: running {' '.join(cmd)}", flush=True)
     r = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
     try:
@@ -138,7 +147,7 @@ def run_deepspeed(args, swap_dir):
         print(f"(c) DeepSpeed: failed: {res.get('error')}")
         return None
     t = res["median_step_s"]
-    print(f"(c) DeepSpeed ZeRO-3 params+optimizer on NVMe: median step {t:.2f} s "
+    print(f"(c) DeepSpeed ZeRO-3 params+optimizer on NVMe, max_in_cpu {max_in_cpu:.0e}: median step {t:.2f} s "
           f"(forward+backward {statistics.median(res['fwd_bwd_s']):.2f} s, optimizer step "
           f"{statistics.median(res['optimizer_step_s']):.2f} s)  "
           f"{[round(x, 2) for x in res.get('step_s', [])]}; init {res.get('init_seconds', 0):.1f} s; "
@@ -216,6 +225,11 @@ def main(argv=None):
     ap.add_argument("--skip-torch", action="store_true")
     ap.add_argument("--deepspeed-python", default=DEFAULT_DS_PYTHON,
                     help="python of the DeepSpeed venv ('' to skip; default %(default)s)")
+    ap.add_argument("--ds-max-in-cpu", default=str(int(1e9)),
+                    type=lambda v: [int(float(x)) for x in v.split(",")],
+                    help="DeepSpeed offload_param.max_in_cpu, comma-separated for one DeepSpeed "
+                         "run each (its default 1e9: all params of this model stay resident in "
+                         "host memory; 0: params really on NVMe). Default %(default)s")
     args = ap.parse_args(argv)
 
     n_params = sum(p.numel() for p in build(1, args.d, args.hidden).parameters()) * args.layers
@@ -230,9 +244,10 @@ def main(argv=None):
     print_fio("before", bw, args)
     t_torch = None
     if not args.skip_torch:
-        tt = run_torch(args)
+        tt, (tu, ts) = run_torch(args)
         t_torch = statistics.median(tt)
-        print(f"(a) plain PyTorch in memory: median step {t_torch:.2f} s  {[round(t, 2) for t in tt]}")
+        print(f"(a) plain PyTorch in memory: median step {t_torch:.2f} s  {[round(t, 2) for t in tt]}; "
+              f"CPU over the measured steps {tu:.1f} s user + {ts:.1f} s sys")
     ti, moved, final = run_infinity(args, os.path.join(root, "swap"), host_gb)
     t_inf = statistics.median(t[0] for t in ti)
     fb = statistics.median(t[1] for t in ti)
@@ -255,7 +270,8 @@ def main(argv=None):
     print(f"    on-demand fetches {[m['on_demand_fetches'] for m in moved]}; peaks host "
           f"{final['host_peak_bytes'] / 1e9:.2f} GB (cap {host_gb:.2f} GB), device tier "
           f"{final['device_peak_bytes'] / 1e9:.2f} GB, NVMe {final.get('nvme_peak_bytes', 0) / 1e9:.2f} GB; "
-          f"peak RSS {peak_rss_bytes() / 1e9:.2f} GB (process so far)")
+          f"peak RSS {peak_rss_bytes() / 1e9:.2f} GB (process so far); CPU over the measured "
+          f"steps {final['measured_user_s']:.1f} s user + {final['measured_sys_s']:.1f} s sys")
     bound = None
     bw2 = fio_bw(os.path.join(root, "fio"), args.fio_mb, 10) if bw else None
     print_fio("after infinity", bw2, args)
@@ -270,13 +286,18 @@ def main(argv=None):
               f"{t_inf / bound:.2f}  (target <= 1.25);  infinity / torch = {t_inf / t_torch:.2f}")
     elif not bw:
         print("bound: not computed (fio missing or failed: apt-get install fio)")
-    ds = run_deepspeed(args, os.path.join(root, "ds-swap"))
-    t_ds = ds["median_step_s"] if ds else None
-    if t_ds is not None:
-        print(f"    infinity / DeepSpeed = {t_inf / t_ds:.2f}  (target <= 0.5)")
-    print(f"summary: torch {fmt(t_torch)} | infinity {t_inf:.2f} s | DeepSpeed {fmt(t_ds)} | "
+    t_ds = []
+    for mic in args.ds_max_in_cpu:
+        ds = run_deepspeed(args, os.path.join(root, "ds-swap"), mic)
+        t_ds.append(ds["median_step_s"] if ds else None)
+        if t_ds[-1] is not None:
+            print(f"    infinity / DeepSpeed (max_in_cpu {mic:.0e}) = {t_inf / t_ds[-1]:.2f}  "
+                  f"(target <= 0.5)")
+    ds_s = ", ".join(f"{fmt(t)} (max_in_cpu {m:.0e})" for t, m in zip(t_ds, args.ds_max_in_cpu))
+    ds_r = ", ".join(ratio(t_inf, t) for t in t_ds)
+    print(f"summary: torch {fmt(t_torch)} | infinity {t_inf:.2f} s | DeepSpeed {ds_s or '-'} | "
           f"bound {fmt(bound)} | infinity/bound {ratio(t_inf, bound)} (<= 1.25) | "
-          f"infinity/DeepSpeed {ratio(t_inf, t_ds)} (<= 0.5) | load {os.getloadavg()}")
+          f"infinity/DeepSpeed {ds_r or '-'} (<= 0.5) | load {os.getloadavg()}")
     if args.nvme_path is None:
         shutil.rmtree(root, ignore_errors=True)
 

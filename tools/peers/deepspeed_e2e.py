@@ -70,6 +70,10 @@ def parse_args(argv=None):
     ap.add_argument("--aio-block-size", type=int, default=1 << 20)
     ap.add_argument("--aio-queue-depth", type=int, default=32)
     ap.add_argument("--aio-threads", type=int, default=1, help="aio intra_op_parallelism")
+    ap.add_argument("--max-in-cpu", type=int, default=int(1e9),
+                    help="offload_param.max_in_cpu: parameter elements DeepSpeed keeps resident in "
+                         "host memory with NVMe offload (DeepSpeed's default 1e9 keeps every "
+                         "param of a < 1e9-param model in RAM; 0 puts them all on NVMe)")
     ap.add_argument("--sub-group-size", type=int, default=None,
                     help="zero_optimization.sub_group_size (DeepSpeed default 1e9)")
     ap.add_argument("--zero-init", action="store_true",
@@ -110,7 +114,7 @@ def ds_config(args, swap_dir, largest_param):
     if args.offload == "nvme":
         # buffer_size must hold the largest parameter (elements); DeepSpeed's default is 1e8.
         offload_param.update(nvme_path=swap_dir, buffer_count=5,
-                             buffer_size=max(int(1e8), largest_param), max_in_cpu=int(1e9))
+                             buffer_size=max(int(1e8), largest_param), max_in_cpu=args.max_in_cpu)
         offload_opt.update(nvme_path=swap_dir, buffer_count=4, fast_init=False)
     zero = {"stage": 3, "offload_param": offload_param, "offload_optimizer": offload_opt,
             "overlap_comm": False, "contiguous_gradients": True}
