@@ -95,6 +95,8 @@ def test_deepspeed_e2e_peer_matches_torch_adamw(tmp_path):
     res = json.loads(lines[0])
     assert r.returncode == 0 and "error" not in res, res.get("error")
     assert res["swap_dir_removed"] and os.listdir(tmp_path) == []
+    assert len(res["io_read_bytes"]) == len(res["io_write_bytes"]) == 2  # per measured step
+    assert res["config"]["zero_optimization"]["offload_param"]["max_in_cpu"] == int(1e9)
     model = e2e_model.build_model(2, 64)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
     x, y = e2e_model.make_batch(16, 64)
