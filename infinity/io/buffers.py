@@ -17,6 +17,7 @@ from .. import _aio
 log = logging.getLogger("infinity.io")
 
 PAGE = mmap.PAGESIZE
+HUGE = 2 << 20  # x86-64 / arm64 (4 KiB granule) transparent huge page size
 _warned = set()
 _warn_lock = threading.Lock()
 
@@ -73,6 +74,15 @@ def aligned_empty(numel, dtype=torch.uint8, *, lock=True):
                        prot=mmap.PROT_READ | mmap.PROT_WRITE)
     except OSError as e:
         raise MemoryError(f"aligned_empty: cannot map {mapsize} bytes of host memory: {e}") from e
+    if mapsize >= HUGE and hasattr(mmap, "MADV_HUGEPAGE"):
+        # Transparent huge pages (honoured when THP is `always` or `madvise`): each 2 MiB
+        # is then physically contiguous, so an O_DIRECT request is a few DMA segments
+        # instead of up to one per 4 KiB page. On a virtio disk a fragmented buffer
+        # (~100 segments per 1 MiB request) measured ~2x slower than a contiguous one.
+        try:
+            mm.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:  # THP disabled or unsupported: 4 KiB pages, still correct
+            pass
     # the storage holds the memoryview (the buffer's exporter), the memoryview holds mm
     view = memoryview(mm)
     raw = torch.frombuffer(view, dtype=torch.uint8)

@@ -89,3 +89,38 @@ def test_cuda_unregister_runs_before_the_unmap(monkeypatch):
     assert [c[0] for c in calls] == ["register", "unregister"], calls
     assert calls[1][1] == ptr and calls[1][3], "unregistered after the memory was unmapped"
     assert not _mapped(ptr)                  # and then it was unmapped
+
+
+
+def _thp_mode():
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return f.read().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        return "never"
+
+
+def _vmflags(ptr):
+    """The VmFlags of the mapping holding ``ptr`` in /proc/self/smaps (None if absent)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0] if line.strip() else ""
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= ptr < hi
+            elif inside and line.startswith("VmFlags:"):
+                return line.split()[1:]
+    return None
+
+
+@pytest.mark.skipif(_thp_mode() == "never", reason="transparent huge pages disabled on this host")
+def test_large_buffers_ask_for_huge_pages():
+    # Physically contiguous memory keeps an O_DIRECT request to a few DMA segments; a
+    # fragmented 4 KiB-page buffer measured ~2-3x slower on a virtio disk (docs/benchmarks.md).
+    big, small = aligned_empty(8 << 20), aligned_empty(64 << 10)
+    flags = _vmflags(big.data_ptr())
+    if flags is None:
+        pytest.skip("/proc/self/smaps has no VmFlags")
+    assert "hg" in flags, f"8 MiB buffer mapping lacks MADV_HUGEPAGE: VmFlags {flags}"
+    assert "hg" not in (_vmflags(small.data_ptr()) or []), "buffers under 2 MiB need no huge pages"
