@@ -59,7 +59,10 @@ def aligned_empty(numel, dtype=torch.uint8, *, lock=True):
     """An uninitialised, page-aligned, contiguous CPU tensor of `numel` elements.
 
     The memory is mlock'ed when RLIMIT_MEMLOCK permits (a warning is logged once
-    otherwise) and registered with CUDA when CUDA is available. It is freed when
+    otherwise) and registered with CUDA when CUDA is available. Mappings of 2 MiB or
+    more ask for transparent huge pages (``MADV_HUGEPAGE``): physically contiguous
+    memory makes each O_DIRECT request a few DMA segments (see docs/benchmarks.md,
+    "I/O engine vs fio"). It is freed when
     the tensor (and every view of it) is garbage-collected.
     """
     if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
