@@ -15,7 +15,8 @@ INFINITY = [sys.executable, "-m", "infinity"]
 def test_doctor_checks_shape_and_path(tmp_path):
     checks = doctor_checks(str(tmp_path / "not-yet"))
     names = [c["name"] for c in checks]
-    assert names == ["liburing build", "io_uring", "O_DIRECT", "free space", "RLIMIT_MEMLOCK"]
+    assert names == ["liburing build", "io_uring", "O_DIRECT", "free space", "RLIMIT_MEMLOCK",
+                     "transparent huge pages"]
     for c in checks:
         assert set(c) == {"name", "ok", "detail", "fix"} and isinstance(c["ok"], bool)
         if not c["ok"]:
@@ -108,3 +109,16 @@ def test_build_without_liburing(tmp_path):
             "s.loader.exec_module(m); print(m.built_with_liburing(), m.uring_probe())")
     r = subprocess.run([sys.executable, "-c", code, str(tmp_path / "lib")], capture_output=True, text=True)
     assert r.stdout.split() == ["False", "38"], r.stderr  # ENOSYS
+
+
+def test_doctor_transparent_huge_pages_modes(tmp_path):
+    from infinity.io.doctor import _thp_check
+    f = tmp_path / "enabled"
+    for text, ok in [("always [madvise] never", True), ("[always] madvise never", True),
+                     ("always madvise [never]", False)]:
+        f.write_text(text + "\n")
+        c = _thp_check(str(f))
+        assert c["ok"] is ok, c
+        assert ok or ("echo madvise >" in c["fix"] and "never" in c["detail"])
+    c = _thp_check(str(tmp_path / "missing"))
+    assert c["ok"] and "cannot read" in c["detail"]
