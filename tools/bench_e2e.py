@@ -6,7 +6,8 @@ NVMe, in one run, against the bandwidth bound
 
 Order: fio, (a) torch, (b) infinity, fio again, (c) DeepSpeed. The bound takes the faster of
 the two fio measurements (read; write = rewrite of an already written file, as infinity's
-preallocated swap files are) and infinity's NVMe bytes per step from ``engine.stats()``.
+preallocated swap files are; buffers in hugetlb pages when root can reserve them, see
+HugePages) and infinity's NVMe bytes per step from ``engine.stats()``.
 Printed per step: bytes and busy seconds per link (engine.stats()), the bytes the kernel saw
 the process read/write (/proc/self/io), and the same kernel counters for the DeepSpeed process.
 
