@@ -38,7 +38,7 @@ from torch import nn
 
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from e2e_model import build_model, make_batch  # noqa: E402  (shared with the DeepSpeed peer)
+from e2e_model import build_model, make_batch, proc_io  # noqa: E402  (shared with the DeepSpeed peer)
 
 DEFAULT_DS_PYTHON = "/tmp/infinity-dsvenv/bin/python"  # tools/setup_deepspeed_venv.sh
 
@@ -74,15 +74,6 @@ def run_torch(args):
 
 LINKS = ("nvme_read", "nvme_write", "h2d", "d2h")
 DELTA_KEYS = tuple(f"{k}_{u}" for k in LINKS for u in ("bytes", "seconds")) + ("on_demand_fetches",)
-
-
-def proc_io():
-    """This process's storage I/O counters (``/proc/self/io``: read_bytes/write_bytes), or None."""
-    try:
-        with open("/proc/self/io") as f:
-            return {k: int(v) for k, v in (line.split(":") for line in f)}
-    except (OSError, ValueError):
-        return None
 
 
 def run_infinity(args, swap_dir, host_gb):

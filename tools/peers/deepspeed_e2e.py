@@ -148,15 +148,6 @@ def dir_bytes(path):
     return total
 
 
-def proc_io():
-    """Storage I/O counters of this process (``/proc/self/io``), or None where unavailable."""
-    try:
-        with open("/proc/self/io") as f:
-            return {k: int(v) for k, v in (line.split(":") for line in f)}
-    except (OSError, ValueError):
-        return None
-
-
 def peak_rss_bytes():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
@@ -200,14 +191,14 @@ def run(args, swap_dir, res):
     for i in range(args.warmup + args.steps):
         if i == args.warmup:
             cpu0 = os.times()
-        io0 = proc_io()
+        io0 = e2e_model.proc_io()
         ta = time.perf_counter()
         loss = e2e_model.loss_fn(engine(x), y)
         engine.backward(loss)
         tb = time.perf_counter()
         engine.step()
         tc = time.perf_counter()
-        io1 = proc_io()
+        io1 = e2e_model.proc_io()
         if io0 and io1:
             io_rd.append(io1["read_bytes"] - io0["read_bytes"])
             io_wr.append(io1["write_bytes"] - io0["write_bytes"])
