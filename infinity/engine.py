@@ -54,6 +54,10 @@ class Engine:
         self._closed = False
         self.aio = self.swap = None
         self.mm = self.opt = self.hooks = self.zero = None
+        self.overlap = None
+        # overlap each group's optimizer update with backward where that cannot change
+        # results (infinity.engine_overlap); set False to always step at the boundary
+        self.overlap_optimizer_step = True
         self._orig_dtypes: dict[int, torch.dtype] = {}
         self._dev_tier = None
         self.device = self._choose_device(model)
@@ -205,7 +209,17 @@ class Engine:
             # separate device memory: grads leave by D2H, staging bounded as planned
             self.opt.attach_device(dev, placement.grad_d2h_bytes)
         self.coord = PrefetchCoordinator(self.mm, cfg.prefetch.depth, self.acct)
-        self.hooks = ParamHooks(model, gp, self.mm, self.coord, self.opt.accumulate)
+        from infinity.engine_overlap import OverlappedStep, eligible
+        on_grad = self.opt.accumulate
+        if eligible(self):
+            self.overlap = OverlappedStep(self.opt, self.mm, self.coord, self.acct)
+            accumulate, overlap = self.opt.accumulate, self.overlap
+            slot_index = {id(s): i for g in gp.groups for i, s in enumerate(g.slots)}
+
+            def on_grad(g, slot, grad):
+                accumulate(g, slot, grad)
+                overlap.grad_arrived(g, slot_index[id(slot)])
+        self.hooks = ParamHooks(model, gp, self.mm, self.coord, on_grad)
         self.hooks.install()
 
     # ------------------------------------------------------------------ training API
@@ -214,6 +228,7 @@ class Engine:
 
     def forward(self, *args, **kwargs):
         self._check_open()
+        self._drain_overlap()              # a fetch must not read a home being updated
         if self.device.type != "cpu":     # inputs follow the parameters (top-level tensors)
             args = tuple(self._to_device(a) for a in args)
             kwargs = {k: self._to_device(v) for k, v in kwargs.items()}
@@ -238,11 +253,19 @@ class Engine:
         scale = self.opt.scaler.scale / self.gas
         if scale != 1.0:
             loss = loss.float() * scale      # fp32: an fp16 loss times 65536 overflows
+        final = (self.micro_steps + 1) % self.gas == 0
         before_backward = getattr(self.opt, "before_backward", None)
         if before_backward is not None:
-            before_backward((self.micro_steps + 1) % self.gas == 0)
+            before_backward(final)
+        ov = self.overlap
+        if ov is not None and final and self.overlap_optimizer_step and not retain_graph:
+            ov.begin()
         with self.timeline.span("backward", "backward"):
-            loss.backward(retain_graph=retain_graph)
+            try:
+                loss.backward(retain_graph=retain_graph)
+            finally:
+                if ov is not None:
+                    ov.end()
             self.hooks.finish_backward()
             end_backward = getattr(self.opt, "end_backward", None)
             if end_backward is not None:
@@ -262,7 +285,8 @@ class Engine:
         od = self.acct.counters.get("on_demand_fetches", 0)
         self.mm.wait_host_reads()          # no copy may still read a home being updated
         with self.timeline.span("optimizer", "step"):
-            applied = self.opt.boundary_step()
+            done = self.overlap.finish() if self.overlap is not None else None
+            applied = self.opt.boundary_step(done) if done else self.opt.boundary_step()
         if applied:
             self.mm.refresh_resident()     # separate device: resident copies from mirrors
         self.timeline.mark_step(self.opt.boundaries)
@@ -307,7 +331,7 @@ class Engine:
         d = self.acct.as_dict()
         for k in ("on_demand_fetches", "prefetched_fetches", "untracked_fetches",
                   "divergent_steps", "prefetch_unused", "prefetch_evicted",
-                  "device_budget_overflows"):
+                  "device_budget_overflows", "optimizer_groups_overlapped"):
             d.setdefault(k, 0)
         d.update({
             "step": self.opt.step_count,
@@ -335,11 +359,13 @@ class Engine:
     def state_dict(self):
         from infinity.engine_weights import StreamedStateDict
         self._check_open()
+        self._drain_overlap()
         return StreamedStateDict(self)
 
     def save_pretrained(self, directory, *, max_shard_bytes: int = 2 * 10 ** 9) -> list[str]:
         from infinity.engine_weights import save_pretrained
         self._check_open()
+        self._drain_overlap()
         return save_pretrained(self, directory, max_shard_bytes=max_shard_bytes)
 
     # ------------------------------------------------------------------ checkpoints
@@ -349,6 +375,7 @@ class Engine:
         At world size > 1 every rank calls it and writes its own shard."""
         from infinity.checkpoint.engine_state import save_engine_checkpoint
         self._check_open()
+        self._drain_overlap()
         return save_engine_checkpoint(self, directory, tag, **kw)
 
     def load_checkpoint(self, directory, tag=None, **kw):
@@ -357,9 +384,16 @@ class Engine:
         every rank calls it."""
         from infinity.checkpoint.engine_state import load_engine_checkpoint
         self._check_open()
+        self._drain_overlap()
         return load_engine_checkpoint(self, directory, tag, **kw)
 
     # ------------------------------------------------------------------ lifetime
+    def _drain_overlap(self) -> None:
+        """Wait for group steps submitted during backward when the boundary step has not
+        collected them (forward, weights out or a checkpoint before ``step()``)."""
+        if self.overlap is not None and self.overlap.busy:
+            self.overlap.wait()            # step() still collects them
+
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("engine: already closed; create a new one with infinity.initialize")
@@ -370,7 +404,8 @@ class Engine:
             return
         self._closed = True
         errors = []
-        for what, fn in (("hooks", getattr(self.hooks, "remove", None)),
+        for what, fn in (("overlapped step", getattr(self.overlap, "close", None)),
+                         ("hooks", getattr(self.hooks, "remove", None)),
                          ("memory", getattr(self.mm, "close", None)),
                          ("device", getattr(self._dev_tier, "close", None)),
                          ("optimizer", getattr(getattr(self, "store", None), "close", None)),

@@ -73,6 +73,7 @@ class EngineOptimizer:
         self.sched_target = _ScheduleTarget(self.param_groups)
         self.torch_sched = lr_scheduler(self.sched_target) if lr_scheduler is not None else None
         self._overrides: list = []    # per param group (beta1, beta2, eps) or None
+        self._hp = None               # (lrs, wds) of the next applied step, once computed
         self.step_count = 0          # applied optimizer steps (bias correction)
         self.boundaries = 0          # accumulation boundaries reached (applied + skipped)
         self.last_grad_norm = 0.0
@@ -168,14 +169,19 @@ class EngineOptimizer:
 
     def zero_grad(self) -> None:
         self._written.clear()
+        self._hp = None
         if self.nvme_grads is not None:
             self.nvme_grads.reset()
 
-    def grad_norm(self) -> float:
+    def grad_norm(self, skip: dict[int, float] | None = None) -> float:
+        """``skip``: ``{gid: squared norm}`` already computed (groups stepped early)."""
         if self.nvme_grads is not None:
             return math.sqrt(self.nvme_grads.finish_window())
-        total = 0.0
+        skip = skip or {}
+        total = sum(skip.values())
         for g in self.groups:
+            if g.gid in skip:
+                continue
             n = float(torch.linalg.vector_norm(g.grad_buf))
             total += n * n
         return math.sqrt(total)
@@ -209,14 +215,36 @@ class EngineOptimizer:
         return self.lr_for_group(0) if self.param_groups else 0.0
 
     # ------------------------------------------------------------------ the step
-    def boundary_step(self) -> bool:
+    def _next_hparams(self) -> tuple[list[float], list[float]]:
+        """Per param group (lr, weight decay) of the next applied step (sets the Adam
+        overrides); computed once per window, shared by overlapped group steps."""
+        if self._hp is None:
+            lrs = [self.lr_for_group(i) for i in range(len(self.param_groups))]
+            wds = [float(pg["weight_decay"]) for pg in self.param_groups]
+            self._overrides = [self._adam_overrides(i) for i in range(len(self.param_groups))]
+            self._hp = (lrs, wds)
+        return self._hp
+
+    def early_item(self, g: GroupRecord):
+        """The step item and ``store.step`` keywords of ``g``'s update at the coming
+        boundary (overlapped with backward: no clipping, loss scale 1)."""
+        lrs, wds = self._next_hparams()
+        kw = dict(step=self.step_count + 1, beta1=self.beta1, beta2=self.beta2,
+                  eps=self.eps, adamw=self.adamw, bias_correction=True,
+                  grad_scale=1.0 / float(self.scaler.scale))
+        return self._item(g, lrs, wds), kw
+
+    def boundary_step(self, done: dict[int, float] | None = None) -> bool:
         """Apply (or skip) one optimizer step over the accumulated gradients.
+        ``done``: ``{gid: squared grad norm}`` of groups already stepped (overlapped with
+        backward, :mod:`infinity.engine_overlap`); only the others are stepped here.
         Returns True when the update was applied."""
         t0 = time.perf_counter()
+        done = done or {}
         self.boundaries += 1
         self._zero_unwritten()
         scale = float(self.scaler.scale)
-        raw_norm = self.grad_norm()
+        raw_norm = self.grad_norm(skip=done) if done else self.grad_norm()
         overflow = not math.isfinite(raw_norm)
         norm = raw_norm / scale
         self.last_grad_norm = norm
@@ -227,14 +255,17 @@ class EngineOptimizer:
         if self.clip > 0 and math.isfinite(norm):
             clip_coef = min(1.0, self.clip / (norm + 1e-6))
         grad_scale = clip_coef / scale
-        lrs = [self.lr_for_group(i) for i in range(len(self.param_groups))]
+        if done and grad_scale != 1.0 / scale:
+            raise RuntimeError("engine.step: groups were stepped during backward although "
+                               "the step clips gradients (internal error)")
+        lrs, wds = self._next_hparams()
+        self._hp = None
         self.step_count += 1
-        wds = [float(pg["weight_decay"]) for pg in self.param_groups]
-        self._overrides = [self._adam_overrides(i) for i in range(len(self.param_groups))]
-        items = [self._item(g, lrs, wds) for g in self.groups]
-        self.store.step(items, step=self.step_count, beta1=self.beta1, beta2=self.beta2,
-                        eps=self.eps, adamw=self.adamw, bias_correction=True,
-                        grad_scale=grad_scale)
+        items = [self._item(g, lrs, wds) for g in self.groups if g.gid not in done]
+        if items:
+            self.store.step(items, step=self.step_count, beta1=self.beta1, beta2=self.beta2,
+                            eps=self.eps, adamw=self.adamw, bias_correction=True,
+                            grad_scale=grad_scale)
         self.zero_grad()
         if self.torch_sched is not None:
             self.sched_target.step()

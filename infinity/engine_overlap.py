@@ -1,0 +1,155 @@
+"""Overlap the optimizer step with backward (world size 1, final micro-step of a window).
+
+As soon as a trainable parameter group's gradient is final during the backward of the
+last micro-step of an accumulation window, its Adam update (``store.step([item])``, the
+same hyperparameters and step count the boundary step uses) is handed to ONE background
+worker thread while backward continues.  ``engine.step()`` then waits for those updates,
+steps the remaining groups and does the bookkeeping once
+(:meth:`infinity.engine_optimizer.EngineOptimizer.boundary_step` with ``done=``).
+
+Only when it cannot change results (:func:`eligible`): no ZeRO partitioning, no gradient
+clipping (the clip coefficient needs every group's gradient), fp32 or bf16 (fp16's loss
+scaler needs the global overflow check), gradients homed in host memory, the device tier
+is host memory itself (zero copy).  A group is stepped early only when nothing can read
+its parameters again in this backward (:meth:`OverlappedStep.grad_arrived`): paged home
+(cpu / NVMe), used by exactly one module call in this forward (no tied weights, reused
+modules or external registrations), not recomputed (activation checkpointing), every
+trainable slot got its gradient in this backward, no saved view of it is still alive, it
+is not in use, prefetched or being read, and the prefetch trace does not need it again.
+Every other group waits for the boundary as before.
+"""
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from infinity.memory.record import GroupRecord, Location
+
+log = logging.getLogger("infinity.engine")
+
+__all__ = ["OverlappedStep", "eligible"]
+
+
+def eligible(engine) -> bool:
+    """Whether the engine's configuration allows overlapping the step at all."""
+    cfg = engine.cfg
+    opt = engine.opt
+    return (engine.zero is None and float(cfg.gradient_clipping) == 0.0
+            and cfg.precision in ("fp32", "bf16")
+            and getattr(opt, "nvme_grads", None) is None
+            and getattr(opt, "grad_d2h", None) is None
+            and bool(getattr(engine.mm.dev, "zero_copy", False)))
+
+
+class OverlappedStep:
+    def __init__(self, opt, mm, coord, accounting):
+        self.opt = opt
+        self.mm = mm
+        self.coord = coord
+        self.acct = accounting
+        self._pool: ThreadPoolExecutor | None = None
+        self._futures: list[Future] = []
+        self.active = False               # inside the backward of a boundary micro-step
+        self._pending: dict[int, set[int]] = {}
+        self._single_use: set[int] = set()
+        self.done: dict[int, float] = {}  # gid -> squared grad norm, stepped early
+
+    # ------------------------------------------------------------------ backward
+    def begin(self) -> None:
+        """The boundary micro-step's backward starts: the groups used by exactly one
+        module call in this forward may be stepped as soon as their gradient is final."""
+        if not self.coord.in_pass:
+            self.active = False
+            return
+        uses = Counter(self.coord.recording)     # this forward's module calls per group
+        self._single_use = {gid for gid, n in uses.items() if n == 1}
+        self._pending = {g.gid: {i for i, s in enumerate(g.slots) if s.trainable}
+                         for g in self.opt.groups if g.gid in self._single_use}
+        self.active = True
+
+    def end(self) -> None:
+        self.active = False
+        self._pending = {}
+
+    def grad_arrived(self, g: GroupRecord, slot_index: int) -> None:
+        """Called after slot ``slot_index`` of ``g`` accumulated its gradient."""
+        if not self.active:
+            return
+        pend = self._pending.get(g.gid)
+        if pend is None:
+            return
+        pend.discard(slot_index)
+        if pend or not self._safe(g):
+            return
+        del self._pending[g.gid]
+        self._submit(g)
+
+    def _safe(self, g: GroupRecord) -> bool:
+        """Nothing reads ``g``'s home or values again in this backward."""
+        c = self.coord
+        if not self.mm.paged(g) or g.users or g.saved_refs or g.hold_until_backward_end \
+                or g.prefetched or g.gid in self.mm._inflight \
+                or g.state in (Location.READING, Location.TO_DEVICE):
+            return False
+        if c.divergent:
+            return False                    # the order changed: be conservative
+        if c.trace is not None and g.gid in c.trace[c.cursor:]:
+            return False                    # the trace still needs it (prefetch would read)
+        return True
+
+    def _submit(self, g: GroupRecord) -> None:
+        n = float(torch.linalg.vector_norm(g.grad_buf))
+        item, kw = self.opt.early_item(g)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="infinity-step")
+        self.done[g.gid] = n * n
+        self._futures.append(self._pool.submit(self.opt.store.step, [item], **kw))
+        self.acct.count("optimizer_groups_overlapped")
+
+    # ------------------------------------------------------------------ boundary
+    def finish(self) -> dict[int, float]:
+        """Wait for every submitted group step; returns ``{gid: squared grad norm}`` of
+        the groups already stepped and forgets them.  The first worker error is
+        re-raised (after all submitted steps ended)."""
+        self.end()
+        try:
+            self.wait()
+        finally:
+            done, self.done = self.done, {}
+        return done
+
+    def wait(self) -> None:
+        """Block until no submitted group step runs (re-raises the first error)."""
+        futures, self._futures = self._futures, []
+        done = self.done
+        err = None
+        for f in futures:
+            try:
+                f.result()
+            except BaseException as e:  # wait for the rest before raising
+                if err is None:
+                    err = e
+        if err is not None:
+            raise RuntimeError(f"engine.step: an optimizer group step overlapped with "
+                               f"backward failed ({len(done)} groups were submitted); the "
+                               f"parameters are partly updated: reload a checkpoint") from err
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._futures)
+
+    def close(self) -> None:
+        try:
+            for f in self._futures:
+                try:
+                    f.result()
+                except BaseException as e:
+                    log.error("engine.close: an overlapped optimizer step failed: %s", e)
+        finally:
+            self._futures = []
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+                self._pool = None
