@@ -184,7 +184,19 @@ def finetune(opts, *, reporter_streams=None):
                                       timeline=timeline)
                 stats = engine.stats()
             finally:
+                stopper.finish()
                 _close_uninterrupted(engine)
+            # still under the stopper: a late Ctrl-C is logged, not a traceback mid-summary
+            extra = {"wall time": f"{time.perf_counter() - t_start:.1f} s"}
+            peaks = _peaks(stats)
+            if peaks:
+                extra["peak memory"] = peaks
+            if result.saved:
+                extra["checkpoints"] = f"{opts.save}: {', '.join(result.saved)}"
+            if opts.profile:
+                extra["profile"] = opts.profile
+            reporter.summary(stop_reason=None if result.stop_reason == "completed"
+                             else result.stop_reason, extra=extra)
     except ck.CheckpointUnavailable as e:
         raise FinetuneError(str(e)) from e
     except BaseException as e:
@@ -202,16 +214,6 @@ def finetune(opts, *, reporter_streams=None):
 
             if dist.is_initialized():
                 dist.destroy_process_group()
-    extra = {"wall time": f"{time.perf_counter() - t_start:.1f} s"}
-    peaks = _peaks(stats)
-    if peaks:
-        extra["peak memory"] = peaks
-    if result.saved:
-        extra["checkpoints"] = f"{opts.save}: {', '.join(result.saved)}"
-    if opts.profile:
-        extra["profile"] = opts.profile
-    reporter.summary(stop_reason=None if result.stop_reason == "completed" else result.stop_reason,
-                     extra=extra)
     return {"records": reporter.records, "result": result, "stats": stats}
 
 

@@ -4,7 +4,8 @@ First SIGINT (or SIGTERM, e.g. from a scheduler or torchrun): ask the loop to
 stop at the next step boundary; the loop then saves (if asked) and closes the
 engine. A second SIGINT aborts at once by raising ``KeyboardInterrupt`` where
 the program is — the caller's ``finally``/``with`` still closes the engine, so
-no swap files remain either way.
+no swap files remain either way. Once the caller calls :meth:`GracefulStop.finish`
+(the loop is over), signals are only logged until the context exits.
 
 Under ``torch.distributed`` the stop decision is agreed across ranks
 (all-reduce MAX) so that no rank is left waiting in a collective.
@@ -35,10 +36,18 @@ class GracefulStop:
         self._count = 0
         self._signals = signals
         self._previous = {}
+        self._finished = False
+        self._late_logged = False
 
     def _handler(self, signum, frame):
         self._count += 1
         name = signal.Signals(signum).name
+        if self._finished:
+            # the loop is over and the engine is closing or closed: nothing left to abort
+            if not self._late_logged:
+                self._late_logged = True
+                log.warning("%s received while finishing: ignored, the run is ending", name)
+            return
         if self._count == 1 and not self.requested:
             self.requested = True
             self.reason = name
@@ -48,6 +57,12 @@ class GracefulStop:
         log.warning("%s received again: aborting", name)
         self.aborted = True
         raise KeyboardInterrupt
+
+    def finish(self):
+        """The training loop is over: from now until ``__exit__`` a signal is only logged
+        (aborting would only interrupt the close and the summary, and print a traceback
+        from wherever it landed)."""
+        self._finished = True
 
     def request(self, reason="requested"):
         """Ask for a stop from code (tests, callbacks)."""
