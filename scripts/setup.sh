@@ -58,10 +58,16 @@ if ! "$VPY" -c "import torch" 2>/dev/null; then
         "${PIP[@]}" install "torch==$TORCH_VERSION"
     else
         # no GPU: the CPU build (PyPI's default Linux wheel is the multi-GB CUDA one); a
-        # local +cpu wheel (pip find-links) wins too, and an unreachable index only warns
+        # local +cpu wheel (pip find-links) wins too. The CPU index is only added when it
+        # answers within 5 s, so an offline machine does not wait on retries per package.
         log "installing torch==$TORCH_VERSION (CPU build)"
-        "${PIP[@]}" install "torch==$TORCH_VERSION" \
-            --extra-index-url https://download.pytorch.org/whl/cpu --timeout 30 --retries 2
+        CPU_INDEX=https://download.pytorch.org/whl/cpu
+        if "$VPY" -c "import urllib.request as u; u.urlopen('$CPU_INDEX/', timeout=5)" 2>/dev/null; then
+            "${PIP[@]}" install "torch==$TORCH_VERSION" --extra-index-url "$CPU_INDEX" \
+                --timeout 30 --retries 2
+        else
+            "${PIP[@]}" install "torch==$TORCH_VERSION"
+        fi
     fi
 fi
 
