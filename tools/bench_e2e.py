@@ -34,7 +34,6 @@ import tempfile
 import time
 
 import torch
-from torch import nn
 
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

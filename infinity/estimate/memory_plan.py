@@ -336,7 +336,7 @@ def grad_spill_decision(pl, machine, knobs, shard):
         (int(machine.host_mem_gb * GB) - host_reserve_bytes(machine)) // r
     if shard * 4 <= cap // 2:
         return False, ""
-    how = "" if set_cap else (f" (without offload.host_memory_gb each rank's budget is the node's "
-                              f"available RAM / LOCAL_WORLD_SIZE, as here)")
+    how = "" if set_cap else (" (without offload.host_memory_gb each rank's budget is the node's "
+                              "available RAM / LOCAL_WORLD_SIZE, as here)")
     return True, (f"ZeRO: fp32 grad shard N/R*4 = {shard * 4 / GB:.4g} GB > half the per-rank host "
                   f"budget {cap / GB:.4g} GB, so each rank's gradient shard lives on NVMe{how}")

@@ -2,10 +2,8 @@
 
 Each check is a dict: name, ok (bool), detail, fix (what to do when not ok).
 """
-import errno
 import os
 import shutil
-import tempfile
 
 import torch
 

@@ -29,7 +29,7 @@ import torch
 
 from .accounting import Accounting
 from .device import DeviceTier, make_device
-from .pool import BufferPool, PoolExhausted
+from .pool import BufferPool
 from .record import GroupRecord, Location
 
 log = logging.getLogger("infinity.memory")

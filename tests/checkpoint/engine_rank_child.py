@@ -17,12 +17,12 @@ load error (``"Type: message"``) and whether the engine was left unchanged by it
 import json
 import os
 import sys
-import traceback
 
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "zero"))
+from zero_harness import child_entry  # noqa: E402
 from zero_models import make_batches, make_model  # noqa: E402
 
 
@@ -107,9 +107,4 @@ def main():
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except BaseException:
-        traceback.print_exc()
-        sys.stderr.flush()
-        os._exit(3)
+    child_entry(main)

@@ -10,12 +10,12 @@ parameters (written to ``<out>.<name>.safetensors``).
 import json
 import os
 import sys
-import traceback
 
 import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from zero_harness import child_entry  # noqa: E402
 from zero_models import make_model, make_batches  # noqa: E402
 
 
@@ -109,7 +109,7 @@ def check_engine_weights(eng, sd, directory, rank):
         if not torch.equal(got.float(), v):
             raise AssertionError(f"rank {rank}: engine.state_dict()[{k!r}] differs from the "
                                  f"gathered value")
-    files = eng.save_pretrained(directory)
+    eng.save_pretrained(directory)
     dist.barrier()
     if rank == 0:
         loaded = load_file(os.path.join(directory, "model.safetensors"))
@@ -134,9 +134,4 @@ def make_engine(model, cfg, force_spill=False):
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except BaseException:
-        traceback.print_exc()
-        sys.stderr.flush()
-        os._exit(3)
+    child_entry(main)

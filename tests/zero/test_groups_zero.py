@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from zero_harness import run_ranks  # noqa: E402
-from zero_models import make_batches, make_model  # noqa: E402
+from zero_models import make_batches, make_model, unique_param_snapshot  # noqa: E402
 
 STEPS = 6
 BATCH = 8
@@ -43,10 +43,7 @@ def _reference(cfg):
         losses.append(float(loss.detach()))
         opt.step()
         opt.zero_grad()
-    names = {}
-    for n, p in model.named_parameters():
-        names.setdefault(id(p), (n, p))
-    return losses, {n: p.detach().clone() for n, p in names.values()}
+    return losses, unique_param_snapshot(model)
 
 
 def test_zero_param_groups_and_mixed_frozen_module(tmp_path):

@@ -3,8 +3,6 @@ names the rank and the collective, within ``dist_timeout_s`` — never a hang.""
 import os
 import sys
 
-import pytest
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from zero_harness import run_ranks  # noqa: E402
 

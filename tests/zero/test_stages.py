@@ -1,5 +1,4 @@
 """ZeRO stages 1-3 on 2 gloo ranks vs single-process torch AdamW on the global batch."""
-import copy
 import os
 
 import pytest
@@ -10,7 +9,7 @@ import os as _os
 import sys as _sys
 _sys.path.insert(0, _os.path.dirname(_os.path.abspath(__file__)))
 from zero_harness import run_ranks  # noqa: E402
-from zero_models import make_batches, make_model  # noqa: E402
+from zero_models import make_batches, make_model, unique_param_snapshot  # noqa: E402
 
 STEPS = 10
 BATCH = 8
@@ -50,10 +49,7 @@ def reference(cfg, steps=STEPS, batch=BATCH):
                 torch.nn.utils.clip_grad_norm_(model.parameters(), c.gradient_clipping)
             opt.step()
             opt.zero_grad()
-    names = {}
-    for n, p in model.named_parameters():
-        names.setdefault(id(p), (n, p))
-    return losses, {n: p.detach().clone() for n, p in names.values()}
+    return losses, unique_param_snapshot(model)
 
 
 def check_run(res, out_prefix, name, cfg):

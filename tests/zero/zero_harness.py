@@ -15,6 +15,18 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 
 
+def child_entry(main) -> None:
+    """``if __name__ == "__main__": child_entry(main)`` in a rank child: any failure prints
+    its traceback and exits 3 at once (``os._exit``: no atexit hook may hang on a dead peer)."""
+    import traceback
+    try:
+        main()
+    except BaseException:
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(3)
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))

@@ -47,3 +47,12 @@ def make_batches(kind, n, batch, seed=99):
         y = torch.randn(batch, 5, generator=g)
         out.append((x, y))
     return out
+
+
+def unique_param_snapshot(model):
+    """``{name: detached clone}`` of the model's parameters, each shared tensor once (under
+    the first name that reaches it)."""
+    names = {}
+    for n, p in model.named_parameters():
+        names.setdefault(id(p), (n, p))
+    return {n: p.detach().clone() for n, p in names.values()}
