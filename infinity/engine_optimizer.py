@@ -244,7 +244,7 @@ class EngineOptimizer:
         self.boundaries += 1
         self._zero_unwritten()
         scale = float(self.scaler.scale)
-        raw_norm = self.grad_norm(skip=done) if done else self.grad_norm()
+        raw_norm = self.grad_norm(skip=done) if done else self.grad_norm()  # ZeRO: no skip
         overflow = not math.isfinite(raw_norm)
         norm = raw_norm / scale
         self.last_grad_norm = norm

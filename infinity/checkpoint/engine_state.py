@@ -164,8 +164,6 @@ class EngineCheckpoint:
             return g.host_buf
         if not self.sharded_home and g.state is Location.DEVICE and g.device_buf is not None:
             return g.device_buf
-        if g.home == "cpu":
-            return g.host_buf
         if g.home == "nvme":
             from infinity.io import aligned_empty
             lo, hi = self._home_range(g)

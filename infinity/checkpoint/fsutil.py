@@ -10,8 +10,6 @@ import os
 import shutil
 import sys
 
-from infinity.procutil import pid_alive  # noqa: F401  (re-exported for writer.py)
-
 from .errors import CheckpointError
 
 log = logging.getLogger("infinity.checkpoint")

@@ -34,11 +34,13 @@ import logging
 import os
 import time
 
+from infinity.procutil import pid_alive
+
 from . import dtypes
 from . import manifest as mf
 from .errors import CheckpointError
 from .fsutil import (atomic_write_text, exchange, fsync_dir, fsync_fd, make_private_dir,
-                     open_private_file, pid_alive, remove_tree, write_all)
+                     open_private_file, remove_tree, write_all)
 from .safetensors_stream import HASH_BLOCK_BYTES, SafetensorsStreamWriter
 
 log = logging.getLogger("infinity.checkpoint")

@@ -82,9 +82,8 @@ class MemoryManager:
             g.host_buf = self.host_pool.lease(g.nbytes, g.dtype)
             self._fill(g, g.host_buf)
             buf = self._alloc_resident(g)
-            x = self.dev.refresh(buf, g.host_buf)
+            self._copy_mirror(buf, g.host_buf)
             g.make_resident(buf)
-            self.dev.retire(x, lambda x=x: self._link("h2d", x.nbytes, x.t0, x.t_done))
             return
         if g.home == "device":
             buf = self._alloc_resident(g)
@@ -262,8 +261,13 @@ class MemoryManager:
         """After the host mirrors changed (optimizer step, checkpoint load): copy them to
         the resident device buffers on the copy stream; compute waits on the copies."""
         for g in self.mirrored():
-            x = self.dev.refresh(g.device_buf, g.host_buf)
-            self.dev.retire(x, lambda x=x: self._link("h2d", x.nbytes, x.t0, x.t_done))
+            self._copy_mirror(g.device_buf, g.host_buf)
+
+    def _copy_mirror(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Stream-ordered refresh of a resident device buffer from its host mirror, timed
+        on the h2d link once it completed."""
+        x = self.dev.refresh(dst, src)
+        self.dev.retire(x, lambda x=x: self._link("h2d", x.nbytes, x.t0, x.t_done))
 
     def group_of_storage(self, ptr: int) -> GroupRecord | None:
         return self._by_storage.get(ptr)

@@ -10,6 +10,7 @@ import logging
 import os
 from dataclasses import dataclass, field
 
+from .pool import ALIGN, round_up
 from .record import GroupRecord
 
 log = logging.getLogger("infinity.memory")
@@ -130,7 +131,7 @@ class PlacementPlan:
         """Bound on pinned staging held by gradient D2H copies not yet accumulated
         (separate device only): two of the largest trainable group, rounded to pages."""
         largest = max((g.nbytes for g in self.groups if g.trainable), default=0)
-        return 2 * (-(-largest // 4096) * 4096)
+        return 2 * round_up(largest, ALIGN)
 
     @property
     def host_total(self) -> int:

@@ -1,9 +1,10 @@
 """One record per managed parameter group, with an explicit location state machine.
 
 A *group* is the flat concatenation of one module's direct trainable parameters, or of
-its direct frozen ones (tied weights are one group used by several modules).  Its *home* is where the authoritative copy
-lives between uses: ``"device"`` (always resident), ``"cpu"`` (a host buffer) or
-``"nvme"`` (an extent in a :class:`infinity.io.SwapSpace`).  Fetching it makes a
+its direct frozen ones (tied weights are one group used by several modules).  Its
+*home* is where the authoritative copy lives between uses: ``"device"`` (always
+resident), ``"cpu"`` (a host buffer) or ``"nvme"`` (an extent in a
+:class:`infinity.io.SwapSpace`).  Fetching it makes a
 device-tier buffer hold the values and points every parameter's ``.data`` at a view
 into that buffer; releasing points them back at an empty tensor.
 
