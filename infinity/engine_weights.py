@@ -102,16 +102,11 @@ def _read_extent_range(engine, g: GroupRecord, s: ParamSlot) -> torch.Tensor:
     return buf[start - a0:end - a0].view(g.dtype).clone()
 
 
-def _header_reserve(names) -> int:
-    """Header bytes for a shard of these tensors (name + dtype/shape/offsets JSON each),
-    generously rounded up to a multiple of 4096."""
-    need = 4096 + sum(len(n.encode()) + 160 for n in names)
-    return -(-need // 4096) * 4096
-
-
 def save_pretrained(engine, directory, *, max_shard_bytes: int = 2 * 10 ** 9) -> list[str]:
     """Write safetensors shard(s) (+ index) and the HF config; returns the files written."""
-    from infinity.checkpoint.safetensors_stream import SafetensorsStreamWriter
+    from infinity.checkpoint.dtypes import to_st
+    from infinity.checkpoint.safetensors_stream import (SafetensorsStreamWriter,
+                                                         header_reserve_for)
     zero = getattr(engine, "zero", None)
     writer = zero is None or zero.rank == 0   # at world size > 1 every rank gathers, rank 0 writes
     if writer:
@@ -128,11 +123,20 @@ def save_pretrained(engine, directory, *, max_shard_bytes: int = 2 * 10 ** 9) ->
             seen.add(id(t))
         names.append(name)
 
-    def nbytes(name):
+    def source(name):
+        """The parameter or buffer behind ``name`` and the dtype it is written in."""
         t = sd._params.get(name)
         if t is None:
             t = sd._buffers[name]
-        return t.numel() * engine._orig_dtypes.get(id(t), t.dtype).itemsize
+        return t, engine._orig_dtypes.get(id(t), t.dtype)
+
+    def nbytes(name):
+        t, dt = source(name)
+        return t.numel() * dt.itemsize
+
+    def header_entry(name):
+        t, dt = source(name)
+        return name, to_st(dt), t.shape
 
     shards: list[list[str]] = [[]]
     size = 0
@@ -151,7 +155,8 @@ def save_pretrained(engine, directory, *, max_shard_bytes: int = 2 * 10 ** 9) ->
             f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
         path = os.path.join(directory, fname)
         # one tensor in memory at a time: each is written as soon as it is read
-        w = SafetensorsStreamWriter(path, header_reserve=_header_reserve(shard),
+        reserve = header_reserve_for([header_entry(n) for n in shard])
+        w = SafetensorsStreamWriter(path, header_reserve=reserve,
                                     metadata={"format": "pt"}) if writer else None
         try:
             for n in shard:

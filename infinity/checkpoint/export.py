@@ -16,7 +16,7 @@ from . import dtypes
 from .errors import CheckpointError
 from .fsutil import atomic_write_text, fsync_dir, remove_tree
 from .reader import CheckpointReader
-from .safetensors_stream import SafetensorsStreamWriter
+from .safetensors_stream import SafetensorsStreamWriter, header_reserve_for
 
 log = logging.getLogger("infinity.checkpoint")
 
@@ -36,14 +36,6 @@ def model_names(reader):
                                   f"in the checkpoint: {missing[:20]}")
         return list(listed)
     return [n for n in reader.names() if not n.startswith(OPTIM_PREFIX)]
-
-
-def _header_reserve(entries):
-    # entries: (name, dtype_str, shape); offsets printed with up to 20 digits each
-    n = 64
-    for name, st, shape in entries:
-        n += len(json.dumps(name)) + len(json.dumps(shape)) + len(st) + 80
-    return (n + 8 + 4095) // 4096 * 4096
 
 
 def export_model(ckpt_dir, out_dir, tag=None, *, max_shard_bytes=DEFAULT_MAX_SHARD_BYTES,
@@ -79,7 +71,7 @@ def export_model(ckpt_dir, out_dir, tag=None, *, max_shard_bytes=DEFAULT_MAX_SHA
             final = os.path.join(out_dir, fname)
             tmp = os.path.join(out_dir, f".{fname}.tmp-{os.getpid()}")
             remove_tree(tmp)
-            reserve = _header_reserve([(n, dtypes.to_st(d), list(s)) for n, s, d in group])
+            reserve = header_reserve_for([(n, dtypes.to_st(d), s) for n, s, d in group])
             w = SafetensorsStreamWriter(tmp, header_reserve=reserve, metadata={"format": "pt"})
             try:
                 for n, shape, odt in group:

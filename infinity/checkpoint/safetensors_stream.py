@@ -64,6 +64,16 @@ def _entry_json(key, entry):
     return json.dumps(key) + ":" + json.dumps(entry, separators=(",", ":"))
 
 
+def header_reserve_for(entries):
+    """A ``header_reserve`` that holds the header of these tensors: ``entries`` are
+    ``(name, safetensors dtype string, shape)``; offsets counted at up to 20 digits each,
+    plus the metadata; a multiple of 4096."""
+    n = 64
+    for name, st, shape in entries:
+        n += len(json.dumps(name)) + len(json.dumps(list(shape))) + len(st) + 80
+    return (n + 8 + 4095) // 4096 * 4096
+
+
 class SafetensorsStreamWriter:
     """Write one safetensors file tensor by tensor. Not thread safe."""
 
