@@ -24,7 +24,6 @@ import tempfile
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-
 def log(msg):
     print(msg, file=sys.stderr, flush=True)
 

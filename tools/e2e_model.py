@@ -70,13 +70,6 @@ def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return nn.functional.mse_loss(out.float(), target.float())
 
 
-if __name__ == "__main__":
-    import sys
-    L = int(sys.argv[1]) if len(sys.argv) > 1 else DEFAULT_LAYERS
-    H = int(sys.argv[2]) if len(sys.argv) > 2 else DEFAULT_HIDDEN
-    print(f"layers={L} hidden={H}: {count_params(L, H):,} params")
-
-
 def proc_io() -> dict | None:
     """This process's storage I/O counters (``/proc/self/io``: read_bytes/write_bytes, ...),
     or None where unavailable. Used by both venvs' runners to cross-check bytes moved."""
@@ -85,3 +78,10 @@ def proc_io() -> dict | None:
             return {k: int(v) for k, v in (line.split(":") for line in f)}
     except (OSError, ValueError):
         return None
+
+
+if __name__ == "__main__":
+    import sys
+    L = int(sys.argv[1]) if len(sys.argv) > 1 else DEFAULT_LAYERS
+    H = int(sys.argv[2]) if len(sys.argv) > 2 else DEFAULT_HIDDEN
+    print(f"layers={L} hidden={H}: {count_params(L, H):,} params")
