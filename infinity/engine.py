@@ -331,7 +331,8 @@ class Engine:
         d = self.acct.as_dict()
         for k in ("on_demand_fetches", "prefetched_fetches", "untracked_fetches",
                   "divergent_steps", "prefetch_unused", "prefetch_evicted",
-                  "device_budget_overflows", "optimizer_groups_overlapped"):
+                  "device_budget_overflows", "optimizer_groups_overlapped",
+                  "optimizer_master_handoffs", "optimizer_master_read_bytes_saved"):
             d.setdefault(k, 0)
         d.update({
             "step": self.opt.step_count,

@@ -225,14 +225,18 @@ class EngineOptimizer:
             self._hp = (lrs, wds)
         return self._hp
 
-    def early_item(self, g: GroupRecord):
+    def early_item(self, g: GroupRecord, master_buf: torch.Tensor | None = None):
         """The step item and ``store.step`` keywords of ``g``'s update at the coming
-        boundary (overlapped with backward: no clipping, loss scale 1)."""
+        boundary (overlapped with backward: no clipping, loss scale 1).  ``master_buf``:
+        a buffer holding ``g``'s current fp32 values (its master), updated in place
+        instead of reading the master from NVMe."""
         lrs, wds = self._next_hparams()
         kw = dict(step=self.step_count + 1, beta1=self.beta1, beta2=self.beta2,
                   eps=self.eps, adamw=self.adamw, bias_correction=True,
                   grad_scale=1.0 / float(self.scaler.scale))
-        return self._item(g, lrs, wds), kw
+        item = self._item(g, lrs, wds)
+        item.master_buf = master_buf
+        return item, kw
 
     def boundary_step(self, done: dict[int, float] | None = None) -> bool:
         """Apply (or skip) one optimizer step over the accumulated gradients.

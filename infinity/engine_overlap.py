@@ -17,6 +17,17 @@ modules or external registrations), not recomputed (activation checkpointing), e
 trainable slot got its gradient in this backward, no saved view of it is still alive, it
 is not in use, prefetched or being read, and the prefetch trace does not need it again.
 Every other group waits for the boundary as before.
+
+Master hand-off (fp32, NVMe-homed params): the fp32 parameter buffer IS the master, and
+backward just read it from NVMe.  When such a group is released during the boundary
+backward while its early step is still to come, the manager hands the buffer over
+(:attr:`MemoryManager.on_release`) instead of taking it back; the worker's Adam then
+updates it in place and writes the master tiles from it (``StepItem.master_buf``), so the
+master is not read from NVMe a second time (one parameter-size read less per step).  At
+most :data:`MAX_HANDOFF` buffers are held at once (held + being stepped); beyond that, or
+with a device budget that could not spare them, groups are released as before and their
+step reads the master.  Buffers go back to the device pool on the main thread as soon as
+their step finished (polled at every release and gradient).
 """
 from __future__ import annotations
 
@@ -30,7 +41,9 @@ from infinity.memory.record import GroupRecord, Location
 
 log = logging.getLogger("infinity.engine")
 
-__all__ = ["OverlappedStep", "eligible"]
+__all__ = ["OverlappedStep", "eligible", "MAX_HANDOFF"]
+
+MAX_HANDOFF = 3      # released parameter buffers held for their group's step at once
 
 
 def eligible(engine) -> bool:
@@ -56,6 +69,12 @@ class OverlappedStep:
         self._pending: dict[int, set[int]] = {}
         self._single_use: set[int] = set()
         self.done: dict[int, float] = {}  # gid -> squared grad norm, stepped early
+        # master hand-off (fp32 NVMe params): gid -> released buffer awaiting its step, and
+        # (future, buffer) of steps running on a handed-off buffer
+        self.handoff = opt.precision == "fp32"
+        self._held: dict[int, torch.Tensor] = {}
+        self._stepping: list[tuple[Future, torch.Tensor]] = []
+        mm.on_release = self.on_release
 
     # ------------------------------------------------------------------ backward
     def begin(self) -> None:
@@ -71,8 +90,46 @@ class OverlappedStep:
         self.active = True
 
     def end(self) -> None:
+        """Backward ended: groups not submitted are stepped at the boundary (reading their
+        master), so their held buffers go back now."""
         self.active = False
         self._pending = {}
+        held, self._held = self._held, {}
+        for buf in held.values():
+            self.mm.give_back_device(buf)
+        self._reap()
+
+    def on_release(self, g: GroupRecord, buf: torch.Tensor) -> bool:
+        """The manager released ``g``; take its buffer over when it can serve as the master
+        of ``g``'s early step.  Also submits ``g`` if its gradient was already final."""
+        if not self.active:
+            return False
+        self._reap()
+        pend = self._pending.get(g.gid)
+        if pend is None:
+            return False
+        pool = self.mm.device_pool
+        take = self.handoff and g.home == "nvme" and g.gid not in self._held \
+            and len(self._held) + len(self._stepping) < MAX_HANDOFF \
+            and (pool.budget is None or pool.can_lease(2 * g.nbytes))
+        if take:
+            self._held[g.gid] = buf
+        if not pend and self._safe(g):      # the gradient was final before the release
+            del self._pending[g.gid]
+            self._submit(g)
+        return take
+
+    def _reap(self) -> None:
+        """Give back the buffers of finished steps (main thread: the pool is not shared)."""
+        if not self._stepping:
+            return
+        keep = []
+        for f, buf in self._stepping:
+            if f.done():
+                self.mm.give_back_device(buf)
+            else:
+                keep.append((f, buf))
+        self._stepping = keep
 
     def grad_arrived(self, g: GroupRecord, slot_index: int) -> None:
         """Called after slot ``slot_index`` of ``g`` accumulated its gradient."""
@@ -82,6 +139,7 @@ class OverlappedStep:
         if pend is None:
             return
         pend.discard(slot_index)
+        self._reap()
         if pend or not self._safe(g):
             return
         del self._pending[g.gid]
@@ -102,12 +160,19 @@ class OverlappedStep:
 
     def _submit(self, g: GroupRecord) -> None:
         n = float(torch.linalg.vector_norm(g.grad_buf))
-        item, kw = self.opt.early_item(g)
+        buf = self._held.pop(g.gid, None)
+        item, kw = self.opt.early_item(g, master_buf=buf)
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="infinity-step")
         self.done[g.gid] = n * n
-        self._futures.append(self._pool.submit(self.opt.store.step, [item], **kw))
+        fut = self._pool.submit(self.opt.store.step, [item], **kw)
+        self._futures.append(fut)
         self.acct.count("optimizer_groups_overlapped")
+        if buf is not None:
+            self._stepping.append((fut, buf))
+            self.acct.count("optimizer_master_handoffs")
+            self.acct.count("optimizer_master_read_bytes_saved",
+                            self.opt.store.master_io_bytes(self.opt.key(g)))
 
     # ------------------------------------------------------------------ boundary
     def finish(self) -> dict[int, float]:
@@ -132,6 +197,7 @@ class OverlappedStep:
             except BaseException as e:  # wait for the rest before raising
                 if err is None:
                     err = e
+        self._reap()                    # every step ended: all buffers go back
         if err is not None:
             raise RuntimeError(f"engine.step: an optimizer group step overlapped with "
                                f"backward failed ({len(done)} groups were submitted); the "
@@ -150,6 +216,8 @@ class OverlappedStep:
                     log.error("engine.close: an overlapped optimizer step failed: %s", e)
         finally:
             self._futures = []
+            self.end()
+            self.mm.on_release = None
             if self._pool is not None:
                 self._pool.shutdown(wait=True)
                 self._pool = None

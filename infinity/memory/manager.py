@@ -71,6 +71,10 @@ class MemoryManager:
         self._by_storage: dict[int, GroupRecord] = {}
         self._overflow_warned = False
         self.closed = False
+        # called as on_release(g, buf) when a paged group's device buffer is released;
+        # returning True takes the buffer over (give it back with give_back_device):
+        # the overlapped optimizer step uses a just-released fp32 buffer as its master
+        self.on_release = None
 
     # ------------------------------------------------------------------ setup
     def place(self, g: GroupRecord, staging: torch.Tensor | None = None) -> None:
@@ -240,8 +244,13 @@ class MemoryManager:
         self._by_storage.pop(buf.untyped_storage().data_ptr(), None)
         g.release()
         if g.home == "nvme" or not self.dev.zero_copy:
-            self.dev.give_back(buf)       # CUDA: the next copy into it waits for compute
+            if self.on_release is None or not self.on_release(g, buf):
+                self.dev.give_back(buf)   # CUDA: the next copy into it waits for compute
         self._progress()
+
+    def give_back_device(self, buf: torch.Tensor) -> None:
+        """Return a device buffer :attr:`on_release` took over."""
+        self.dev.give_back(buf)
 
     # ------------------------------------------------------------------ host updates
     def mirrored(self) -> list[GroupRecord]:

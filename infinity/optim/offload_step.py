@@ -57,6 +57,11 @@ class StepItem:
     tile is ``sink_dtype`` (store option; fp32 master tile when None), backed
     by a 4096-aligned buffer that stays valid until the returned handle's
     ``wait()`` returns (the store waits for it before reusing the buffer).
+    ``master_buf``: a host fp32 tensor, 4096-aligned, that already holds the current
+    values of an extent-backed master (e.g. the parameter buffer fetched for backward):
+    the step updates it in place and writes the master tiles from it, instead of
+    reading them from NVMe into the ring (saves the master's read).  It must stay
+    untouched by others until ``step`` returns.
     """
     key: str
     grad: Any
@@ -64,6 +69,7 @@ class StepItem:
     param_out: Optional[torch.Tensor] = None
     param_sink: Optional[Callable[[str, int, torch.Tensor], Any]] = None
     grad_dtype: torch.dtype = torch.float32
+    master_buf: Optional[torch.Tensor] = None
 
 
 class _Backing:
@@ -327,6 +333,7 @@ class OptimizerStateStore:
                 raise ValueError(f"OptimizerStateStore.step: key {it.key!r} appears twice in one step")
             seen.add(it.key)
             grad, param_out = self._check_item(part, it)
+            master_buf = self._check_master_buf(part, it)
             segs = _normalize_segments(part, it.segments)
             si = 0
             for t in range(part.ntiles):
@@ -341,7 +348,7 @@ class OptimizerStateStore:
                         si += 1
                     else:
                         break
-                tasks.append(TileTask(part, it, t, lo, hi - lo, sub, grad, param_out))
+                tasks.append(TileTask(part, it, t, lo, hi - lo, sub, grad, param_out, master_buf))
         return tasks
 
     def _check_item(self, part: _Partition, it: StepItem):
@@ -375,6 +382,26 @@ class OptimizerStateStore:
         if it.param_sink is not None and not callable(it.param_sink):
             raise ValueError(f"OptimizerStateStore.step({k!r}): param_sink must be callable")
         return g, po
+
+    def _check_master_buf(self, part: _Partition, it: StepItem) -> Optional[torch.Tensor]:
+        mb = it.master_buf
+        if mb is None:
+            return None
+        k, n = part.key, part.numel
+        b = part.backing["master"]
+        room = 0
+        if isinstance(mb, torch.Tensor) and mb.device.type == "cpu":
+            room = mb.untyped_storage().nbytes() - mb.storage_offset() * mb.element_size()
+        if b.extent is None or not isinstance(mb, torch.Tensor) or mb.dtype != torch.float32 \
+                or mb.device.type != "cpu" or not mb.is_contiguous() or mb.numel() < n \
+                or mb.data_ptr() % 4096 or room < min(round_up(n * 4), b.nbytes):
+            raise ValueError(f"OptimizerStateStore.step({k!r}): master_buf must be a contiguous, "
+                             f"4096-aligned CPU float32 tensor of at least {n} elements with "
+                             f"{round_up(n * 4)} bytes of storage, for an extent-backed master; "
+                             f"got {getattr(mb, 'dtype', type(mb).__name__)} numel "
+                             f"{getattr(mb, 'numel', lambda: None)()} (master on "
+                             f"{'NVMe' if b.extent is not None else 'the host'})")
+        return mb.view(-1)
 
     # -- checkpoint access ------------------------------------------------------
     def read_master(self, key: str, out: torch.Tensor, start: int = 0) -> torch.Tensor:
@@ -522,6 +549,15 @@ class OptimizerStateStore:
 
     def numel(self, key: str) -> int:
         return self._part(key).numel
+
+    def master_io_bytes(self, key: str) -> int:
+        """Bytes one step reads (and writes) for ``key``'s master when it is an extent."""
+        part = self._part(key)
+        b = part.backing["master"]
+        if b.extent is None:
+            return 0
+        return sum(b.io_bytes_at(t, self.tile_numel, hi - lo)
+                   for t, lo, hi in self._tiles(part, 0, part.numel))
 
     def host_bytes(self) -> int:
         """Host memory this store holds: the tile ring plus host-resident states it owns."""

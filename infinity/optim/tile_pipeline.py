@@ -83,6 +83,7 @@ class TileTask:
     segs: List[tuple]
     grad: Any = None               # flat host tensor or Extent
     param_out: Optional[torch.Tensor] = None   # flat, or None
+    master_buf: Optional[torch.Tensor] = None  # flat fp32 holding the master (no read), or None
 
 
 @dataclass
@@ -101,6 +102,14 @@ class Slot:
     sink_t0: float = 0.0
     mark_valid: list = field(default_factory=list)  # (backing, tile) made valid once writes land
     task: Optional[TileTask] = None
+
+
+def _bytes_from(flat: torch.Tensor, start: int) -> torch.Tensor:
+    """A uint8 view of ``flat``'s storage from element ``start`` to the storage's end (the
+    4096-rounded tail of the last tile lies past ``flat.numel()`` but inside its storage)."""
+    off = (flat.storage_offset() + start) * flat.element_size()
+    return torch.empty(0, dtype=torch.uint8).set_(flat.untyped_storage(), off,
+                                                  (flat.untyped_storage().nbytes() - off,))
 
 
 def drain(handles: list) -> Optional[BaseException]:
@@ -140,6 +149,9 @@ class TilePipeline:
             b = part.backing[role]
             if b.host is not None:
                 slot.views[role] = b.host[lo:lo + n]
+                continue
+            if role == "master" and task.master_buf is not None:
+                slot.views[role] = task.master_buf[lo:lo + n]     # current values in hand
                 continue
             buf = slot.bufs[role]
             slot.views[role] = buf[:n]
@@ -231,7 +243,10 @@ class TilePipeline:
             b = part.backing[role]
             if b.host is not None:
                 continue
-            slot.writes.append(store._write_tile(b, task.index, slot.bufs[role], task.numel))
+            src = slot.bufs[role]
+            if role == "master" and task.master_buf is not None:
+                src = _bytes_from(task.master_buf, task.start)
+            slot.writes.append(store._write_tile(b, task.index, src, task.numel))
             slot.write_bytes += b.io_bytes_at(task.index, store.tile_numel, task.numel)
             slot.mark_valid.append((b, task.index))
 

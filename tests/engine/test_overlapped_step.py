@@ -5,7 +5,9 @@ clipping: the case where groups are stepped during backward), bf16 bit-identical
 same engine with the overlap switched off, tied weights and activation checkpointing
 still correct (those groups wait for the boundary), the overlap really happening
 (``optimizer_groups_overlapped``) and not with clipping, a worker error surfacing at
-``engine.step()``.
+``engine.step()``; the fp32 master hand-off (the parameter buffer backward read is the
+master of the group's step) bit-identical to reading the master again, with exactly that
+many fewer bytes read from NVMe.
 """
 import pytest
 import torch
@@ -21,7 +23,7 @@ def _cfg(swap_dir, params, optim, prec="fp32", clip=0.0):
 
 
 def _run(harness, swap_dir, kind, params, optim, prec="fp32", clip=0.0, overlap=True,
-         checkpointing=False, steps=10):
+         checkpointing=False, steps=10, handoff=True):
     torch.manual_seed(0)
     ref = harness.MLPStack() if kind == "mlp" else \
         harness.TinyCausalLM(checkpointing=checkpointing)
@@ -30,6 +32,8 @@ def _run(harness, swap_dir, kind, params, optim, prec="fp32", clip=0.0, overlap=
     ref_losses = harness.reference_run(ref, kind, batches, accum=2, clip=clip)
     with infinity.initialize(model, _cfg(swap_dir, params, optim, prec, clip)) as eng:
         eng.overlap_optimizer_step = overlap
+        if eng.overlap is not None:
+            eng.overlap.handoff = eng.overlap.handoff and handoff
         losses = harness.engine_run(eng, kind, batches)
         perr = harness.param_rel_err(ref, eng)
         params_out = {k: v.clone() for k, v in eng.state_dict().items()}
@@ -102,3 +106,46 @@ def test_worker_error_surfaces_at_step(harness, swap_dir):
         with pytest.raises(RuntimeError, match="overlapped with backward failed") as ei:
             eng.step()
         assert isinstance(ei.value.__cause__, OSError)
+
+
+def test_master_handoff_bit_identical_and_saves_reads(harness, swap_dir):
+    on = _run(harness, swap_dir, "mlp", "nvme", "nvme")
+    off = _run(harness, swap_dir, "mlp", "nvme", "nvme", handoff=False)
+    s_on, s_off = on["stats"], off["stats"]
+    assert s_on["optimizer_groups_overlapped"] == s_off["optimizer_groups_overlapped"] > 0
+    assert s_on["optimizer_master_handoffs"] > 0
+    assert s_off.get("optimizer_master_handoffs", 0) == 0
+    assert on["losses"] == off["losses"]
+    for k in on["params"]:
+        assert torch.equal(on["params"][k], off["params"][k]), k
+    saved = s_on["optimizer_master_read_bytes_saved"]
+    assert saved > 0
+    assert s_off["nvme_read_bytes"] - s_on["nvme_read_bytes"] == saved
+    assert s_on["nvme_write_bytes"] == s_off["nvme_write_bytes"]
+
+
+def test_master_handoff_bounded_and_returned(harness, swap_dir, monkeypatch):
+    import infinity.engine_overlap as eo
+    monkeypatch.setattr(eo, "MAX_HANDOFF", 1)
+    torch.manual_seed(0)
+    model = harness.MLPStack()
+    batches = harness.make_batches("mlp", 4)
+    with infinity.initialize(model, _cfg(swap_dir, "nvme", "nvme")) as eng:
+        ov = eng.overlap
+        seen = []
+        real = ov.on_release
+
+        def spy(g, buf):
+            took = real(g, buf)
+            seen.append(len(ov._held) + len(ov._stepping))
+            return took
+        eng.mm.on_release = spy
+        harness.engine_run(eng, "mlp", batches)
+        assert max(seen) <= 1
+        assert not ov._held and not ov._stepping
+        # every handed-off buffer went back to the device pool: only resident groups lease
+        from infinity.memory.pool import ALIGN, round_up
+        resident = sum(round_up(g.nbytes, ALIGN) for g in eng.mm.groups
+                       if g.device_buf is not None and g.home == "nvme")
+        assert eng.mm.device_pool.leased == resident
+        assert eng.stats()["optimizer_master_handoffs"] > 0

@@ -266,6 +266,72 @@ def test_external_master_extent(home, swap):
 
 
 @pytest.mark.parametrize("home", HOMES)
+def test_master_buf_updates_in_place_and_skips_the_master_read(home, swap):
+    """An extent master whose current values are handed in (``master_buf``): updated in place,
+    written to the extent, not read from it; bit-identical to reading it."""
+    from infinity.io import aligned_empty
+    n = 2 * TILE + 9
+    init = torch.randn(n)
+    grads = [torch.randn(n) for _ in range(2)]
+    finals = []
+    reads = []
+    for use_buf in (False, True):
+        ext = swap.allocate(n * 4)
+        try:
+            swap.write(ext, init.clone()).wait()
+            acct = RecordingAccounting()
+            buf = aligned_empty(n, torch.float32)
+            with make_store(home, swap, with_swap=True, accounting=acct) as st:
+                st.add("w", n, external_master=ext)
+                for s in (1, 2):
+                    mb = None
+                    if use_buf:
+                        swap.read(ext, buf).wait()          # what backward fetched
+                        mb = buf
+                    st.step([StepItem("w", grads[s - 1], [(0, n, 1e-2, 0.1)], master_buf=mb)],
+                            step=s, beta1=BETAS[0], beta2=BETAS[1], eps=EPS)
+                    if use_buf:
+                        back = torch.empty(n)
+                        swap.read(ext, back).wait()
+                        assert torch.equal(back, buf[:n])  # updated in place, then written
+                saved = st.master_io_bytes("w")
+            reads.append(acct.links.get("nvme_read", (0, 0.0))[0])
+            back = torch.empty(n)
+            swap.read(ext, back).wait()
+            finals.append(back)
+        finally:
+            swap.free(ext)
+    assert torch.equal(finals[0], finals[1])
+    assert saved >= n * 4
+    assert reads[0] - reads[1] == 2 * saved
+
+
+def test_master_buf_rejected_when_unusable(swap):
+    n = 2 * TILE + 9
+    ext = swap.allocate(n * 4)
+    try:
+        with make_store("nvme", swap) as st:
+            st.add("w", n, external_master=ext)
+            st.add("h", n)                                  # master owned on NVMe too
+            with pytest.raises(ValueError, match="master_buf must be"):
+                st.step([StepItem("w", torch.randn(n), [(0, n, 1e-2, 0.0)],
+                                  master_buf=torch.empty(n - 1))], step=1, beta1=0.9,
+                        beta2=0.999, eps=1e-8)
+            unaligned = torch.empty(n + 8)[1:n + 1]
+            with pytest.raises(ValueError, match="4096-aligned"):
+                st.step([StepItem("w", torch.randn(n), [(0, n, 1e-2, 0.0)],
+                                  master_buf=unaligned)], step=1, beta1=0.9, beta2=0.999, eps=1e-8)
+        with make_store("cpu", swap) as st:
+            st.add("c", n, external_master=torch.zeros(n))  # a host master: nothing to save
+            with pytest.raises(ValueError, match="extent-backed master"):
+                st.step([StepItem("c", torch.randn(n), [(0, n, 1e-2, 0.0)],
+                                  master_buf=torch.zeros(n))], step=1, beta1=0.9, beta2=0.999,
+                        eps=1e-8)
+    finally:
+        swap.free(ext)
+
+
+@pytest.mark.parametrize("home", HOMES)
 def test_bf16_states(home, swap):
     """bf16 moments: stated tolerance 1e-2 norm-relative on the parameter update vs fp32 AdamW."""
     n = 2 * TILE + 33
