@@ -157,6 +157,14 @@ class Engine:
             self.zero = ZeroSetup.with_grad_spill(self.zero, cfg, gp.groups)
             partition_placement(placement, self.zero)
         placement.check()
+        if cfg.precision == "fp32" and param_home == "nvme" and self.zero is None \
+                and not separate and cfg.host_memory_bytes is not None \
+                and cfg.host_memory_bytes > placement.host_total:
+            # the cap's headroom keeps clean copies of NVMe params (write-through: in fp32
+            # the param is the master the optimizer updates in place)
+            placement.param_cache_budget = cfg.host_memory_bytes - placement.host_total
+            placement.compute(self.gas)
+            placement.check()
         self.placement = placement
         if self.swap is not None and placement.nvme_total:
             self.swap.reserve(placement.nvme_total)
@@ -175,6 +183,8 @@ class Engine:
         if self.zero is None:
             self.mm = MemoryManager(gp.groups, **mm_kw)
             self.opt = EngineOptimizer(model, cfg, gp.groups, gp.names, **opt_kw)
+            if placement.param_cache_budget:
+                self.mm.enable_cache(placement.param_cache_budget)
         else:
             self.mm = self.zero.memory_manager(gp.groups, **mm_kw)
             self.opt = self.zero.optimizer(model, cfg, gp.groups, gp.names, **opt_kw)

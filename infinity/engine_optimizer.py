@@ -235,7 +235,8 @@ class EngineOptimizer:
                   eps=self.eps, adamw=self.adamw, bias_correction=True,
                   grad_scale=1.0 / float(self.scaler.scale))
         item = self._item(g, lrs, wds)
-        item.master_buf = master_buf
+        if master_buf is not None:
+            item.master_buf = master_buf
         return item, kw
 
     def boundary_step(self, done: dict[int, float] | None = None) -> bool:
@@ -266,6 +267,10 @@ class EngineOptimizer:
         self._hp = None
         self.step_count += 1
         items = [self._item(g, lrs, wds) for g in self.groups if g.gid not in done]
+        for it in items:
+            if it.master_buf is not None:      # a cached copy: no master read
+                self.acct.count("optimizer_master_read_bytes_saved",
+                                self.store.master_io_bytes(it.key))
         if items:
             self.store.step(items, step=self.step_count, beta1=self.beta1, beta2=self.beta2,
                             eps=self.eps, adamw=self.adamw, bias_correction=True,
@@ -311,7 +316,11 @@ class EngineOptimizer:
                 def sink(key, elem_offset, tile, _ext=ext, _es=esize):
                     return swap.write(_ext, tile, offset=elem_offset * _es)
         grad = g.grad_buf if self.nvme_grads is None else self.nvme_grads.extent[g.gid]
-        return StepItem(self.key(g), grad, segs, param_out=param_out, param_sink=sink)
+        # fp32 NVMe home with a cached host copy (MemoryManager.enable_cache): the copy is
+        # the master in hand, updated in place and written through
+        master_buf = g.host_buf if self.precision == "fp32" and g.home == "nvme" else None
+        return StepItem(self.key(g), grad, segs, param_out=param_out, param_sink=sink,
+                        master_buf=master_buf)
 
     def close(self) -> None:
         self.store.close()

@@ -99,9 +99,10 @@ class OverlappedStep:
             self.mm.give_back_device(buf)
         self._reap()
 
-    def on_release(self, g: GroupRecord, buf: torch.Tensor) -> bool:
-        """The manager released ``g``; take its buffer over when it can serve as the master
-        of ``g``'s early step.  Also submits ``g`` if its gradient was already final."""
+    def on_release(self, g: GroupRecord, buf: torch.Tensor | None) -> bool:
+        """The manager released NVMe-homed ``g`` (``buf`` None: it stayed cached); take
+        the buffer over when it can serve as the master of ``g``'s early step.  Also
+        submits ``g`` if its gradient was already final."""
         if not self.active:
             return False
         self._reap()
@@ -109,7 +110,7 @@ class OverlappedStep:
         if pend is None:
             return False
         pool = self.mm.device_pool
-        take = self.handoff and g.home == "nvme" and g.gid not in self._held \
+        take = buf is not None and self.handoff and g.gid not in self._held \
             and len(self._held) + len(self._stepping) < MAX_HANDOFF \
             and (pool.budget is None or pool.can_lease(2 * g.nbytes))
         if take:
@@ -161,7 +162,10 @@ class OverlappedStep:
     def _submit(self, g: GroupRecord) -> None:
         n = float(torch.linalg.vector_norm(g.grad_buf))
         buf = self._held.pop(g.gid, None)
-        item, kw = self.opt.early_item(g, master_buf=buf)
+        item, kw = self.opt.early_item(g, master_buf=buf)   # a cached copy: its own
+        if item.master_buf is not None and buf is None:
+            self.acct.count("optimizer_master_read_bytes_saved",
+                            self.opt.store.master_io_bytes(self.opt.key(g)))
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="infinity-step")
         self.done[g.gid] = n * n

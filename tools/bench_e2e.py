@@ -86,6 +86,8 @@ def run_infinity(args, swap_dir, host_gb):
     x, y = batch(args.d, args.tokens)
     times, moved = [], []
     with infinity.initialize(model, cfg) as eng:
+        if args.no_master_handoff and eng.overlap is not None:
+            eng.overlap.handoff = False          # A/B: the overlapped step reads its master
         for i in range(args.warmup + args.steps):
             if i == args.warmup:
                 cpu0 = os.times()
@@ -267,6 +269,10 @@ def main(argv=None):
     ap.add_argument("--nvme-path", default=None, help="default: a temp dir under ./")
     ap.add_argument("--fio-mb", type=int, default=2048)
     ap.add_argument("--skip-torch", action="store_true")
+    ap.add_argument("--skip-fio", action="store_true", help="no fio runs (and so no bound)")
+    ap.add_argument("--no-master-handoff", action="store_true",
+                    help="A/B: the overlapped optimizer step reads each fp32 master from NVMe "
+                         "instead of reusing the parameter buffer backward fetched")
     ap.add_argument("--deepspeed-python", default=DEFAULT_DS_PYTHON,
                     help="python of the DeepSpeed venv ('' to skip; default %(default)s)")
     ap.add_argument("--ds-max-in-cpu", default=str(int(1e9)),
@@ -284,7 +290,7 @@ def main(argv=None):
           f"params fp32, {args.tokens} tokens; model states {states / 1e9:.2f} GB; "
           f"infinity host cap {host_gb:.2f} GB ({args.host_frac:.0%}); torch threads "
           f"{torch.get_num_threads()}")
-    bw = fio_bw(os.path.join(root, "fio"), args.fio_mb, 10)
+    bw = None if args.skip_fio else fio_bw(os.path.join(root, "fio"), args.fio_mb, 10)
     print_fio("before", bw, args)
     t_torch = None
     if not args.skip_torch:

@@ -178,6 +178,7 @@ class EngineCheckpoint:
         for g in self.groups:
             if g.home != "device" and g.state not in (Location.NVME, Location.HOST):
                 self.e.mm.release(g)
+        self.e.mm.drop_cache()          # clean copies of NVMe homes about to be rewritten
 
     # -- Checkpointable: save ------------------------------------------------------
     def checkpoint_tensors(self):

@@ -29,7 +29,7 @@ import torch
 
 from .accounting import Accounting
 from .device import DeviceTier, make_device
-from .pool import BufferPool
+from .pool import ALIGN, BufferPool, round_up
 from .record import GroupRecord, Location
 
 log = logging.getLogger("infinity.memory")
@@ -71,10 +71,14 @@ class MemoryManager:
         self._by_storage: dict[int, GroupRecord] = {}
         self._overflow_warned = False
         self.closed = False
-        # called as on_release(g, buf) when a paged group's device buffer is released;
-        # returning True takes the buffer over (give it back with give_back_device):
-        # the overlapped optimizer step uses a just-released fp32 buffer as its master
+        # called as on_release(g, buf) when an NVMe-homed group is released (buf None
+        # when it stayed cached); returning True takes the buffer over (give it back with
+        # give_back_device): the overlapped step uses a just-released fp32 buffer as master
         self.on_release = None
+        # parameter cache (see enable_cache): NVMe-homed groups that keep a clean host
+        # copy between uses, within the host cap's headroom
+        self.cache_budget = 0
+        self.cache_used = 0
 
     # ------------------------------------------------------------------ setup
     def place(self, g: GroupRecord, staging: torch.Tensor | None = None) -> None:
@@ -150,8 +154,9 @@ class MemoryManager:
         (only possible with ``allow_overflow=False``)."""
         if g.state in (Location.DEVICE, Location.READING, Location.TO_DEVICE):
             return True
-        if g.home == "cpu" and self.dev.zero_copy:
-            # the host home is directly usable by CPU compute: no copy, no extra bytes
+        if g.state is Location.HOST and self.dev.zero_copy:
+            # the host home (or a cached copy of an NVMe home) is directly usable by CPU
+            # compute: no copy, no extra bytes
             g.begin_to_device(g.host_buf)
             g.finish_to_device()
             # saved tensors must still be packed as references: autograd keeps the leaf
@@ -242,11 +247,58 @@ class MemoryManager:
             self.wait_resident(g)
         buf = g.device_buf
         self._by_storage.pop(buf.untyped_storage().data_ptr(), None)
-        g.release()
-        if g.home == "nvme" or not self.dev.zero_copy:
-            if self.on_release is None or not self.on_release(g, buf):
-                self.dev.give_back(buf)   # CUDA: the next copy into it waits for compute
+        cached = g.home == "nvme" and (g.host_buf is buf or self._admit(g, buf))
+        g.release()                       # -> HOST when a cached copy stays, else home
+        if g.home == "nvme" and self.on_release is not None:
+            if self.on_release(g, None if cached else buf):
+                buf = None                # taken over
+        if buf is not None and not cached and (g.home == "nvme" or not self.dev.zero_copy):
+            self.dev.give_back(buf)       # CUDA: the next copy into it waits for compute
         self._progress()
+
+    # ------------------------------------------------------------------ parameter cache
+    def enable_cache(self, budget_bytes: int) -> None:
+        """Keep released NVMe-homed groups' buffers as clean host copies (write-through:
+        the optimizer updates the copy in place and writes it to NVMe in the same pass,
+        ``StepItem.master_buf``), first come first kept, until ``budget_bytes`` are held.
+        A cached group is in state HOST and is used in place like a host-homed one, so
+        neither forward nor backward reads it from NVMe again.  Only where the copy can
+        stay exact: zero-copy device tier, fp32 (the buffer is the master); the caller
+        (the engine) checks the precision and passes the host cap's headroom.  Cached
+        bytes count in the host tier (they leave the device pool)."""
+        if not self.dev.zero_copy:
+            raise ValueError("memory: the parameter cache needs a zero-copy device tier")
+        self.cache_budget = max(0, int(budget_bytes))
+
+    def _admit(self, g: GroupRecord, buf: torch.Tensor) -> bool:
+        """Cache ``g``'s just-released buffer when it fits in the budget."""
+        size = round_up(buf.numel() * buf.element_size(), ALIGN)
+        if not self.dev.zero_copy or self.cache_used + size > self.cache_budget:
+            return False
+        self.device_pool.detach(buf)
+        self.acct.alloc("host", size)
+        self.cache_used += size
+        g.host_buf = buf
+        self.acct.count("param_cache_admitted")
+        return True
+
+    def drop_cache(self) -> None:
+        """Forget every cached copy (before anything writes the NVMe homes directly, e.g.
+        a checkpoint load); the groups must not be in use."""
+        for g in self.groups:
+            if g.home != "nvme" or g.host_buf is None:
+                continue
+            if g.state is not Location.HOST:
+                raise RuntimeError(f"memory: cannot drop the cached copy of group {g.gid} "
+                                   f"({g.name}) in state {g.state.name}; release it first")
+            buf = g.host_buf
+            g.drop_host_copy()
+            size = round_up(buf.numel() * buf.element_size(), ALIGN)
+            self.acct.free("host", size)
+            self.cache_used -= size
+
+    def cached(self, g: GroupRecord) -> bool:
+        return g.home == "nvme" and g.host_buf is not None
 
     def give_back_device(self, buf: torch.Tensor) -> None:
         """Return a device buffer :attr:`on_release` took over."""
@@ -307,4 +359,13 @@ class MemoryManager:
             if isinstance(f, _Fetch) and f.xfer is not None:
                 f.xfer.wait_host()
         self._inflight.clear()
+        for g in self.groups:          # cached copies: dropped (never dirty: write-through)
+            if g.home == "nvme" and g.host_buf is not None:
+                if g.state is Location.HOST:
+                    g.drop_host_copy()
+                else:
+                    g.host_buf = None     # still pointed at by a DEVICE group: just forget
+        if self.cache_used:
+            self.acct.free("host", self.cache_used)
+            self.cache_used = 0
         self.dev.close()

@@ -60,6 +60,7 @@ class PlacementPlan:
     optimizer_ring_bytes: int = 0
     grad_home: str = "host"   # "host" | "nvme" (when the host cap cannot hold the grads)
     separate_device: bool = False   # device tier is not host memory (CUDA): copies + staging
+    param_cache_budget: int = 0     # host bytes for clean copies of NVMe params (fp32, CPU)
     host: dict = field(default_factory=dict)      # item -> bytes
     device: dict = field(default_factory=dict)
     nvme: dict = field(default_factory=dict)
@@ -101,6 +102,15 @@ class PlacementPlan:
             self.host["optimizer states (fp32 m, v" + ("" if fp32 else ", master") + ")"] = \
                 states * 4 * n_train
         self.host["optimizer tile ring"] = self.optimizer_ring_bytes
+        # parameter cache (MemoryManager.enable_cache): first released, first kept
+        cached = cached_trainable = 0
+        if self.param_cache_budget and self.param_home == "nvme":
+            self.host["parameter cache (clean copies of NVMe params)"] = self.param_cache_budget
+            for g in paged:
+                size = round_up(g.nbytes, ALIGN)
+                if cached + size <= self.param_cache_budget:
+                    cached += size
+                    cached_trainable += size if g.trainable else 0
         # nvme
         if self.param_home == "nvme":
             self.nvme["param home"] = sum(g.nbytes for g in paged)
@@ -108,7 +118,7 @@ class PlacementPlan:
             self.nvme["optimizer states"] = states * 4 * n_train
         # links per optimizer step (grad_accum micro-steps)
         nvme_params = sum(g.nbytes for g in paged) if self.param_home == "nvme" else 0
-        rd = 2 * nvme_params * grad_accum          # forward + backward re-fetch
+        rd = 2 * max(0, nvme_params - cached) * grad_accum   # forward + backward re-fetch
         wr = 0
         if self.optimizer_home == "nvme":           # exp_avg, exp_avg_sq
             rd += 8 * n_train
@@ -116,7 +126,7 @@ class PlacementPlan:
         master_on_nvme = (fp32 and self.param_home == "nvme") or \
             (not fp32 and self.optimizer_home == "nvme")
         if master_on_nvme:
-            rd += 4 * n_train
+            rd += max(0, 4 * n_train - (cached_trainable if fp32 else 0))  # cached: in hand
             wr += 4 * n_train
         if not fp32 and self.param_home == "nvme":  # updated low-precision params
             wr += sum(g.nbytes for g in trainable)

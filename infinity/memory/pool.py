@@ -94,6 +94,13 @@ class BufferPool:
         self._free.setdefault(size, []).append(raw)
         self.leased -= size
 
+    def detach(self, buf: torch.Tensor) -> None:
+        """A leased buffer leaves the pool for good (its owner frees it by dropping it)."""
+        size = round_up(buf.numel() * buf.element_size(), ALIGN)
+        self.leased -= size
+        self.allocated -= size
+        self.acct.free(self.tier, size)
+
     def _trim(self, need: int) -> None:
         """Drop free buffers (of any size) until ``need`` bytes are returned."""
         for size in sorted(self._free, reverse=True):

@@ -16,6 +16,7 @@ States (``Location``)::
     READING --read_landed--> TO_DEVICE          (CUDA: the NVMe read landed in pinned host
                                                  staging, the H2D copy is in flight)
     DEVICE --release--> NVME | HOST                              (home copy is current)
+    HOST --drop_host_copy--> NVME        (an NVMe-homed group forgets its cached host copy)
     HOST/DEVICE --begin_write--> WRITING --finish_write--> NVME (spilling a host copy)
 
 Transitions only happen through the methods below; each checks its precondition and
@@ -164,10 +165,22 @@ class GroupRecord:
         buf, self.device_buf = self.device_buf, None
         for s in self.slots:
             s.param.data = placeholder(self.dtype, s.shape, s.param.device)
-        self.state = Location.NVME if self.home == "nvme" else Location.HOST
+        # an NVMe-homed group whose buffer stays as a clean cached copy is in HOST
+        self.state = Location.NVME if self.home == "nvme" and self.host_buf is None \
+            else Location.HOST
         self.prefetched = False
         self.hold_until_backward_end = False
         return buf
+
+    def drop_host_copy(self) -> None:
+        """HOST -> NVME: an NVMe-homed group forgets its cached host copy (the NVMe home
+        is current: the copy was written through)."""
+        if self.home != "nvme":
+            raise StateError(f"group {self.gid} ({self.name}): only an NVMe-homed group has a "
+                             f"cached host copy to drop (home {self.home!r})")
+        self._need(Location.HOST, op="drop its cached host copy")
+        self.host_buf = None
+        self.state = Location.NVME
 
     def begin_write(self, handle) -> None:
         """HOST/DEVICE -> WRITING (spilling a copy to NVMe)."""
