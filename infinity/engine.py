@@ -159,7 +159,8 @@ class Engine:
         placement.check()
         if cfg.precision == "fp32" and param_home == "nvme" and self.zero is None \
                 and not separate and cfg.host_memory_bytes is not None \
-                and cfg.host_memory_bytes > placement.host_total:
+                and cfg.host_memory_bytes > placement.host_total \
+                and placement.grad_home == "host":
             # the cap's headroom keeps clean copies of NVMe params (write-through: in fp32
             # the param is the master the optimizer updates in place)
             placement.param_cache_budget = cfg.host_memory_bytes - placement.host_total
@@ -184,7 +185,8 @@ class Engine:
             self.mm = MemoryManager(gp.groups, **mm_kw)
             self.opt = EngineOptimizer(model, cfg, gp.groups, gp.names, **opt_kw)
             if placement.param_cache_budget:
-                self.mm.enable_cache(placement.param_cache_budget)
+                self.mm.enable_cache()
+                self.opt.lazy_grads = True    # gradient buffers only while they hold one
         else:
             self.mm = self.zero.memory_manager(gp.groups, **mm_kw)
             self.opt = self.zero.optimizer(model, cfg, gp.groups, gp.names, **opt_kw)

@@ -83,6 +83,10 @@ class EngineOptimizer:
         self.nvme_grads = None              # NvmeGradStore when grads are homed on NVMe
         self.grad_d2h = None                # GradD2H when the device tier is not host memory
         self._slot_index = {id(s): i for g in self.groups for i, s in enumerate(g.slots)}
+        # lazy_grads (set by the engine with the parameter cache): a group's fp32 gradient
+        # buffer is leased at its first gradient of a window and given back once stepped,
+        # so the host pool lends the memory to cached parameter copies in between
+        self.lazy_grads = False
 
     def alloc_grads(self, home: str = "host") -> None:
         """Lease the fp32 gradient accumulation buffers (after the params were placed, so
@@ -93,9 +97,37 @@ class EngineOptimizer:
             self.nvme_grads = NvmeGradStore(self.groups, self.swap, self.host_pool, self.acct,
                                             self.timeline)
             return
+        if self.lazy_grads:
+            return
         for g in self.groups:
             g.grad_buf = self.host_pool.lease(g.padded_numel * 4, torch.float32)
             g.grad_buf.zero_()
+
+    def _grad_buf(self, g: GroupRecord) -> torch.Tensor:
+        """``g``'s gradient buffer, leased now if it has none (lazy_grads): what no slot
+        writes (alignment gaps, the tail) is zeroed; slots are written (first gradient:
+        copied) or zeroed at the boundary."""
+        buf = g.grad_buf
+        if buf is not None:
+            return buf
+        buf = self.host_pool.lease(g.padded_numel * 4, torch.float32)
+        pos = 0
+        for s in g.slots:
+            if s.offset > pos:
+                buf[pos:s.offset].zero_()
+            pos = s.offset + s.numel
+        if pos < g.padded_numel:
+            buf[pos:].zero_()
+        g.grad_buf = buf
+        return buf
+
+    def release_grad(self, g: GroupRecord) -> None:
+        """``g`` was stepped: with lazy_grads its gradient buffer goes back to the pool."""
+        if self.lazy_grads and g.grad_buf is not None:
+            buf, g.grad_buf = g.grad_buf, None
+            for s in g.slots:
+                self._written.discard(id(s))
+            self.host_pool.give_back(buf)
 
     # ------------------------------------------------------------------ registration
     def register(self, g: GroupRecord, init_fp32: torch.Tensor | None) -> None:
@@ -141,7 +173,7 @@ class EngineOptimizer:
         if self.nvme_grads is not None:
             self.nvme_grads.accumulate(g, self._slot_index[id(slot)], grad)
             return
-        dst = g.grad_buf[slot.offset:slot.offset + slot.numel]
+        dst = self._grad_buf(g)[slot.offset:slot.offset + slot.numel]
         if id(slot) in self._written:
             dst.add_(grad.reshape(-1))
         else:
@@ -158,14 +190,17 @@ class EngineOptimizer:
         if self.nvme_grads is not None:
             self.nvme_grads.end_backward()
 
-    def _zero_unwritten(self) -> None:
-        """Slots that got no gradient in this window hold stale values: zero them."""
+    def _zero_unwritten(self, skip=()) -> None:
+        """Slots that got no gradient in this window hold stale values: zero them
+        (``skip``: groups already stepped during backward)."""
         if self.nvme_grads is not None:
             return
         for g in self.groups:
+            if g.gid in skip:
+                continue
             for s in g.slots:
                 if s.trainable and id(s) not in self._written:
-                    g.grad_buf[s.offset:s.offset + s.numel].zero_()
+                    self._grad_buf(g)[s.offset:s.offset + s.numel].zero_()
 
     def zero_grad(self) -> None:
         self._written.clear()
@@ -247,7 +282,7 @@ class EngineOptimizer:
         t0 = time.perf_counter()
         done = done or {}
         self.boundaries += 1
-        self._zero_unwritten()
+        self._zero_unwritten(skip=done)
         scale = float(self.scaler.scale)
         raw_norm = self.grad_norm(skip=done) if done else self.grad_norm()  # ZeRO: no skip
         overflow = not math.isfinite(raw_norm)
@@ -275,6 +310,9 @@ class EngineOptimizer:
             self.store.step(items, step=self.step_count, beta1=self.beta1, beta2=self.beta2,
                             eps=self.eps, adamw=self.adamw, bias_correction=True,
                             grad_scale=grad_scale)
+            for g in self.groups:
+                if g.gid not in done:
+                    self.release_grad(g)
         self.zero_grad()
         if self.torch_sched is not None:
             self.sched_target.step()

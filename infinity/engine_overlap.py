@@ -73,8 +73,10 @@ class OverlappedStep:
         # (future, buffer) of steps running on a handed-off buffer
         self.handoff = opt.precision == "fp32"
         self._held: dict[int, torch.Tensor] = {}
-        self._stepping: list[tuple[Future, torch.Tensor]] = []
+        # (future, group, handed-off buffer or None) of every submitted group step
+        self._stepping: list[tuple[Future, GroupRecord, torch.Tensor | None]] = []
         mm.on_release = self.on_release
+        mm.on_reclaim_blocked = self.wait
 
     # ------------------------------------------------------------------ backward
     def begin(self) -> None:
@@ -111,7 +113,7 @@ class OverlappedStep:
             return False
         pool = self.mm.device_pool
         take = buf is not None and self.handoff and g.gid not in self._held \
-            and len(self._held) + len(self._stepping) < MAX_HANDOFF \
+            and len(self._held) + self._handed_off() < MAX_HANDOFF \
             and (pool.budget is None or pool.can_lease(2 * g.nbytes))
         if take:
             self._held[g.gid] = buf
@@ -120,16 +122,26 @@ class OverlappedStep:
             self._submit(g)
         return take
 
+    def _handed_off(self) -> int:
+        return sum(1 for _, _, b in self._stepping if b is not None)
+
     def _reap(self) -> None:
-        """Give back the buffers of finished steps (main thread: the pool is not shared)."""
+        """After each finished group step (main thread: the pools are not shared): its
+        handed-off buffer back to the device pool, its gradient buffer back to the host
+        pool (lazy gradients), its cached copy unpinned."""
         if not self._stepping:
             return
         keep = []
-        for f, buf in self._stepping:
-            if f.done():
+        for entry in self._stepping:
+            f, g, buf = entry
+            if not f.done():
+                keep.append(entry)
+                continue
+            if buf is not None:
                 self.mm.give_back_device(buf)
-            else:
-                keep.append((f, buf))
+            self.mm.pinned.discard(g.gid)
+            if f.exception() is None:
+                self.opt.release_grad(g)
         self._stepping = keep
 
     def grad_arrived(self, g: GroupRecord, slot_index: int) -> None:
@@ -169,11 +181,13 @@ class OverlappedStep:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="infinity-step")
         self.done[g.gid] = n * n
+        if item.master_buf is not None and buf is None:
+            self.mm.pinned.add(g.gid)        # a cached copy the step updates in place
         fut = self._pool.submit(self.opt.store.step, [item], **kw)
         self._futures.append(fut)
+        self._stepping.append((fut, g, buf))
         self.acct.count("optimizer_groups_overlapped")
         if buf is not None:
-            self._stepping.append((fut, buf))
             self.acct.count("optimizer_master_handoffs")
             self.acct.count("optimizer_master_read_bytes_saved",
                             self.opt.store.master_io_bytes(self.opt.key(g)))
@@ -222,6 +236,7 @@ class OverlappedStep:
             self._futures = []
             self.end()
             self.mm.on_release = None
+            self.mm.on_reclaim_blocked = None
             if self._pool is not None:
                 self._pool.shutdown(wait=True)
                 self._pool = None

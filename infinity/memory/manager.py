@@ -76,9 +76,11 @@ class MemoryManager:
         # give_back_device): the overlapped step uses a just-released fp32 buffer as master
         self.on_release = None
         # parameter cache (see enable_cache): NVMe-homed groups that keep a clean host
-        # copy between uses, within the host cap's headroom
-        self.cache_budget = 0
+        # copy between uses, in host-pool memory nothing else needs at the moment
+        self.cache_on = False
         self.cache_used = 0
+        self.pinned: set[int] = set()      # gids whose cached copy a running step updates
+        self.on_reclaim_blocked = None     # called when only pinned copies could be freed
 
     # ------------------------------------------------------------------ setup
     def place(self, g: GroupRecord, staging: torch.Tensor | None = None) -> None:
@@ -257,30 +259,65 @@ class MemoryManager:
         self._progress()
 
     # ------------------------------------------------------------------ parameter cache
-    def enable_cache(self, budget_bytes: int) -> None:
+    def enable_cache(self) -> None:
         """Keep released NVMe-homed groups' buffers as clean host copies (write-through:
-        the optimizer updates the copy in place and writes it to NVMe in the same pass,
-        ``StepItem.master_buf``), first come first kept, until ``budget_bytes`` are held.
-        A cached group is in state HOST and is used in place like a host-homed one, so
-        neither forward nor backward reads it from NVMe again.  Only where the copy can
-        stay exact: zero-copy device tier, fp32 (the buffer is the master); the caller
-        (the engine) checks the precision and passes the host cap's headroom.  Cached
-        bytes count in the host tier (they leave the device pool)."""
+        the optimizer updates a copy in place and writes it to NVMe in the same pass,
+        ``StepItem.master_buf``).  A cached group is in state HOST and is used in place
+        like a host-homed one, so neither forward nor backward reads it from NVMe again.
+        The copies live in the host pool, within its budget (``offload.host_memory_gb``):
+        one is kept when the pool can hold it, and given back (:meth:`reclaim`) when the
+        pool needs the memory for something else (gradient buffers).  Only where a copy
+        can stay exact: zero-copy device tier, and the caller (the engine) checks fp32
+        (the buffer is the master)."""
         if not self.dev.zero_copy:
             raise ValueError("memory: the parameter cache needs a zero-copy device tier")
-        self.cache_budget = max(0, int(budget_bytes))
+        if self.host_pool.budget is None:
+            raise ValueError("memory: the parameter cache needs a host budget "
+                             "(offload.host_memory_gb)")
+        self.cache_on = True
+        self.host_pool.reclaim = self.reclaim
 
     def _admit(self, g: GroupRecord, buf: torch.Tensor) -> bool:
-        """Cache ``g``'s just-released buffer when it fits in the budget."""
-        size = round_up(buf.numel() * buf.element_size(), ALIGN)
-        if not self.dev.zero_copy or self.cache_used + size > self.cache_budget:
+        """Cache ``g``'s just-released buffer when the host pool can hold it."""
+        if not self.cache_on or not self.host_pool.adopt(buf):
             return False
         self.device_pool.detach(buf)
-        self.acct.alloc("host", size)
-        self.cache_used += size
+        self.cache_used += round_up(buf.numel() * buf.element_size(), ALIGN)
         g.host_buf = buf
         self.acct.count("param_cache_admitted")
         return True
+
+    def _evict(self, g: GroupRecord) -> int:
+        """Forget ``g``'s cached copy; its buffer goes to the host pool's free list (or,
+        while ``g`` is in use, back to the device tier).  Returns the bytes freed."""
+        buf = g.host_buf
+        size = round_up(buf.numel() * buf.element_size(), ALIGN)
+        if g.state is Location.HOST:
+            g.drop_host_copy()
+            self.host_pool.give_back(buf)
+        elif g.state is Location.DEVICE and self.device_pool.adopt(buf):
+            g.forget_host_copy()          # in use: the buffer stays its device buffer
+            self.host_pool.detach(buf)
+        else:
+            return 0
+        self.cache_used -= size
+        self.acct.count("param_cache_evicted")
+        return size
+
+    def reclaim(self, need: int) -> None:
+        """The host pool needs ``need`` bytes: evict cached copies, the group latest in
+        module order first (backward, where gradients need memory, reaches it last and
+        forward uses it last).  Copies a running optimizer step updates are skipped; if
+        they are all that is left, :attr:`on_reclaim_blocked` waits for those steps."""
+        for attempt in range(2):
+            for g in reversed(self.groups):
+                if need <= 0:
+                    return
+                if g.home == "nvme" and g.host_buf is not None and g.gid not in self.pinned:
+                    need -= self._evict(g)
+            if need <= 0 or attempt or self.on_reclaim_blocked is None or not self.pinned:
+                return
+            self.on_reclaim_blocked()
 
     def drop_cache(self) -> None:
         """Forget every cached copy (before anything writes the NVMe homes directly, e.g.
@@ -288,14 +325,11 @@ class MemoryManager:
         for g in self.groups:
             if g.home != "nvme" or g.host_buf is None:
                 continue
-            if g.state is not Location.HOST:
+            if g.state is not Location.HOST or g.gid in self.pinned:
                 raise RuntimeError(f"memory: cannot drop the cached copy of group {g.gid} "
                                    f"({g.name}) in state {g.state.name}; release it first")
-            buf = g.host_buf
-            g.drop_host_copy()
-            size = round_up(buf.numel() * buf.element_size(), ALIGN)
-            self.acct.free("host", size)
-            self.cache_used -= size
+            self._evict(g)
+        self.host_pool.trim()
 
     def cached(self, g: GroupRecord) -> bool:
         return g.home == "nvme" and g.host_buf is not None
@@ -361,11 +395,13 @@ class MemoryManager:
         self._inflight.clear()
         for g in self.groups:          # cached copies: dropped (never dirty: write-through)
             if g.home == "nvme" and g.host_buf is not None:
+                buf = g.host_buf
                 if g.state is Location.HOST:
                     g.drop_host_copy()
                 else:
-                    g.host_buf = None     # still pointed at by a DEVICE group: just forget
-        if self.cache_used:
-            self.acct.free("host", self.cache_used)
-            self.cache_used = 0
+                    g.forget_host_copy()
+                self.host_pool.give_back(buf)
+        self.cache_used = 0
+        self.pinned.clear()
+        self.host_pool.reclaim = None
         self.dev.close()

@@ -54,6 +54,9 @@ class BufferPool:
         self._free: dict[int, list[torch.Tensor]] = {}
         self.allocated = 0      # bytes held by the pool (leased + free)
         self.leased = 0
+        # reclaim(nbytes): asked to give leased buffers back (give_back) when a lease would
+        # exceed the budget (the parameter cache lends its copies, MemoryManager.reclaim)
+        self.reclaim = None
 
     def can_lease(self, nbytes: int) -> bool:
         size = round_up(nbytes, ALIGN)
@@ -72,6 +75,16 @@ class BufferPool:
             raw = lst.pop()
         else:
             if self.budget is not None and self.allocated + size > self.budget:
+                self._trim(self.allocated + size - self.budget)
+            if self.budget is not None and self.allocated + size > self.budget \
+                    and self.reclaim is not None:
+                self.reclaim(self.allocated + size - self.budget)
+                lst = self._free.get(size)
+                if lst:                   # a reclaimed buffer of this size: reuse it
+                    raw = lst.pop()
+                    self.leased += size
+                    esize = torch.empty((), dtype=dtype).element_size()
+                    return raw.view(dtype)[: nbytes // esize]
                 self._trim(self.allocated + size - self.budget)
             if self.budget is not None and self.allocated + size > self.budget:
                 raise PoolExhausted(
@@ -93,6 +106,21 @@ class BufferPool:
                                                      * buf.element_size(), (size,))
         self._free.setdefault(size, []).append(raw)
         self.leased -= size
+
+    def adopt(self, buf: torch.Tensor) -> bool:
+        """Count a buffer from elsewhere as leased from this pool (``give_back`` then
+        keeps it here), if the budget can hold it (free buffers are trimmed to make room).
+        Returns False, changing nothing, when it cannot."""
+        size = round_up(buf.numel() * buf.element_size(), ALIGN)
+        if self.budget is not None and self.allocated + size > self.budget:
+            spare = sum(k * len(v) for k, v in self._free.items())
+            if self.allocated - spare + size > self.budget:
+                return False
+            self._trim(self.allocated + size - self.budget)
+        self.allocated += size
+        self.leased += size
+        self.acct.alloc(self.tier, size)
+        return True
 
     def detach(self, buf: torch.Tensor) -> None:
         """A leased buffer leaves the pool for good (its owner frees it by dropping it)."""

@@ -182,6 +182,15 @@ class GroupRecord:
         self.host_buf = None
         self.state = Location.NVME
 
+    def forget_host_copy(self) -> None:
+        """DEVICE stays DEVICE: an NVMe-homed group in use stops treating its buffer as a
+        cached host copy (it is released to its home afterwards)."""
+        if self.home != "nvme":
+            raise StateError(f"group {self.gid} ({self.name}): only an NVMe-homed group has a "
+                             f"cached host copy to forget (home {self.home!r})")
+        self._need(Location.DEVICE, op="forget its cached host copy")
+        self.host_buf = None
+
     def begin_write(self, handle) -> None:
         """HOST/DEVICE -> WRITING (spilling a copy to NVMe)."""
         self._need(Location.HOST, Location.DEVICE, op="begin an NVMe write")

@@ -221,11 +221,12 @@ class PartitionedOptimizer(EngineOptimizer):
                 else:
                     g.grad_buf.zero_()
 
-    def _zero_unwritten(self) -> None:
+    def _zero_unwritten(self, skip=()) -> None:
         # stages 2, 3: every group is reduced into its (zeroed) shard buffer each backward,
         # so there is nothing stale; the shard buffer is not indexed by slot offsets
+        # (nothing is stepped during backward across ranks: ``skip`` is always empty)
         if self.stage == 1:
-            super()._zero_unwritten()
+            super()._zero_unwritten(skip)
 
     def grad_norm(self) -> float:
         """Global L2 norm of the averaged gradient (squared shard norms summed over ranks)."""

@@ -137,7 +137,7 @@ def test_master_handoff_bounded_and_returned(harness, swap_dir, monkeypatch):
 
         def spy(g, buf):
             took = real(g, buf)
-            seen.append(len(ov._held) + len(ov._stepping))
+            seen.append(len(ov._held) + ov._handed_off())
             return took
         eng.mm.on_release = spy
         harness.engine_run(eng, "mlp", batches)

