@@ -176,7 +176,8 @@ def _knobs_from(config, overrides):
         kw.update(precision=cfg.precision, zero_stage=cfg.zero_stage, prefetch_depth=cfg.prefetch.depth,
                   aio_block_size=cfg.aio.block_size, aio_queue_depth=cfg.aio.queue_depth,
                   aio_threads=cfg.aio.threads, grad_accum=cfg.gradient_accumulation_steps,
-                  host_cap_gb=cfg.offload.host_memory_gb)
+                  host_cap_gb=cfg.offload.host_memory_gb,
+                  gradient_clipping=float(cfg.gradient_clipping))
     kw.update({k: v for k, v in overrides.items() if v is not None})
     k = Knobs(**kw)
     if k.precision not in ("fp32", "bf16", "fp16"):
@@ -211,7 +212,8 @@ def local_machine(nvme_path="."):
 def estimate(model=None, *, params=None, layers=None, hidden=None, seq=2048, batch=1, vocab=None,
              heads=None, machine=None, config=None, precision=None, zero_stage=None,
              prefetch_depth=None, grad_accum=None, host_cap_gb=None, tile_numel=None,
-             state_dtype=None, grouping=None, grad_spill=None, activation_model=None, configs=None):
+             state_dtype=None, grouping=None, grad_spill=None, activation_model=None, configs=None,
+             gradient_clipping=None):
     """Estimate memory per tier and step time for every valid offload configuration.
 
     model: an ``nn.Module`` (ideally built on the meta device), a factory (callable or
@@ -219,8 +221,8 @@ def estimate(model=None, *, params=None, layers=None, hidden=None, seq=2048, bat
         a :class:`ModelSpec`, or None with ``params``/``layers``/``hidden`` given.
     machine: a :class:`Machine`, a dict of its fields, or None for this machine.
     config: anything ``InfinityConfig.load`` accepts; its precision, zero_stage,
-        prefetch.depth, aio.*, gradient_accumulation_steps and offload.host_memory_gb are
-        used (keyword arguments override them). Its offload homes are ignored: every valid
+        prefetch.depth, aio.*, gradient_accumulation_steps, gradient_clipping and
+        offload.host_memory_gb are used (keyword arguments override them). Its offload homes are ignored: every valid
         (params, optimizer) pair is estimated, or only ``configs=[("nvme", "nvme"), ...]``.
     grad_spill: where the fp32 gradients live: ``"auto"`` (default) as the engine decides
         (:func:`.memory_plan.grad_spill_decision`), ``"on"`` on NVMe whenever a swap space
@@ -259,7 +261,8 @@ def estimate(model=None, *, params=None, layers=None, hidden=None, seq=2048, bat
                                      prefetch_depth=prefetch_depth, grad_accum=grad_accum,
                                      host_cap_gb=host_cap_gb, tile_numel=tile_numel,
                                      state_dtype=state_dtype, grouping=grouping,
-                                     grad_spill=grad_spill, activation_model=activation_model))
+                                     grad_spill=grad_spill, activation_model=activation_model,
+                                     gradient_clipping=gradient_clipping))
     valid = valid_configs(knobs)
     if configs is not None:
         want = [tuple(c) for c in configs]

@@ -77,6 +77,7 @@ class Knobs:
     state_dtype: str = "fp32"          # Adam moments: "fp32" | "bf16"
     grad_accum: int = 1                # [gradient_accumulation_steps]
     host_cap_gb: float | None = None   # [offload.host_memory_gb]
+    gradient_clipping: float = 0.0     # [gradient_clipping] (0: the step overlaps backward)
     grouping: str = "module"           # how params are flattened into groups
     activation_model: str | None = None  # "megatron" | "eager" (None: eager CPU-only, megatron GPU)
     grad_spill: str = "auto"           # fp32 gradient home: "auto" decides as the engine does

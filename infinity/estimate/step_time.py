@@ -84,6 +84,39 @@ def _phase(name, terms, derivation):
     return Phase(name, terms[bound], bound, terms, derivation)
 
 
+def _param_cache(spec, machine, knobs, plan):
+    """``(cached before forward, cached before backward, cached at the step, hand-off)``
+    in bytes for the engine's fp32 NVMe-param shortcuts on one CPU process (see
+    docs/architecture.md, "The step"): the overlapped step (no clipping) takes each
+    group's master from the buffer backward read; with ``offload.host_memory_gb`` set and
+    room above the plan, released groups stay as clean host copies in the host pool,
+    which gives them up to gradient buffers (leased only while held): with the overlap
+    about two groups' gradients are live, without it all of them by the end of backward."""
+    N = spec.params
+    if not (machine.cpu_only and machine.ranks == 1 and plan.params_home == "nvme"
+            and plan.master_is_param and not plan.grads_on_nvme):
+        return 0, 0, 0, False
+    handoff = knobs.gradient_clipping == 0
+    if not knobs.host_cap_gb:
+        return 0, 0, 0, handoff
+    cap = int(knobs.host_cap_gb * GB)
+    host = [i for i in plan.items if i.tier in ("pinned", "pageable")]
+    grads = sum(i.nbytes for i in host if i.name.startswith("grad accumulation"))
+    init = sum(i.nbytes for i in host if "initialisation only" in i.name)
+    others = sum(i.nbytes for i in host) - grads - init
+    if cap <= others + grads + init:            # no headroom above the plan: no cache
+        return 0, 0, 0, handoff
+    P = N * knobs.lp
+    G = spec.group_numel(knobs.grouping)
+
+    def fit(b):
+        return max(0, min(P, b))
+    if handoff and knobs.grad_accum == 1:
+        live = fit(cap - others - 2 * G * 4)
+        return live, live, live, True
+    return fit(cap - others - grads), fit(cap - others), fit(cap - others - grads), handoff
+
+
 def traffic_per_step(spec, machine, knobs, plan):
     """Bytes moved, as ``{"mb": {link: [(what, bytes)]}, "opt": {...}}``.
 
@@ -99,7 +132,11 @@ def traffic_per_step(spec, machine, knobs, plan):
     links = ("nvme_read", "nvme_write", "h2d", "d2h", "allgather", "reduce_scatter")
     mb = {k: [] for k in links}
     opt = {k: [] for k in links}
-    if p == "nvme":
+    cache_fwd, cache_bwd, cache_master, handoff = _param_cache(spec, machine, knobs, plan)
+    if p == "nvme" and (cache_fwd or cache_bwd):
+        mb["nvme_read"].append(("params fwd+bwd 2*N*lp minus host-cached copies",
+                                2 * node_params * lp - cache_fwd - cache_bwd))
+    elif p == "nvme":
         mb["nvme_read"].append(("params fwd+bwd 2*N*lp", 2 * node_params * lp))
     if plan.grads_on_nvme:
         A = knobs.grad_accum
@@ -113,7 +150,13 @@ def traffic_per_step(spec, machine, knobs, plan):
     # the fp32 master is on NVMe when it is the NVMe-homed fp32 param, or the optimizer's
     # own master (bf16/fp16) homed on NVMe
     if (plan.master_is_param and p == "nvme") or (not plan.master_is_param and o == "nvme"):
-        opt["nvme_read"].append(("master N*4", node_params * 4))
+        if handoff:
+            pass        # the buffer backward read (or a cached copy) is the master in hand
+        elif cache_master:
+            opt["nvme_read"].append(("master N*4 minus host-cached copies",
+                                     node_params * 4 - cache_master))
+        else:
+            opt["nvme_read"].append(("master N*4", node_params * 4))
         opt["nvme_write"].append(("master N*4", node_params * 4))
     if p == "nvme" and not plan.master_is_param:
         opt["nvme_write"].append(("updated params N*lp", node_params * lp))

@@ -172,10 +172,16 @@ def test_traffic_and_step_time_nvme_nvme():
     # params twice per micro-batch + fp32 master, m, v
     assert s.traffic["nvme_read"] == 2 * (2 * N * 2) + N * 12
     assert s.traffic["nvme_write"] == N * 12 + N * 2                # + updated bf16 params
-    # fp32 with params on NVMe, optimizer on the host: the master is the NVMe param
-    e32 = estimate(small_spec(), machine=m, precision="fp32", configs=[("nvme", "cpu")])
+    # fp32 with params on NVMe, optimizer on the host: the master is the NVMe param; with
+    # clipping it is read at the step, without it the overlapped step takes it from the
+    # buffer backward read (master hand-off)
+    e32 = estimate(small_spec(), machine=m, precision="fp32", configs=[("nvme", "cpu")],
+                   gradient_clipping=1.0)
     t32 = e32.configs[0].steps["none"].traffic
     assert t32["nvme_read"] == 2 * N * 4 + N * 4 and t32["nvme_write"] == N * 4
+    e32 = estimate(small_spec(), machine=m, precision="fp32", configs=[("nvme", "cpu")])
+    t32 = e32.configs[0].steps["none"].traffic
+    assert t32["nvme_read"] == 2 * N * 4 and t32["nvme_write"] == N * 4
     assert s.traffic["h2d"] == 0 and s.traffic["allgather"] == 0   # CPU-only, one rank
     t_comp = 6 * N * 16 * 2 / 1e12
     t_nvme_mb = 4 * N / 1e9
@@ -248,3 +254,25 @@ def test_spec_from_plain_module_without_config():
     assert s.largest_group == {"module": 100 * 16, "block": per_block}
     with pytest.raises(EstimateError, match="hidden size"):
         spec_from_module(nn.Sequential(nn.Linear(4, 4), nn.ReLU()))
+
+
+def test_traffic_with_the_parameter_cache():
+    """fp32, params and optimizer on NVMe, one CPU process, a host cap above the plan: the
+    host pool keeps clean copies of the params (write-through), so reads shrink to what
+    does not fit; with the overlap (no clipping) only ~2 groups' gradients are live."""
+    m = Machine(gpus=0, host_mem_gb=100, nvme_gb=100, nvme_gbps=1.0, nvme_write_gbps=0.5,
+                tflops=1.0, cpu_adam_gparams=0.001)
+    N = 1_000_000
+    base = estimate(small_spec(), machine=m, precision="fp32", configs=[("nvme", "nvme")],
+                    gradient_clipping=1.0, host_cap_gb=1.0)
+    t = base.configs[0].steps["none"].traffic
+    assert t["nvme_read"] == 8 * N                  # m + v only: every param copy fits
+    assert t["nvme_write"] == 12 * N                # master written through, m, v
+    tight = estimate(small_spec(), machine=m, precision="fp32", configs=[("nvme", "nvme")],
+                     host_cap_gb=None)
+    t = tight.configs[0].steps["none"].traffic     # no cap: no cache, hand-off only
+    assert t["nvme_read"] == 2 * N * 4 + 8 * N
+    clipped = estimate(small_spec(), machine=m, precision="fp32", configs=[("nvme", "nvme")],
+                       gradient_clipping=1.0, host_cap_gb=None)
+    t = clipped.configs[0].steps["none"].traffic
+    assert t["nvme_read"] == 2 * N * 4 + 12 * N
