@@ -158,7 +158,8 @@ class Engine:
             partition_placement(placement, self.zero)
         placement.check()
         if cfg.precision == "fp32" and param_home == "nvme" and self.zero is None \
-                and not separate and cfg.host_memory_bytes is not None \
+                and not separate and device_budget is None \
+                and cfg.host_memory_bytes is not None \
                 and cfg.host_memory_bytes > placement.host_total \
                 and placement.grad_home == "host":
             # the cap's headroom keeps clean copies of NVMe params (write-through: in fp32
@@ -297,7 +298,11 @@ class Engine:
         od = self.acct.counters.get("on_demand_fetches", 0)
         self.mm.wait_host_reads()          # no copy may still read a home being updated
         with self.timeline.span("optimizer", "step"):
-            done = self.overlap.finish() if self.overlap is not None else None
+            try:
+                done = self.overlap.finish() if self.overlap is not None else None
+            except BaseException:
+                self.opt.abandon_window()  # the failed window's gradients are dropped
+                raise
             applied = self.opt.boundary_step(done) if done else self.opt.boundary_step()
         if applied:
             self.mm.refresh_resident()     # separate device: resident copies from mirrors

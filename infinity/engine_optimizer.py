@@ -180,6 +180,13 @@ class EngineOptimizer:
             dst.copy_(grad.reshape(-1))
             self._written.add(id(slot))
 
+    def abandon_window(self) -> None:
+        """A step failed part-way (an overlapped group step raised): drop this window's
+        gradients so a caller that goes on does not add the next window onto them."""
+        for g in self.groups:
+            self.release_grad(g)
+        self.zero_grad()
+
     def before_backward(self, final_micro: bool) -> None:
         if self.nvme_grads is not None:
             self.nvme_grads.final_micro = final_micro

@@ -163,8 +163,8 @@ class OverlappedStep:
         c = self.coord
         if not self.mm.paged(g) or g.users or g.saved_refs or g.hold_until_backward_end \
                 or g.prefetched or g.gid in self.mm._inflight \
-                or g.state in (Location.READING, Location.TO_DEVICE):
-            return False
+                or g.state not in (Location.NVME, Location.HOST):
+            return False                    # still resident or being read: not released
         if c.divergent:
             return False                    # the order changed: be conservative
         if c.trace is not None and g.gid in c.trace[c.cursor:]:
@@ -174,6 +174,11 @@ class OverlappedStep:
     def _submit(self, g: GroupRecord) -> None:
         n = float(torch.linalg.vector_norm(g.grad_buf))
         buf = self._held.pop(g.gid, None)
+        if buf is not None and self.mm.cached(g):
+            # released twice in this backward, cached the second time: the cached copy is
+            # what the next forward uses, so it must be the one updated
+            self.mm.give_back_device(buf)
+            buf = None
         item, kw = self.opt.early_item(g, master_buf=buf)   # a cached copy: its own
         if item.master_buf is not None and buf is None:
             self.acct.count("optimizer_master_read_bytes_saved",

@@ -114,7 +114,11 @@ def _param_cache(spec, machine, knobs, plan):
     if handoff and knobs.grad_accum == 1:
         live = fit(cap - others - 2 * G * 4)
         return live, live, live, True
-    return fit(cap - others - grads), fit(cap - others), fit(cap - others - grads), handoff
+    # gradient buffers leased in the first micro-batch stay leased until the boundary:
+    # only the first backward of a window sees the cache without them
+    A = knobs.grad_accum
+    bwd = (fit(cap - others) + (A - 1) * fit(cap - others - grads)) // A
+    return fit(cap - others - grads), bwd, fit(cap - others - grads), handoff
 
 
 def traffic_per_step(spec, machine, knobs, plan):

@@ -106,6 +106,8 @@ def test_worker_error_surfaces_at_step(harness, swap_dir):
         with pytest.raises(RuntimeError, match="overlapped with backward failed") as ei:
             eng.step()
         assert isinstance(ei.value.__cause__, OSError)
+        # the failed window's gradients are dropped: the next window starts clean
+        assert not eng.opt._written
 
 
 def test_master_handoff_bit_identical_and_saves_reads(harness, swap_dir):
