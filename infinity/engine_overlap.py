@@ -69,8 +69,7 @@ class OverlappedStep:
         self._pending: dict[int, set[int]] = {}
         self._single_use: set[int] = set()
         self.done: dict[int, float] = {}  # gid -> squared grad norm, stepped early
-        # master hand-off (fp32 NVMe params): gid -> released buffer awaiting its step, and
-        # (future, buffer) of steps running on a handed-off buffer
+        # master hand-off (fp32 NVMe params): gid -> released buffer awaiting its step
         self.handoff = opt.precision == "fp32"
         self._held: dict[int, torch.Tensor] = {}
         # (future, group, handed-off buffer or None) of every submitted group step
@@ -180,9 +179,6 @@ class OverlappedStep:
             self.mm.give_back_device(buf)
             buf = None
         item, kw = self.opt.early_item(g, master_buf=buf)   # a cached copy: its own
-        if item.master_buf is not None and buf is None:
-            self.acct.count("optimizer_master_read_bytes_saved",
-                            self.opt.store.master_io_bytes(self.opt.key(g)))
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="infinity-step")
         self.done[g.gid] = n * n
@@ -194,6 +190,7 @@ class OverlappedStep:
         self.acct.count("optimizer_groups_overlapped")
         if buf is not None:
             self.acct.count("optimizer_master_handoffs")
+        if item.master_buf is not None:      # handed off or cached: no master read
             self.acct.count("optimizer_master_read_bytes_saved",
                             self.opt.store.master_io_bytes(self.opt.key(g)))
 

@@ -15,8 +15,10 @@ States (``Location``)::
     HOST --begin_to_device--> TO_DEVICE --finish_to_device--> DEVICE   (host home)
     READING --read_landed--> TO_DEVICE          (CUDA: the NVMe read landed in pinned host
                                                  staging, the H2D copy is in flight)
-    DEVICE --release--> NVME | HOST                              (home copy is current)
+    DEVICE --release--> NVME | HOST                              (home copy is current;
+                                 an NVMe-homed group keeping a clean cached copy -> HOST)
     HOST --drop_host_copy--> NVME        (an NVMe-homed group forgets its cached host copy)
+    DEVICE --forget_host_copy--> DEVICE  (in use: its buffer stops being a cached copy)
     HOST/DEVICE --begin_write--> WRITING --finish_write--> NVME (spilling a host copy)
 
 Transitions only happen through the methods below; each checks its precondition and
