@@ -281,6 +281,13 @@ class EngineOptimizer:
             item.master_buf = master_buf
         return item, kw
 
+    def count_master_in_hand(self, item) -> None:
+        """Count the NVMe master read a step item skips because it carries its master
+        (``master_buf``: a handed-off or cached parameter buffer)."""
+        if item.master_buf is not None:
+            self.acct.count("optimizer_master_read_bytes_saved",
+                            self.store.master_io_bytes(item.key))
+
     def boundary_step(self, done: dict[int, float] | None = None) -> bool:
         """Apply (or skip) one optimizer step over the accumulated gradients.
         ``done``: ``{gid: squared grad norm}`` of groups already stepped (overlapped with
@@ -310,9 +317,7 @@ class EngineOptimizer:
         self.step_count += 1
         items = [self._item(g, lrs, wds) for g in self.groups if g.gid not in done]
         for it in items:
-            if it.master_buf is not None:      # a cached copy: no master read
-                self.acct.count("optimizer_master_read_bytes_saved",
-                                self.store.master_io_bytes(it.key))
+            self.count_master_in_hand(it)
         if items:
             self.store.step(items, step=self.step_count, beta1=self.beta1, beta2=self.beta2,
                             eps=self.eps, adamw=self.adamw, bias_correction=True,

@@ -190,9 +190,7 @@ class OverlappedStep:
         self.acct.count("optimizer_groups_overlapped")
         if buf is not None:
             self.acct.count("optimizer_master_handoffs")
-        if item.master_buf is not None:      # handed off or cached: no master read
-            self.acct.count("optimizer_master_read_bytes_saved",
-                            self.opt.store.master_io_bytes(self.opt.key(g)))
+        self.opt.count_master_in_hand(item)
 
     # ------------------------------------------------------------------ boundary
     def finish(self) -> dict[int, float]:

@@ -29,7 +29,7 @@ import torch
 
 from .accounting import Accounting
 from .device import DeviceTier, make_device
-from .pool import ALIGN, BufferPool, round_up
+from .pool import BufferPool, leased_size
 from .record import GroupRecord, Location
 
 log = logging.getLogger("infinity.memory")
@@ -78,7 +78,6 @@ class MemoryManager:
         # parameter cache (see enable_cache): NVMe-homed groups that keep a clean host
         # copy between uses, in host-pool memory nothing else needs at the moment
         self.cache_on = False
-        self.cache_used = 0
         self.pinned: set[int] = set()      # gids whose cached copy a running step updates
         self.on_reclaim_blocked = None     # called when only pinned copies could be freed
 
@@ -282,7 +281,6 @@ class MemoryManager:
         if not self.cache_on or not self.host_pool.adopt(buf):
             return False
         self.device_pool.detach(buf)
-        self.cache_used += round_up(buf.numel() * buf.element_size(), ALIGN)
         g.host_buf = buf
         self.acct.count("param_cache_admitted")
         return True
@@ -291,7 +289,6 @@ class MemoryManager:
         """Forget ``g``'s cached copy; its buffer goes to the host pool's free list (or,
         while ``g`` is in use, back to the device tier).  Returns the bytes freed."""
         buf = g.host_buf
-        size = round_up(buf.numel() * buf.element_size(), ALIGN)
         if g.state is Location.HOST:
             g.drop_host_copy()
             self.host_pool.give_back(buf)
@@ -300,9 +297,8 @@ class MemoryManager:
             self.host_pool.detach(buf)
         else:
             return 0
-        self.cache_used -= size
         self.acct.count("param_cache_evicted")
-        return size
+        return leased_size(buf)
 
     def reclaim(self, need: int) -> None:
         """The host pool needs ``need`` bytes: evict cached copies, the group latest in
@@ -313,7 +309,7 @@ class MemoryManager:
             for g in reversed(self.groups):
                 if need <= 0:
                     return
-                if g.home == "nvme" and g.host_buf is not None and g.gid not in self.pinned:
+                if self.cached(g) and g.gid not in self.pinned:
                     need -= self._evict(g)
             if need <= 0 or attempt or self.on_reclaim_blocked is None or not self.pinned:
                 return
@@ -323,7 +319,7 @@ class MemoryManager:
         """Forget every cached copy (before anything writes the NVMe homes directly, e.g.
         a checkpoint load); the groups must not be in use."""
         for g in self.groups:
-            if g.home != "nvme" or g.host_buf is None:
+            if not self.cached(g):
                 continue
             if g.state is not Location.HOST or g.gid in self.pinned:
                 raise RuntimeError(f"memory: cannot drop the cached copy of group {g.gid} "
@@ -332,7 +328,13 @@ class MemoryManager:
         self.host_pool.trim()
 
     def cached(self, g: GroupRecord) -> bool:
+        """Whether NVMe-homed ``g`` holds a clean host copy (the parameter cache)."""
         return g.home == "nvme" and g.host_buf is not None
+
+    @property
+    def cache_used(self) -> int:
+        """Host bytes the cached copies hold."""
+        return sum(leased_size(g.host_buf) for g in self.groups if self.cached(g))
 
     def give_back_device(self, buf: torch.Tensor) -> None:
         """Return a device buffer :attr:`on_release` took over."""
@@ -394,14 +396,13 @@ class MemoryManager:
                 f.xfer.wait_host()
         self._inflight.clear()
         for g in self.groups:          # cached copies: dropped (never dirty: write-through)
-            if g.home == "nvme" and g.host_buf is not None:
+            if self.cached(g):
                 buf = g.host_buf
                 if g.state is Location.HOST:
                     g.drop_host_copy()
                 else:
                     g.forget_host_copy()
                 self.host_pool.give_back(buf)
-        self.cache_used = 0
         self.pinned.clear()
         self.host_pool.reclaim = None
         self.dev.close()

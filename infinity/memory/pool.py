@@ -16,13 +16,18 @@ from .accounting import Accounting
 
 log = logging.getLogger("infinity.memory")
 
-__all__ = ["BufferPool", "PoolExhausted", "round_up", "aligned_buffer"]
+__all__ = ["BufferPool", "PoolExhausted", "round_up", "aligned_buffer", "leased_size"]
 
 ALIGN = 4096
 
 
 def round_up(n: int, m: int) -> int:
     return (int(n) + m - 1) // m * m
+
+
+def leased_size(buf: torch.Tensor) -> int:
+    """The bytes a pool buffer occupies: its length rounded up to 4096."""
+    return round_up(buf.numel() * buf.element_size(), ALIGN)
 
 
 def aligned_buffer(nbytes: int) -> torch.Tensor:
@@ -98,8 +103,7 @@ class BufferPool:
         return raw.view(dtype)[: nbytes // esize]
 
     def give_back(self, buf: torch.Tensor) -> None:
-        nbytes = buf.numel() * buf.element_size()
-        size = round_up(nbytes, ALIGN)
+        size = leased_size(buf)
         raw = buf.view(torch.uint8)
         # rebuild the full-size raw view over the same storage start
         raw = torch.empty(0, dtype=torch.uint8, device=buf.device).set_(buf.untyped_storage(), buf.storage_offset()
@@ -111,7 +115,7 @@ class BufferPool:
         """Count a buffer from elsewhere as leased from this pool (``give_back`` then
         keeps it here), if the budget can hold it (free buffers are trimmed to make room).
         Returns False, changing nothing, when it cannot."""
-        size = round_up(buf.numel() * buf.element_size(), ALIGN)
+        size = leased_size(buf)
         if self.budget is not None and self.allocated + size > self.budget:
             spare = sum(k * len(v) for k, v in self._free.items())
             if self.allocated - spare + size > self.budget:
@@ -124,7 +128,7 @@ class BufferPool:
 
     def detach(self, buf: torch.Tensor) -> None:
         """A leased buffer leaves the pool for good (its owner frees it by dropping it)."""
-        size = round_up(buf.numel() * buf.element_size(), ALIGN)
+        size = leased_size(buf)
         self.leased -= size
         self.allocated -= size
         self.acct.free(self.tier, size)
