@@ -192,6 +192,20 @@ class PrefetchConfig:
         self.depth = _int("prefetch.depth", self.depth, lo=0)
 
 
+MAX_AIO_BLOCK = 1 << 30          # the I/O engine's own bound (infinity.io.AioEngine)
+MAX_ACCUMULATION_STEPS = 1 << 20
+NONFINITE_POLICIES = ("skip", "raise")
+
+
+def max_aio_threads() -> int:
+    """``aio.threads`` upper bound: 4 per CPU this process may run on, and the engine's 256."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        n = os.cpu_count() or 1
+    return min(256, 4 * max(1, n))
+
+
 @dataclass
 class AioConfig:
     """Asynchronous I/O engine settings (see infinity.io.AioEngine)."""
@@ -206,15 +220,17 @@ class AioConfig:
     def validate(self) -> None:
         p = "aio."
         self.engine = _choice(p + "engine", self.engine, AIO_ENGINES)
-        bs = _int(p + "block_size", self.block_size, lo=4096,
-                  what="that is a power of two >= 4096")
+        bs = _int(p + "block_size", self.block_size, lo=4096, hi=MAX_AIO_BLOCK,
+                  what=f"that is a power of two >= 4096 and <= {MAX_AIO_BLOCK} (1 GiB)")
         if bs & (bs - 1):
             lower = 1 << (bs.bit_length() - 1)
             raise ConfigError(f"{p}block_size: expected a power of two >= 4096, got {bs}; "
                               f"use {lower} or {lower * 2}")
         self.block_size = bs
         self.queue_depth = _int(p + "queue_depth", self.queue_depth, lo=1, hi=1024)
-        self.threads = _int(p + "threads", self.threads, lo=1)
+        hi = max_aio_threads()
+        self.threads = _int(p + "threads", self.threads, lo=1, hi=hi,
+                            what=f">= 1 and <= {hi} (4 per CPU this process may use, at most 256)")
 
 
 PARAM_GROUP_KEYS = ("params", "lr", "weight_decay", "betas", "eps")
@@ -376,6 +392,7 @@ class InfinityConfig:
     gradient_clipping: float = 0.0
     gradient_accumulation_steps: int = 1
     dist_timeout_s: float = 600
+    nonfinite_grads: str = "skip"
 
     def __post_init__(self):
         self.validate()
@@ -395,7 +412,9 @@ class InfinityConfig:
         self.gradient_clipping = _float("gradient_clipping", self.gradient_clipping, lo=0.0,
                                         what=">= 0 (0 turns clipping off)")
         self.gradient_accumulation_steps = _int("gradient_accumulation_steps",
-                                                self.gradient_accumulation_steps, lo=1)
+                                                self.gradient_accumulation_steps, lo=1,
+                                                hi=MAX_ACCUMULATION_STEPS)
+        self.nonfinite_grads = _choice("nonfinite_grads", self.nonfinite_grads, NONFINITE_POLICIES)
         self.dist_timeout_s = _float("dist_timeout_s", self.dist_timeout_s,
                                      lo=0.0, lo_open=True)
         if self.offload.params != "none" and self.zero_stage != 3:

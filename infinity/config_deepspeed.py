@@ -252,7 +252,10 @@ def deepspeed_to_dict(ds: Any, *, approximate_schedules: bool = False
         ignored += [f"fp16.{k}" for k in fp16 if k != "enabled"]  # DeepSpeed ignores them too
         if bf16_on:
             put("precision", "bf16", "bf16.enabled")
-    ignored += [f"bf16.{k}" for k in bf16 if k != "enabled"]
+            if _ds_bool(bf16, "check_grad_overflow", False, "bf16"):
+                # DeepSpeed skips the step on inf/NaN gradients: infinity's "skip" policy
+                put("nonfinite_grads", "skip", "bf16.check_grad_overflow")
+    ignored += [f"bf16.{k}" for k in bf16 if k not in ("enabled", "check_grad_overflow")]
 
     # ---- optimizer
     opt = _ds_section(ds, "optimizer")

@@ -19,6 +19,7 @@ import torch
 
 from infinity.memory.pool import ALIGN, aligned_buffer, round_up
 from infinity.memory.record import GroupRecord, Location, ParamSlot
+from infinity.fsmode import makedirs
 
 log = logging.getLogger("infinity.engine")
 
@@ -110,7 +111,7 @@ def save_pretrained(engine, directory, *, max_shard_bytes: int = 2 * 10 ** 9) ->
     zero = getattr(engine, "zero", None)
     writer = zero is None or zero.rank == 0   # at world size > 1 every rank gathers, rank 0 writes
     if writer:
-        os.makedirs(directory, exist_ok=True)
+        makedirs(directory)
     sd = StreamedStateDict(engine)
     # unique tensors only (safetensors cannot store aliases): tied weights keep the first name
     seen: set[int] = set()

@@ -41,7 +41,7 @@ import torch
 
 from .errors import CheckpointError
 from .reader import CheckpointReader
-from .rng import rng_state_from_json, rng_state_to_json
+from .rng import parse_rng_state, rng_state_to_json
 from .writer import Piece
 
 log = logging.getLogger("infinity.checkpoint")
@@ -85,6 +85,12 @@ def _check_meta(meta, where):
     rr = meta.get("rng_ranks")
     if rr is not None and (not isinstance(rr, list) or not all(isinstance(x, dict) for x in rr)):
         raise bad("rng_ranks", "must be a list of objects (one RNG state per rank) or null")
+    for i, st in enumerate([meta.get("rng")] + list(rr or [])):
+        if st is not None:   # every RNG state is tried on scratch generators (nothing changes)
+            try:
+                parse_rng_state(st)
+            except CheckpointError as e:
+                raise bad("rng" if i == 0 else f"rng_ranks[{i - 1}]", str(e)) from None
 
 
 class EngineCheckpoint:
@@ -328,6 +334,12 @@ class EngineCheckpoint:
 
     def load_checkpoint_meta(self, meta):
         e, opt = self.e, self.opt
+        _check_meta(meta, "meta")      # validated before the tensors too; cheap to repeat
+        rng = meta.get("rng")
+        ranks = meta.get("rng_ranks")
+        if ranks and self.rank < len(ranks):  # this rank's own stream when it was saved
+            rng = ranks[self.rank]
+        apply_rng = parse_rng_state(rng) if rng is not None else None
         try:
             opt.step_count = int(meta["step"])
             opt.boundaries = int(meta.get("boundaries", meta["step"]))
@@ -341,12 +353,8 @@ class EngineCheckpoint:
             lrs = opt.torch_sched.get_last_lr()
             for pg, lr in zip(opt.sched_target.param_groups, lrs):
                 pg["lr"] = lr
-        rng = meta.get("rng")
-        ranks = meta.get("rng_ranks")
-        if ranks and self.rank < len(ranks):  # this rank's own stream when it was saved
-            rng = ranks[self.rank]
-        if rng is not None:
-            rng_state_from_json(rng)
+        if apply_rng is not None:
+            apply_rng()
 
 
 def save_engine_checkpoint(engine, directory, tag=None, **kw):

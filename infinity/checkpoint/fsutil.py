@@ -11,6 +11,7 @@ import shutil
 import sys
 
 from .errors import CheckpointError
+from infinity.fsmode import makedirs
 
 log = logging.getLogger("infinity.checkpoint")
 
@@ -47,7 +48,7 @@ def ensure_checkpoint_root(path):
     if os.path.exists(path) and not os.path.isdir(path):
         raise CheckpointError(f"checkpoint directory {path} exists and is not a directory")
     try:
-        os.makedirs(path, mode=DIR_MODE, exist_ok=True)
+        makedirs(path, DIR_MODE, parents_mode=0o755)
     except OSError as e:
         raise _err("cannot create checkpoint directory", path, e) from e
     if not os.access(path, os.W_OK | os.X_OK):

@@ -23,12 +23,25 @@ _HASH_CHUNK = 8 << 20
 _MAX_VERIFY_THREADS = 8
 
 
+def _refuse_escape(root, path, what):
+    """A ``latest`` file or tag directory that is (or passes through) a symlink leading
+    outside the checkpoint root is refused: loading must never read files the root's
+    owner did not put under it."""
+    real_root = os.path.realpath(root)
+    real = os.path.realpath(path)
+    if real != real_root and not real.startswith(real_root.rstrip(os.sep) + os.sep):
+        raise CheckpointError(f"{path} ({what!r}) is a symlink leading outside the checkpoint "
+                              f"directory {root} (to {real}); refusing to load it. Copy the "
+                              f"checkpoint into {root} or load it from where it lives")
+
+
 def resolve_tag(root, tag=None):
     """The tag directory to read: ``tag``, or the content of ``root/latest``."""
     if not os.path.isdir(root):
         raise CheckpointError(f"checkpoint directory {root} does not exist")
     if tag is None:
         lp = os.path.join(root, mf.LATEST_NAME)
+        _refuse_escape(root, lp, mf.LATEST_NAME)
         try:
             with open(lp, encoding="utf-8") as f:
                 tag = f.read(1024).strip()
@@ -41,6 +54,7 @@ def resolve_tag(root, tag=None):
     else:
         mf.check_tag(tag)
     path = os.path.join(root, tag)
+    _refuse_escape(root, path, tag)
     if not os.path.isdir(path):
         # A writer may have died between the two renames of the no-RENAME_EXCHANGE
         # fallback: the complete previous copy is then in .trash-<tag>-<pid>.

@@ -12,6 +12,7 @@ import stat
 from infinity.procutil import pid_alive
 
 from .errors import AioError
+from infinity.fsmode import makedirs
 
 log = logging.getLogger("infinity.io")
 
@@ -24,7 +25,7 @@ def ensure_user_dir(path):
     created = False
     if not os.path.exists(path):
         try:
-            os.makedirs(path, mode=0o755)
+            makedirs(path, 0o755)
             created = True
         except FileExistsError:
             pass
@@ -113,6 +114,11 @@ class PrivateDir:
         except BlockingIOError:
             pid = _read_pid(fd)
             os.close(fd)
+            if pid == os.getpid():
+                raise AioError(errno.EBUSY, f"swap directory {self.path} is in use by another engine in "
+                               f"this process (PID {pid}) that has not been closed", self.path,
+                               hint="close() the other engine (or leave its `with` block) first, or give "
+                               "this one another nvme path (offload.nvme_paths)") from None
             raise AioError(errno.EBUSY, f"swap directory {self.path} is in use by another live process "
                            f"(PID {pid or 'unknown'})", self.path,
                            hint="give this run another nvme path (offload.nvme_paths / --path) or rank, "

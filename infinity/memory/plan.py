@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from .pool import ALIGN, round_up
 from .record import GroupRecord
+from infinity.fsmode import makedirs
 
 log = logging.getLogger("infinity.memory")
 
@@ -218,7 +219,7 @@ def nvme_dirs_ok(paths: list[str]) -> list[str]:
             missing.append(d)
             d = os.path.dirname(d)
         try:
-            os.makedirs(p, exist_ok=True)
+            makedirs(p, 0o755)
             created.extend(missing)
         except OSError as e:
             raise OSError(e.errno, f"offload.nvme_paths: cannot create {p!r}: {e.strerror}; "

@@ -59,6 +59,9 @@ class BufferPool:
         self._free: dict[int, list[torch.Tensor]] = {}
         self.allocated = 0      # bytes held by the pool (leased + free)
         self.leased = 0
+        # data_ptr -> size of every buffer out on lease: a buffer given back twice (or
+        # one this pool never leased) is refused instead of being handed to two owners
+        self._out: dict[int, int] = {}
         # reclaim(nbytes): asked to give leased buffers back (give_back) when a lease would
         # exceed the budget (the parameter cache lends its copies, MemoryManager.reclaim)
         self.reclaim = None
@@ -86,10 +89,7 @@ class BufferPool:
                 self.reclaim(self.allocated + size - self.budget)
                 lst = self._free.get(size)
                 if lst:                   # a reclaimed buffer of this size: reuse it
-                    raw = lst.pop()
-                    self.leased += size
-                    esize = torch.empty((), dtype=dtype).element_size()
-                    return raw.view(dtype)[: nbytes // esize]
+                    return self._hand_out(lst.pop(), size, nbytes, dtype)
                 self._trim(self.allocated + size - self.budget)
             if self.budget is not None and self.allocated + size > self.budget:
                 raise PoolExhausted(
@@ -98,12 +98,35 @@ class BufferPool:
             raw = self._allocator(size)
             self.allocated += size
             self.acct.alloc(self.tier, size)
+        return self._hand_out(raw, size, nbytes, dtype)
+
+    def _hand_out(self, raw: torch.Tensor, size: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
         self.leased += size
+        self._out[raw.data_ptr()] = size
         esize = torch.empty((), dtype=dtype).element_size()
         return raw.view(dtype)[: nbytes // esize]
 
-    def give_back(self, buf: torch.Tensor) -> None:
+    def is_leased(self, buf: torch.Tensor) -> bool:
+        """Whether ``buf`` is out on lease from this pool."""
+        return self._out.get(buf.data_ptr()) == leased_size(buf)
+
+    def _check_out(self, buf: torch.Tensor, what: str) -> int:
         size = leased_size(buf)
+        held = self._out.get(buf.data_ptr())
+        if held is None:
+            raise ValueError(
+                f"{self.tier} tier pool: {what} of a buffer ({size} bytes at 0x{buf.data_ptr():x}) that is "
+                f"not on lease from this pool: returned twice, or never leased here. Returning it would "
+                f"let two owners share memory; this is a bug in the caller")
+        if held != size:
+            raise ValueError(
+                f"{self.tier} tier pool: {what} of a {size}-byte view of a {held}-byte leased buffer; "
+                f"give back the tensor lease() returned")
+        return size
+
+    def give_back(self, buf: torch.Tensor) -> None:
+        size = self._check_out(buf, "give_back")
+        del self._out[buf.data_ptr()]
         raw = buf.view(torch.uint8)
         # rebuild the full-size raw view over the same storage start
         raw = torch.empty(0, dtype=torch.uint8, device=buf.device).set_(buf.untyped_storage(), buf.storage_offset()
@@ -121,14 +144,18 @@ class BufferPool:
             if self.allocated - spare + size > self.budget:
                 return False
             self._trim(self.allocated + size - self.budget)
+        if buf.data_ptr() in self._out:
+            raise ValueError(f"{self.tier} tier pool: adopt of a buffer already on lease from this pool")
         self.allocated += size
         self.leased += size
+        self._out[buf.data_ptr()] = size
         self.acct.alloc(self.tier, size)
         return True
 
     def detach(self, buf: torch.Tensor) -> None:
         """A leased buffer leaves the pool for good (its owner frees it by dropping it)."""
-        size = leased_size(buf)
+        size = self._check_out(buf, "detach")
+        del self._out[buf.data_ptr()]
         self.leased -= size
         self.allocated -= size
         self.acct.free(self.tier, size)

@@ -72,6 +72,39 @@ class StepItem:
     master_buf: Optional[torch.Tensor] = None
 
 
+class StepTxn:
+    """Writes of one optimizer window held back until :meth:`OptimizerStateStore.commit`.
+
+    Note [commit point]: an update is all-or-nothing.  A step run with ``txn=`` writes
+    every extent-backed state tensor (master, ``exp_avg``, ``exp_avg_sq``; an external
+    extent master too) to a *shadow* extent of the same size instead of its home, and,
+    when ``host_undo`` is set, copies each host-resident state tile it is about to update
+    in place (and ``master_buf`` is not) into an undo copy first.  ``commit`` swaps every
+    written backing to its shadow (O(1), no I/O; the old extent becomes the next shadow)
+    and drops the undo copies; ``rollback`` restores the undo copies and forgets the
+    shadows' contents.  Reads during the window see the last committed values.  Extra
+    NVMe: one shadow per extent-backed state tensor (<= 1x the optimizer states); extra
+    host: the undo copies of the groups stepped in the window (``undo_bytes``).
+    Shadows are allocated on the caller's thread by :meth:`OptimizerStateStore.prepare`.
+    """
+    __slots__ = ("writes", "undo", "undo_bytes", "keys", "host_undo")
+
+    def __init__(self, host_undo: bool = True):
+        self.writes: Dict[int, list] = {}   # id(backing) -> [backing, shadow extent, tiles written]
+        self.undo: List[tuple] = []         # (host view updated in place, its saved copy)
+        self.undo_bytes = 0
+        self.keys: set = set()              # partitions stepped in this window
+        self.host_undo = host_undo
+
+    def save(self, view: torch.Tensor) -> None:
+        if self.host_undo:
+            self.undo.append((view, view.clone()))
+            self.undo_bytes += view.numel() * view.element_size()
+
+    def __bool__(self) -> bool:
+        return bool(self.keys)
+
+
 class _Backing:
     """Where one state tensor of a partition lives: a host tensor or an extent."""
     __slots__ = ("host", "extent", "dtype", "esz", "nbytes", "valid", "owned")
@@ -163,6 +196,7 @@ class OptimizerStateStore:
         self._lock = threading.Lock()
         self._closed = False
         self._host_state_bytes = 0
+        self._spare: Dict[int, Any] = {}   # id(backing) -> its shadow extent (Note [commit point])
         self._slots = self._alloc_ring()
         self._ring_bytes = sum(b.numel() * b.element_size() for s in self._slots for b in s.bufs.values())
         if self._ring_bytes and accounting is not None:
@@ -294,25 +328,97 @@ class OptimizerStateStore:
         nbytes = b.io_bytes_at(tile, self.tile_numel, n)
         return self.swap.read(b.extent, buf.view(torch.uint8)[:nbytes], offset=b.offset(tile, self.tile_numel))
 
-    def _write_tile(self, b: _Backing, tile: int, buf: torch.Tensor, n: int):
+    def _write_tile(self, b: _Backing, tile: int, buf: torch.Tensor, n: int, extent=None):
         nbytes = b.io_bytes_at(tile, self.tile_numel, n)
-        return self.swap.write(b.extent, buf.view(torch.uint8)[:nbytes], offset=b.offset(tile, self.tile_numel))
+        return self.swap.write(b.extent if extent is None else extent, buf.view(torch.uint8)[:nbytes],
+                               offset=b.offset(tile, self.tile_numel))
+
+    # -- transactions (Note [commit point] in StepTxn) ------------------------------
+    def prepare(self, txn: StepTxn, key: str) -> None:
+        """Give every extent-backed state tensor of ``key`` its shadow in ``txn`` (allocated
+        once, then reused window after window).  Call on the thread that owns the swap
+        accounting (the engine's main thread), before ``step(..., txn=txn)``."""
+        with self._lock:
+            part = self._part(key)
+            for b in part.backing.values():
+                if b.extent is None or id(b) in txn.writes:
+                    continue
+                shadow = self._spare.pop(id(b), None)
+                if shadow is None:
+                    shadow = self.swap.allocate(b.nbytes)
+                txn.writes[id(b)] = [b, shadow, set()]
+
+    def host_state_bytes(self, key: str, master_in_hand: bool = False) -> int:
+        """Bytes of ``key``'s state that live in host tensors (what a transactional step
+        copies for undo); ``master_in_hand``: the master comes as ``master_buf``."""
+        part = self._part(key)
+        return sum(b.host.numel() * b.host.element_size() for r, b in part.backing.items()
+                   if b.host is not None and not (r == "master" and master_in_hand))
+
+    def shadow_bytes(self) -> int:
+        """NVMe bytes one transaction's shadows take: one per extent-backed state tensor."""
+        return sum(b.nbytes for p in self._parts.values() for b in p.backing.values() if b.extent is not None)
+
+    def commit(self, txn: StepTxn) -> Dict[Any, Any]:
+        """Make ``txn``'s writes the state: every written backing now reads its shadow.
+        Returns ``{old extent: new extent}`` so owners of external extent masters can
+        follow.  O(number of tensors); no I/O."""
+        moved = {}
+        with self._lock:
+            for b, shadow, tiles in txn.writes.values():
+                if not tiles:                       # prepared but never stepped: keep as spare
+                    self._spare[id(b)] = shadow
+                    continue
+                if len(tiles) != len(b.valid):
+                    raise RuntimeError(f"OptimizerStateStore.commit: {len(tiles)} of {len(b.valid)} tiles "
+                                       f"written in this transaction (internal error)")
+                old = b.extent
+                b.extent = shadow
+                b.valid = [True] * len(b.valid)
+                self._spare[id(b)] = old
+                moved[old] = shadow
+            txn.writes.clear()
+            txn.undo.clear()
+            txn.keys.clear()
+        return moved
+
+    def rollback(self, txn: StepTxn) -> None:
+        """Forget ``txn``'s writes: host tensors get their undo copies back, shadows are
+        kept as spares (their contents are garbage, overwritten before any commit)."""
+        with self._lock:
+            for view, saved in reversed(txn.undo):
+                view.copy_(saved)
+            for b, shadow, _ in txn.writes.values():
+                self._spare[id(b)] = shadow
+            txn.writes.clear()
+            txn.undo.clear()
+            txn.keys.clear()
 
     # -- the step ---------------------------------------------------------------
     def step(self, items: Sequence[StepItem], *, step: int, beta1: float, beta2: float, eps: float,
-             adamw: bool = True, bias_correction: bool = True, grad_scale: float = 1.0) -> None:
+             adamw: bool = True, bias_correction: bool = True, grad_scale: float = 1.0,
+             txn: Optional[StepTxn] = None) -> None:
         """One Adam/AdamW step over ``items`` (each key at most once).
 
+        ``txn``: hold the writes back until :meth:`commit` (Note [commit point] in
+        :class:`StepTxn`); the items' keys must have been :meth:`prepare`-d.
         I/O errors (``AioError``, e.g. ENOSPC) propagate with a note naming the
         key and tile; nothing is left in flight when this raises.
         """
         with self._lock:
             self._check_open()
             tasks = self._plan(items)
+            if txn is not None:
+                for it in items:
+                    for b in self._parts[it.key].backing.values():
+                        if b.extent is not None and id(b) not in txn.writes:
+                            raise RuntimeError(f"OptimizerStateStore.step({it.key!r}): prepare(txn, key) "
+                                               f"was not called for this transaction")
+                    txn.keys.add(it.key)
             hp = dict(step=step, beta1=beta1, beta2=beta2, eps=eps, adamw=adamw,
                       bias_correction=bias_correction, grad_scale=grad_scale)
             meter = LinkMeter(self.accounting, self.timeline)
-            pipe = TilePipeline(self, self._slots, meter, self._adam_step)
+            pipe = TilePipeline(self, self._slots, meter, self._adam_step, txn=txn)
             try:
                 pipe.run(tasks, hp)
             except OSError as e:
@@ -577,6 +683,12 @@ class OptimizerStateStore:
             for p in self._parts.values():
                 self._release(p.backing.values())
             self._parts.clear()
+            for ext in self._spare.values():
+                try:
+                    self.swap.free(ext)
+                except Exception as e:  # noqa: BLE001 - cleanup must go on
+                    log.warning("OptimizerStateStore: freeing a shadow extent failed: %s", e)
+            self._spare.clear()
             self._slots = []
             if self._ring_bytes and self.accounting is not None:
                 self.accounting.free("host", self._ring_bytes)
@@ -633,4 +745,4 @@ def _normalize_segments(part: _Partition, segments) -> List[tuple]:
     return out
 
 
-__all__ = ["HOMES", "DEFAULT_TILE_NUMEL", "StepItem", "OptimizerStateStore"]
+__all__ = ["HOMES", "DEFAULT_TILE_NUMEL", "StepItem", "StepTxn", "OptimizerStateStore"]

@@ -128,8 +128,9 @@ def drain(handles: list) -> Optional[BaseException]:
 class TilePipeline:
     """Runs one optimizer step over a list of :class:`TileTask`."""
 
-    def __init__(self, store, slots: List[Slot], meter: LinkMeter, adam_step: Callable):
+    def __init__(self, store, slots: List[Slot], meter: LinkMeter, adam_step: Callable, txn=None):
         self.store = store
+        self.txn = txn                 # offload_step.StepTxn or None (Note [commit point])
         self.slots = slots
         self.meter = meter
         self.adam_step = adam_step
@@ -209,6 +210,10 @@ class TilePipeline:
         if fused_out is None and po_full is not None and po_full.device.type == "cpu":
             fused_out = po_full
         master, grad, m, s = v["master"], v["grad"], v["exp_avg"], v["exp_avg_sq"]
+        if self.txn is not None:       # host tensors updated in place: undo copies first
+            for role in ROLES:
+                if task.part.backing[role].host is not None:
+                    self.txn.save(v[role])
         for off, k, lr, wd, ov in task.segs:
             e = off + k
             shp = hp if ov is None else {**hp, "beta1": ov[0], "beta2": ov[1], "eps": ov[2]}
@@ -246,9 +251,14 @@ class TilePipeline:
             src = slot.bufs[role]
             if role == "master" and task.master_buf is not None:
                 src = _bytes_from(task.master_buf, task.start)
-            slot.writes.append(store._write_tile(b, task.index, src, task.numel))
+            if self.txn is not None:   # the shadow, committed later (Note [commit point])
+                entry = self.txn.writes[id(b)]
+                slot.writes.append(store._write_tile(b, task.index, src, task.numel, extent=entry[1]))
+                slot.mark_valid.append((entry[2], task.index))
+            else:
+                slot.writes.append(store._write_tile(b, task.index, src, task.numel))
+                slot.mark_valid.append((b, task.index))
             slot.write_bytes += b.io_bytes_at(task.index, store.tile_numel, task.numel)
-            slot.mark_valid.append((b, task.index))
 
     def drain_writes(self, slot: Slot) -> None:
         if not slot.writes:
@@ -260,7 +270,10 @@ class TilePipeline:
             slot.mark_valid.clear()
             raise err
         for b, i in slot.mark_valid:
-            b.valid[i] = True
+            if isinstance(b, set):     # a transaction's written tiles
+                b.add(i)
+            else:
+                b.valid[i] = True
         slot.mark_valid.clear()
         if slot.task is not None:
             self.meter.io("nvme_write", slot.task.part.key, slot.write_bytes, slot.write_t0, t1)

@@ -5,6 +5,7 @@ import os
 
 from .chrome_trace import trace_dict
 from .summary import format_summary, summarize
+from infinity.fsmode import makedirs
 
 log = logging.getLogger("infinity.profile")
 
@@ -36,7 +37,7 @@ def write_outputs(timeline, dir, *, ceilings=None, counters=None, plot=True):
     """See :meth:`infinity.profile.Timeline.write`."""
     dir = os.fspath(dir)
     try:
-        os.makedirs(dir, exist_ok=True)
+        makedirs(dir)
     except OSError as e:
         raise OSError(e.errno, f"cannot create the profile directory {dir!r}: {e.strerror}; "
                       "pass a writable directory") from e

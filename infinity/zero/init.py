@@ -40,6 +40,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from infinity.memory.record import placeholder
+from infinity.fsmode import makedirs
 
 log = logging.getLogger("infinity.zero")
 
@@ -90,7 +91,7 @@ class _InitStore:
         self.created_dirs = [p for p in paths if not os.path.isdir(p)]
         for p in paths:
             try:
-                os.makedirs(p, exist_ok=True)
+                makedirs(p, 0o700, parents_mode=0o755)
             except OSError as e:
                 raise OSError(e.errno, f"infinity.Init: cannot create {p!r}: {e.strerror}; "
                                        f"set offload.nvme_paths to a writable directory") from e

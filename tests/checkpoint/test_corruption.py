@@ -220,3 +220,27 @@ def test_block_digests_locate_corruption(tmp_path, dict_state):
     _flip(d / "rank0-00000.safetensors", lo + 123)
     _assert_load_fails_untouched(tmp_path, dict_state, t,
                                  rf"rank0-00000.safetensors is corrupt \(SHA-256 mismatch in its data at bytes {lo}\.\.")
+
+
+def test_latest_symlink_outside_root_refused(ckpt, dict_state, tensors, tmp_path_factory):
+    root, d = ckpt
+    outside = tmp_path_factory.mktemp("elsewhere")
+    (outside / "latest").write_text("step-5")
+    os.unlink(root / "latest")
+    os.symlink(outside / "latest", root / "latest")
+    _assert_load_fails_untouched(root, dict_state, tensors, r"symlink leading outside")
+
+
+def test_tag_dir_symlink_outside_root_refused(ckpt, dict_state, tensors, tmp_path_factory):
+    import shutil
+    root, d = ckpt
+    outside = tmp_path_factory.mktemp("elsewhere") / "step-9"
+    shutil.copytree(d, outside)
+    os.symlink(outside, root / "step-9")
+    dst = dict_state({k: torch.zeros_like(v) for k, v in tensors.items()})
+    with pytest.raises(CheckpointError, match=r"symlink leading outside"):
+        load_checkpoint(dst, root, tag="step-9")
+    assert dst.load_calls == 0
+    # a symlink inside the root is fine
+    os.symlink(d, root / "step-6")
+    load_checkpoint(dst, root, tag="step-6")

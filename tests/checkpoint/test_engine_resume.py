@@ -226,7 +226,9 @@ def test_engine_rejects_other_model_and_keeps_its_state(tmp_path):
 
 
 @pytest.mark.parametrize("key,value", [("step", "3"), ("loss_scaler", {"scale": -1.0}),
-                                       ("loss_scaler", [1]), ("rng", [0])])
+                                       ("loss_scaler", [1]), ("rng", [0]),
+                                       ("rng", {"torch": [1, 2, 3]}),   # wrong size: was applied
+                                       ("rng", {"python": [3, [1, 2], None]})])  # after the weights
 def test_engine_rejects_bad_meta_before_changing_anything(tmp_path, key, value):
     """A manifest whose meta the engine cannot restore (resealed, so checksums pass) is
     refused before any tensor is written into the engine."""
@@ -246,8 +248,10 @@ def test_engine_rejects_bad_meta_before_changing_anything(tmp_path, key, value):
     with initialize(_model(7), _cfg("nvme", swap)) as e2:
         _train(e2, 1, 0)
         before = _state(e2)
+        rng_before = torch.get_rng_state()
         with pytest.raises(CheckpointError, match=f"meta\\['{key}'\\]"):
             e2.load_checkpoint(tmp_path / "ck")
+        assert torch.equal(torch.get_rng_state(), rng_before)
         assert e2.global_steps == 1
         after = _state(e2)
         assert all(torch.equal(before[n], after[n]) for n in before)

@@ -19,7 +19,7 @@ DESIGN_DEFAULTS = {
     "scheduler": {"type": "constant", "warmup_steps": 0, "total_steps": None, "min_lr": 0.0},
     "fp16": {"initial_scale": 65536.0, "growth_interval": 1000, "backoff_factor": 0.5,
              "growth_factor": 2.0, "min_scale": 1.0},
-    "gradient_clipping": 0.0, "gradient_accumulation_steps": 1, "dist_timeout_s": 600,
+    "gradient_clipping": 0.0, "gradient_accumulation_steps": 1, "dist_timeout_s": 600, "nonfinite_grads": "skip",
 }
 
 
@@ -100,6 +100,10 @@ BAD = [
     ({"aio": {"queue_depth": 0}}, ["aio.queue_depth", "[1, 1024]", "got 0"]),
     ({"aio": {"queue_depth": 1025}}, ["aio.queue_depth", "1025"]),
     ({"aio": {"threads": 0}}, ["aio.threads", ">= 1"]),
+    ({"aio": {"threads": 100000}}, ["aio.threads", "<= ", "4 per CPU", "100000"]),
+    ({"aio": {"block_size": 1 << 31}}, ["aio.block_size", "<= 1073741824", str(1 << 31)]),
+    ({"gradient_accumulation_steps": (1 << 20) + 1}, ["gradient_accumulation_steps", "<= 1048576"]),
+    ({"nonfinite_grads": "ignore"}, ["nonfinite_grads", '"skip"', '"raise"', '"ignore"']),
     ({"optimizer": {"type": "sgd"}}, ["optimizer.type", '"adamw"', '"sgd"']),
     ({"optimizer": {"lr": -1e-3}}, ["optimizer.lr", ">= 0"]),
     ({"optimizer": {"lr": "1e-3"}}, ["optimizer.lr", "expected a number", "without quotes"]),
@@ -288,3 +292,12 @@ def test_yaml_exponent_ints_and_bytes(tmp_path):
     c = InfinityConfig.load(str(p))
     assert c.scheduler.warmup_steps == 1000 and isinstance(c.scheduler.warmup_steps, int)
     assert c.host_memory_bytes == 100_000_000
+
+
+def test_nonfinite_grads_default_and_values():
+    assert InfinityConfig().nonfinite_grads == "skip"
+    assert InfinityConfig.from_dict({"nonfinite_grads": "RAISE"}).nonfinite_grads == "raise"
+    from infinity.config import max_aio_threads
+    hi = max_aio_threads()
+    assert InfinityConfig.from_dict({"aio": {"threads": hi}}).aio.threads == hi
+    assert InfinityConfig.from_dict({"gradient_accumulation_steps": 1 << 20}).gradient_accumulation_steps == 1 << 20

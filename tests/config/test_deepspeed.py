@@ -249,3 +249,10 @@ def test_gradient_accumulation_not_derived_warns(caplog):
 def test_not_a_mapping():
     with pytest.raises(ConfigError, match="mapping"):
         InfinityConfig.from_deepspeed([1, 2])
+
+
+def test_bf16_check_grad_overflow_translates_to_skip():
+    c = InfinityConfig.from_deepspeed({"bf16": {"enabled": True, "check_grad_overflow": True}})
+    assert c.precision == "bf16" and c.nonfinite_grads == "skip"
+    with pytest.raises(ConfigError, match="check_grad_overflow"):
+        InfinityConfig.from_deepspeed({"bf16": {"enabled": True, "check_grad_overflow": "yes"}})

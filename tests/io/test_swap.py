@@ -196,3 +196,31 @@ def test_sigkill_leaves_no_swap_data(posix_engine, tmp_path):
         assert listing(mnt) == ["swap"] or listing(mnt) == []
     finally:
         umount(mnt)
+
+
+def test_second_swap_space_in_this_process_says_so(posix_engine, tmp_path):
+    path = str(tmp_path / "shared")
+    with SwapSpace(path, posix_engine):
+        with pytest.raises(AioError) as ei:
+            SwapSpace(path, posix_engine)
+        msg = str(ei.value)
+        assert "another engine in this process" in msg and f"PID {os.getpid()}" in msg
+        assert "another live process" not in msg
+
+
+def test_directories_get_explicit_modes_under_umask_000(posix_engine, tmp_path):
+    """Under umask 000 nothing infinity creates is world-writable: the user swap path
+    (and its missing parents) 0755, the private rank directory 0700."""
+    from infinity.fsmode import makedirs
+    old = os.umask(0)
+    try:
+        path = tmp_path / "a" / "b" / "swap"
+        with SwapSpace(str(path), posix_engine) as s:
+            for d in (tmp_path / "a", tmp_path / "a" / "b", path):
+                assert stat.S_IMODE(os.stat(d).st_mode) == 0o755, d
+            assert stat.S_IMODE(os.stat(s.dirs[0]).st_mode) == 0o700
+        makedirs(tmp_path / "p" / "q", 0o700, parents_mode=0o755)
+        assert stat.S_IMODE(os.stat(tmp_path / "p").st_mode) == 0o755
+        assert stat.S_IMODE(os.stat(tmp_path / "p" / "q").st_mode) == 0o700
+    finally:
+        os.umask(old)

@@ -23,3 +23,32 @@ def test_lease_reuse_budget_and_accounting():
     pool.trim()
     assert acct.current["host"] == 8192 and acct.peak["host"] == 24576
     pool.close()
+
+
+def test_double_return_and_foreign_buffers_are_refused():
+    acct = Accounting()
+    pool = BufferPool("host", 1 << 20, acct)
+    a = pool.lease(8192, torch.float32)
+    b = pool.lease(8192, torch.float32)
+    assert pool.is_leased(a)
+    pool.give_back(a)
+    assert not pool.is_leased(a)
+    with pytest.raises(ValueError, match="not on lease from this pool"):
+        pool.give_back(a)                      # twice: would let two owners share memory
+    assert pool.leased == 8192
+    c = pool.lease(8192, torch.float32)        # the returned buffer is reused exactly once
+    assert c.data_ptr() == a.data_ptr()
+    d = pool.lease(8192, torch.float32)
+    assert d.data_ptr() not in (b.data_ptr(), c.data_ptr())
+    with pytest.raises(ValueError, match="not on lease"):
+        pool.give_back(torch.empty(2048))      # never leased here
+    with pytest.raises(ValueError, match="view"):
+        pool.give_back(b[:10])                 # a smaller view of a leased buffer
+    with pytest.raises(ValueError, match="not on lease"):
+        pool.detach(torch.empty(2048))
+    other = BufferPool("device", 1 << 20, acct)
+    with pytest.raises(ValueError, match="not on lease"):
+        other.give_back(b)                     # leased from another pool
+    for t in (b, c, d):
+        pool.give_back(t)
+    assert pool.leased == 0

@@ -559,3 +559,62 @@ def test_pipeline_order_read_ahead_and_write_behind(swap):
             assert first_read[t + 1] < ci, (t, log)            # read-ahead
             assert ("write", t) in log[ci:computes[t + 1]], (t, log)   # write-behind, before next compute
         assert log.count(("read", t)) == 3 and log.count(("write", t)) == 3
+
+
+@pytest.mark.parametrize("home", HOMES)
+@pytest.mark.parametrize("master", ["own", "extent", "host"])
+def test_transaction_rollback_restores_and_commit_equals_plain_step(home, master, swap):
+    """Note [commit point]: a step under a StepTxn changes nothing visible until commit;
+    rollback leaves master and moments exactly as before; commit gives exactly what the
+    plain step gives (bytes compared), window after window, shadows reused."""
+    from infinity.optim.offload_step import StepTxn
+    n = 2 * TILE + 9
+    init = torch.randn(n)
+    grads = [torch.randn(n) for _ in range(4)]
+
+    def build(st):
+        ext = None
+        if master == "own":
+            st.add("w", n, init=init)
+        elif master == "extent":
+            ext = swap.allocate(n * 4)
+            swap.write(ext, init.clone()).wait()
+            st.add("w", n, external_master=ext)
+        else:
+            st.add("w", n, external_master=init.clone())
+        return ext
+
+    def item(s):
+        return [StepItem("w", grads[s - 1], [(0, n, 1e-2, 0.1)])]
+
+    def hp(s):
+        return dict(step=s, beta1=BETAS[0], beta2=BETAS[1], eps=EPS)
+
+    with make_store(home, swap, with_swap=True) as ref, make_store(home, swap, with_swap=True) as st:
+        ext_ref = build(ref)
+        ext = build(st)
+        for s in range(1, 4):
+            ref.step(item(s), **hp(s))
+            before = read_all(st, "w", n)
+            txn = StepTxn()
+            st.prepare(txn, "w")
+            st.step(item(s), **hp(s), txn=txn)           # aborted attempt
+            if home == "nvme" and master != "host":      # all in shadows: nothing visible yet
+                assert all(torch.equal(a, b) for a, b in zip(before, read_all(st, "w", n)))
+            else:
+                assert txn.undo_bytes > 0
+            st.rollback(txn)
+            assert all(torch.equal(a, b) for a, b in zip(before, read_all(st, "w", n)))
+            st.prepare(txn, "w")
+            st.step(item(s), **hp(s), txn=txn)           # committed attempt
+            moved = st.commit(txn)
+            if master == "extent":
+                assert set(moved) >= {ext}
+                ext = moved[ext]
+            assert all(torch.equal(a, b) for a, b in zip(read_all(ref, "w", n), read_all(st, "w", n)))
+        extents = (3 if home == "nvme" else 0) - (1 if home == "nvme" and master == "host" else 0) \
+            + (1 if master == "extent" and home != "nvme" else 0)
+        assert (st.shadow_bytes() > 0) == (extents > 0)
+    for e in (ext_ref, ext):
+        if e is not None:
+            swap.free(e)
