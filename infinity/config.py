@@ -413,7 +413,8 @@ class InfinityConfig:
                                         what=">= 0 (0 turns clipping off)")
         self.gradient_accumulation_steps = _int("gradient_accumulation_steps",
                                                 self.gradient_accumulation_steps, lo=1,
-                                                hi=MAX_ACCUMULATION_STEPS)
+                                                hi=MAX_ACCUMULATION_STEPS,
+                                                what=f">= 1 and <= {MAX_ACCUMULATION_STEPS}")
         self.nonfinite_grads = _choice("nonfinite_grads", self.nonfinite_grads, NONFINITE_POLICIES)
         self.dist_timeout_s = _float("dist_timeout_s", self.dist_timeout_s,
                                      lo=0.0, lo_open=True)

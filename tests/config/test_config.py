@@ -184,6 +184,7 @@ FULL = {
     "fp16": {"initial_scale": 1024.0, "growth_interval": 500, "backoff_factor": 0.25,
              "growth_factor": 4.0, "min_scale": 0.5},
     "gradient_clipping": 1.0, "gradient_accumulation_steps": 4, "dist_timeout_s": 120.0,
+    "nonfinite_grads": "skip",
 }
 
 
