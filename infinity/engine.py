@@ -13,6 +13,7 @@ from torch import nn
 
 from infinity.config import InfinityConfig
 from infinity.engine_optimizer import EngineOptimizer
+from infinity.engine_phase import NonFiniteGradientError, Phase, PhaseError, run_shielded
 from infinity.memory.accounting import Accounting
 from infinity.memory.device import choose_device, default_device_budget, make_device
 from infinity.memory.manager import MemoryManager
@@ -37,10 +38,26 @@ def initialize(model: nn.Module, config=None, *, lr_scheduler=None, timeline=Non
     return Engine(model, config, lr_scheduler=lr_scheduler, timeline=timeline)
 
 
+def _refuse_placeholders(model: nn.Module) -> None:
+    """A model whose engine was closed holds NaN placeholders instead of weights (the
+    weights lived in the engine's tiers): training it would train NaN."""
+    from infinity.memory.record import is_placeholder
+    from infinity.zero.init import is_managed   # built under infinity.Init: not a leftover
+    bad = [n for n, p in model.named_parameters() if is_placeholder(p) and not is_managed(p)]
+    if bad:
+        raise ValueError(
+            f"initialize: {len(bad)} parameter(s) of this model (e.g. {bad[0]!r}) are placeholders "
+            f"left by a closed infinity engine, not weights: the trained values lived in that "
+            f"engine. Save them before closing (engine.save_pretrained(dir) or "
+            f"engine.save_checkpoint(dir)) and load them into a freshly built model, or pass the "
+            f"model to initialize() before closing its engine")
+
+
 class Engine:
     def __init__(self, model: nn.Module, config=None, *, lr_scheduler=None, timeline=None):
         if not isinstance(model, nn.Module):
             raise TypeError(f"initialize: expected a torch.nn.Module, got {type(model).__name__}")
+        _refuse_placeholders(model)
         self.cfg = cfg = InfinityConfig.load(config)
         self.module = model
         if timeline is None:
@@ -52,6 +69,12 @@ class Engine:
         self.acct = Accounting()
         self.micro_steps = 0
         self._closed = False
+        self.phase = Phase.IDLE
+        self._has_grads = False           # a backward ran since the last step()
+        self._txn = None                  # the window's StepTxn (Note [commit point])
+        self._worker = None               # runs commits shielded from signals
+        self._warned: set[str] = set()
+        self._nonfinite_warned_at = -1.0
         self.aio = self.swap = None
         self.mm = self.opt = self.hooks = self.zero = None
         self.overlap = None
@@ -168,6 +191,10 @@ class Engine:
             placement.compute(self.gas)
             placement.check()
         self.placement = placement
+        # Note [commit point]: host undo copies of a window's updated host states fit in
+        # what the cap leaves (no cap: any)
+        self.undo_budget = None if cfg.host_memory_bytes is None else \
+            max(0, cfg.host_memory_bytes - placement.host_total)
         if self.swap is not None and placement.nvme_total:
             self.swap.reserve(placement.nvme_total)
         log.info("%s", placement.describe())
@@ -226,6 +253,7 @@ class Engine:
         on_grad = self.opt.accumulate
         if eligible(self):
             self.overlap = OverlappedStep(self.opt, self.mm, self.coord, self.acct)
+            self.overlap.undo_budget = self.undo_budget
             accumulate, overlap = self.opt.accumulate, self.overlap
             slot_index = {id(s): i for g in gp.groups for i, s in enumerate(g.slots)}
 
@@ -239,17 +267,149 @@ class Engine:
     def __call__(self, *args, **kwargs):
         return self.forward(*args, **kwargs)
 
+    # ------------------------------------------------------------------ phases
+    def _enter(self, what: str, accepts=(Phase.IDLE,)) -> None:
+        """Check the phase a public method needs (Note [window abort])."""
+        ph = self.phase
+        if ph in accepts:
+            return
+        if ph is Phase.CLOSED:
+            raise PhaseError(f"engine.{what}: the engine is closed; create a new one with "
+                             f"infinity.initialize (stats() still answers)")
+        if ph is Phase.FAILED:
+            raise PhaseError(f"engine.{what}: the engine failed to roll back an earlier error "
+                             f"({self._fail_reason}); its state is undefined: close it and load a "
+                             f"checkpoint into a new engine")
+        raise PhaseError(f"engine.{what}: called while the engine is in {ph.value} (re-entrant "
+                         f"call from a hook or another thread?); call it after that returns")
+
+    def _warn_once(self, key: str, msg: str, *args) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning(msg, *args)
+
+    def _drop_open_window(self, why: str) -> None:
+        """``why`` needs the parameters while optimizer steps of the window are held in
+        its transaction (backward of the last micro-batch ran, step() not yet): the window
+        is dropped so everything reads the last completed update."""
+        if not self._txn and not (self.overlap is not None and self.overlap.busy):
+            return                        # nothing was stepped early: nothing to drop
+        self._warn_once("drop-" + why,
+                        "infinity: %s before step(): the accumulation window's gradients and the "
+                        "optimizer steps taken for it during backward are dropped (call step() "
+                        "after the last backward of a window to keep them)", why)
+        self._abort_window(None)
+
+    def _abort_window(self, exc: BaseException | None) -> None:
+        """Note [window abort]: drop the window, restore the last completed update.  The
+        hooks are reset here (saved-tensor hooks are thread-local); the rest runs
+        shielded from signals on the commit worker.  ``exc``: the error propagating (an
+        interrupt arriving meanwhile is folded into it), or None (then errors raise)."""
+        try:
+            if self.hooks is not None:
+                self.hooks.reset()
+            self._shield(self._rollback_window)
+        except KeyboardInterrupt as ki:
+            if self.phase is not Phase.IDLE:    # the rollback did not finish
+                self._mark_failed(exc, ki)
+            if exc is None:
+                raise
+        except BaseException as e:
+            self._mark_failed(exc, e)
+            if exc is None:
+                raise
+
+    def _mark_failed(self, exc, err) -> None:
+        self.phase = Phase.FAILED
+        self._fail_reason = f"{type(err).__name__}: {err}"
+        log.error("infinity: rolling back after %r failed: %r", exc, err)
+        if exc is not None:
+            exc.add_note(f"infinity: the rollback after this error failed too ({err!r}); the "
+                         f"engine is unusable: reload a checkpoint")
+
+    def _rollback_window(self) -> None:
+        if self.overlap is not None:
+            self.overlap.abandon()
+        txn, self._txn = self._txn, None
+        if txn is not None:
+            keys = set(txn.keys)
+            self.store.rollback(txn)
+            self._after_rollback(keys)
+        self.opt.abandon_window()
+        self.mm.abandon_all()
+        self.micro_steps = self.opt.boundaries * self.gas
+        self._has_grads = False
+        self.phase = Phase.IDLE
+
+    def _after_rollback(self, keys) -> None:
+        """Groups stepped (in place) into a rolled-back transaction: cached copies and
+        low-precision homes were written from the new values; take them back from the
+        (restored) master."""
+        if not keys:
+            return
+        by_key = {self.opt.key(g): g for g in self.opt.groups}
+        groups = [by_key[k] for k in keys if k in by_key]
+        self.mm.discard_cached({g.gid for g in groups})
+        if self.dtype == torch.float32:
+            return                        # the master IS the parameter: restored with it
+        for g in groups:
+            if g.home == "device":
+                continue
+            tmp = torch.empty(g.padded_numel, dtype=torch.float32)
+            self.store.read_master(self.opt.key(g), tmp)
+            if g.home == "cpu":
+                g.host_buf.copy_(tmp)
+            else:
+                from infinity.io import aligned_empty
+                lp = aligned_empty(g.nbytes, torch.uint8).view(g.dtype)[:g.padded_numel]
+                lp.copy_(tmp)
+                self.swap.write(g.extent, lp).wait()
+
+    def _after_commit(self, moved) -> None:
+        """The transaction's shadows are the state now: NVMe-homed fp32 parameters (their
+        home is the master) follow their extents; device mirrors are refreshed."""
+        if moved:
+            for g in self.mm.groups:
+                if g.extent is not None and g.extent in moved:
+                    g.extent = moved[g.extent]
+        self.micro_steps += 1
+        self._has_grads = False
+
+    def _shield(self, fn):
+        if self._worker is None:
+            from concurrent.futures import ThreadPoolExecutor
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="infinity-commit")
+        return run_shielded(self._worker, fn)
+
+    def _new_txn(self):
+        """A transaction for the coming window when anything the step writes can fail
+        half-way or be rolled back (an overlapped step; NVMe I/O)."""
+        from infinity.optim.offload_step import StepTxn
+        io = self.swap is not None
+        host_undo = io and (self.undo_budget is None or
+                            sum(self.store.host_state_bytes(self.opt.key(g)) for g in self.opt.groups)
+                            <= self.undo_budget)
+        return StepTxn(host_undo=host_undo or self.overlap is not None)
+
+    # ------------------------------------------------------------------ training API
     def forward(self, *args, **kwargs):
-        self._check_open()
-        self._drain_overlap()              # a fetch must not read a home being updated
+        self._enter("forward")
+        self._drop_open_window("forward")   # a fetch must not read a home being updated
         if self.device.type != "cpu":     # inputs follow the parameters (top-level tensors)
             args = tuple(self._to_device(a) for a in args)
             kwargs = {k: self._to_device(v) for k, v in kwargs.items()}
         if self.dtype != torch.float32:
             args = tuple(self._cast(a) for a in args)
             kwargs = {k: self._cast(v) for k, v in kwargs.items()}
-        with self.timeline.span("forward", "forward"):
-            return self.module(*args, **kwargs)
+        self.phase = Phase.FORWARD
+        try:
+            with self.timeline.span("forward", "forward"):
+                out = self.module(*args, **kwargs)
+            self.phase = Phase.IDLE
+        except BaseException as e:
+            self._abort_window(e)
+            raise
+        return out
 
     def _cast(self, x):
         if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != self.dtype:
@@ -258,64 +418,130 @@ class Engine:
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
         """Scale ``loss`` by 1/gradient_accumulation_steps (and the fp16 loss scale) and
-        run backward; gradients accumulate in fp32 at their home."""
-        self._check_open()
+        run backward; gradients accumulate in fp32 at their home.  Any exception drops
+        the accumulation window (Note [window abort])."""
+        self._enter("backward")
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError(f"engine.backward: expected a scalar loss tensor, got "
-                             f"{type(loss).__name__}{tuple(getattr(loss, 'shape', ()))}")
+                             f"{type(loss).__name__}{tuple(getattr(loss, 'shape', ()))}; "
+                             f"reduce it first (e.g. loss.mean())")
+        if not loss.requires_grad or loss.grad_fn is None:
+            raise ValueError("engine.backward: the loss has no autograd graph (computed under "
+                             "torch.no_grad(), in eval-only code, or detached); compute it from "
+                             "engine(...)'s output with gradients enabled")
+        self._drop_open_window("backward")
         scale = self.opt.scaler.scale / self.gas
         if scale != 1.0:
             loss = loss.float() * scale      # fp32: an fp16 loss times 65536 overflows
         final = (self.micro_steps + 1) % self.gas == 0
-        before_backward = getattr(self.opt, "before_backward", None)
-        if before_backward is not None:
-            before_backward(final)
-        ov = self.overlap
-        if ov is not None and final and self.overlap_optimizer_step and not retain_graph:
-            ov.begin()
-        with self.timeline.span("backward", "backward"):
-            try:
-                loss.backward(retain_graph=retain_graph)
-            finally:
-                if ov is not None:
-                    ov.end()
-            self.hooks.finish_backward()
-            end_backward = getattr(self.opt, "end_backward", None)
-            if end_backward is not None:
-                end_backward()
+        self.phase = Phase.BACKWARD
+        try:
+            before_backward = getattr(self.opt, "before_backward", None)
+            if before_backward is not None:
+                before_backward(final)
+            if final:
+                self._txn = self._new_txn() if self.swap is not None or self.overlap is not None \
+                    else None
+            ov = self.overlap
+            if ov is not None and final and self.overlap_optimizer_step and not retain_graph:
+                ov.begin(self._txn)
+            with self.timeline.span("backward", "backward"):
+                try:
+                    loss.backward(retain_graph=retain_graph)
+                finally:
+                    if ov is not None:
+                        ov.end()
+                self.hooks.finish_backward()
+                end_backward = getattr(self.opt, "end_backward", None)
+                if end_backward is not None:
+                    end_backward()
+            self._has_grads = True
+            self.phase = Phase.IDLE
+        except BaseException as e:
+            self._abort_window(e)
+            raise
 
     def step(self) -> bool:
         """Call after every micro-batch; applies the optimizer at accumulation boundaries.
-        Returns True when an update was applied at this call."""
-        self._check_open()
-        self.micro_steps += 1
-        if self.micro_steps % self.gas:
+        Returns True when an update was applied at this call; False between boundaries,
+        when the update was skipped (fp16 overflow, non-finite gradients) and when no
+        backward ran since the previous step() (a no-op, warned once)."""
+        self._enter("step")
+        if not self._has_grads:
+            self._warn_once("step-without-backward",
+                            "infinity: engine.step() without a backward since the previous "
+                            "step(): nothing to do (no micro-step is counted)")
+            return False
+        if (self.micro_steps + 1) % self.gas:
+            self.micro_steps += 1
+            self._has_grads = False
             return False
         busy = [g.name for g in self.mm.groups if g.users]
         if busy:
             raise RuntimeError(f"engine.step: called while modules are still executing "
                                f"(groups in use: {busy[:4]}); call it after backward")
         od = self.acct.counters.get("on_demand_fetches", 0)
-        self.mm.wait_host_reads()          # no copy may still read a home being updated
-        with self.timeline.span("optimizer", "step"):
-            try:
+        self.phase = Phase.STEPPING
+        committed = [False]
+        try:
+            self.mm.wait_host_reads()          # no copy may still read a home being updated
+            with self.timeline.span("optimizer", "step"):
                 done = self.overlap.finish() if self.overlap is not None else None
-            except BaseException:
-                self.opt.abandon_window()  # the failed window's gradients are dropped
-                raise
-            applied = self.opt.boundary_step(done) if done else self.opt.boundary_step()
-        if applied:
-            self.mm.refresh_resident()     # separate device: resident copies from mirrors
-        self.timeline.mark_step(self.opt.boundaries)
-        self._last_on_demand = od - getattr(self, "_od_at_last_step", 0)
-        self._od_at_last_step = od
+                txn = self._txn
+
+                def on_commit(moved):
+                    self._after_commit(moved)
+                    committed[0] = True
+
+                def on_rollback(keys):
+                    self._after_rollback(keys)
+                    self.micro_steps += 1      # the window is consumed (skipped)
+                    self._has_grads = False
+                    committed[0] = True
+
+                applied = self.opt.boundary_step(done or None, txn=txn, shield=self._shield,
+                                                 on_commit=on_commit, on_rollback=on_rollback)
+                if not applied and txn is None:
+                    on_rollback(())
+                self._txn = None
+            if applied:
+                self.mm.refresh_resident()     # separate device: resident copies from mirrors
+            self.timeline.mark_step(self.opt.boundaries)
+            self._last_on_demand = od - getattr(self, "_od_at_last_step", 0)
+            self._od_at_last_step = od
+            self.phase = Phase.IDLE
+        except BaseException as e:
+            if committed[0]:                   # the update is in: only the signal remains
+                self._txn = None
+                self.phase = Phase.IDLE
+            else:
+                self._abort_window(e)
+            raise
+        if not applied and self.dtype != torch.float16:
+            self._nonfinite(self.opt.boundaries)
         return applied
+
+    def _nonfinite(self, boundary: int) -> None:
+        """An update skipped for inf/NaN gradients (fp32/bf16): warn (rate-limited) or raise."""
+        import time as _time
+        if self.cfg.nonfinite_grads == "raise":
+            raise NonFiniteGradientError(
+                f"engine.step: the gradient norm of update {boundary} (global step "
+                f"{self.opt.step_count + 1}) is {self.opt.last_grad_norm}; the update was not "
+                f"applied (weights, optimizer states, global_steps and the LR schedule are "
+                f"unchanged). Set nonfinite_grads: \"skip\" to skip such updates instead")
+        now = _time.monotonic()
+        if now - self._nonfinite_warned_at >= 60.0:
+            self._nonfinite_warned_at = now
+            log.warning("infinity: update %d skipped: the gradient norm is %s (inf/NaN); weights "
+                        "and optimizer states unchanged (%d such updates so far)",
+                        boundary, self.opt.last_grad_norm, self.opt.nonfinite_steps)
 
     def register_external_parameter(self, module: nn.Module, param: nn.Parameter) -> None:
         """Declare that ``module``'s forward uses ``param`` although another module owns it
         (like DeepSpeed's ``register_external_parameter``); otherwise ``param`` is released
         (a NaN placeholder) while ``module`` runs."""
-        self._check_open()
+        self._enter("register_external_parameter")
         g = self.plan.param_group.get(id(param))
         if g is None:
             raise KeyError("register_external_parameter: that parameter is not part of the "
@@ -356,7 +582,9 @@ class Engine:
             "micro_step": self.micro_steps,
             "lr": self.opt.lr,
             "loss_scale": float(self.opt.scaler.scale),
-            "skipped_steps": int(self.opt.scaler.skipped_steps),
+            "skipped_steps": int(self.opt.scaler.skipped_steps) + int(self.opt.nonfinite_steps),
+            "nonfinite_steps": int(self.opt.nonfinite_steps),
+            "phase": self.phase.value,
             "grad_norm": float(self.opt.last_grad_norm),
             "optimizer_step_seconds": float(self.opt.last_step_seconds),
             "on_demand_fetches_last_step": int(getattr(self, "_last_on_demand", 0)),
@@ -376,14 +604,14 @@ class Engine:
     # ------------------------------------------------------------------ weights out
     def state_dict(self):
         from infinity.engine_weights import StreamedStateDict
-        self._check_open()
-        self._drain_overlap()
+        self._enter("state_dict")
+        self._drop_open_window("state_dict")
         return StreamedStateDict(self)
 
     def save_pretrained(self, directory, *, max_shard_bytes: int = 2 * 10 ** 9) -> list[str]:
         from infinity.engine_weights import save_pretrained
-        self._check_open()
-        self._drain_overlap()
+        self._enter("save_pretrained")
+        self._drop_open_window("save_pretrained")
         return save_pretrained(self, directory, max_shard_bytes=max_shard_bytes)
 
     # ------------------------------------------------------------------ checkpoints
@@ -392,8 +620,8 @@ class Engine:
         ``infinity.checkpoint.save_checkpoint`` for ``kw`` (async_, shard_bytes, ...).
         At world size > 1 every rank calls it and writes its own shard."""
         from infinity.checkpoint.engine_state import save_engine_checkpoint
-        self._check_open()
-        self._drain_overlap()
+        self._enter("save_checkpoint")
+        self._drop_open_window("save_checkpoint")
         return save_engine_checkpoint(self, directory, tag, **kw)
 
     def load_checkpoint(self, directory, tag=None, **kw):
@@ -401,27 +629,21 @@ class Engine:
         Any world size or offload configuration may have written it; at world size > 1
         every rank calls it."""
         from infinity.checkpoint.engine_state import load_engine_checkpoint
-        self._check_open()
-        self._drain_overlap()
+        self._enter("load_checkpoint")
+        self._drop_open_window("load_checkpoint")
         return load_engine_checkpoint(self, directory, tag, **kw)
 
     # ------------------------------------------------------------------ lifetime
-    def _drain_overlap(self) -> None:
-        """Wait for group steps submitted during backward when the boundary step has not
-        collected them (forward, weights out or a checkpoint before ``step()``)."""
-        if self.overlap is not None and self.overlap.busy:
-            self.overlap.wait()            # step() still collects them
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeError("engine: already closed; create a new one with infinity.initialize")
-
     def close(self) -> None:
         """Idempotent: remove hooks, free buffers, close the swap space (files removed)."""
         if self._closed:
             return
         self._closed = True
+        self.phase = Phase.CLOSED
         errors = []
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+            self._worker = None
         for what, fn in (("overlapped step", getattr(self.overlap, "close", None)),
                          ("hooks", getattr(self.hooks, "remove", None)),
                          ("memory", getattr(self.mm, "close", None)),

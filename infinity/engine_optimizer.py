@@ -78,6 +78,7 @@ class EngineOptimizer:
         self.boundaries = 0          # accumulation boundaries reached (applied + skipped)
         self.last_grad_norm = 0.0
         self.last_step_seconds = 0.0
+        self.nonfinite_steps = 0     # updates skipped for an inf/NaN gradient norm (fp32, bf16)
         self.host_pool = host_pool
         self._written: set[int] = set()     # id(slot) with a gradient since the last step
         self.nvme_grads = None              # NvmeGradStore when grads are homed on NVMe
@@ -288,49 +289,91 @@ class EngineOptimizer:
             self.acct.count("optimizer_master_read_bytes_saved",
                             self.store.master_io_bytes(item.key))
 
-    def boundary_step(self, done: dict[int, float] | None = None) -> bool:
+    def boundary_step(self, done: dict[int, float] | None = None, *, txn=None,
+                      shield=None, on_commit=None, on_rollback=None) -> bool:
         """Apply (or skip) one optimizer step over the accumulated gradients.
         ``done``: ``{gid: squared grad norm}`` of groups already stepped (overlapped with
-        backward, :mod:`infinity.engine_overlap`); only the others are stepped here.
-        Returns True when the update was applied."""
+        backward, :mod:`infinity.engine_overlap`) into ``txn``; only the others are stepped
+        here.  With ``txn`` (Note [commit point] in infinity.optim.offload_step) the
+        update is all-or-nothing: the remaining groups are stepped into it, then
+        committed — or, when the step is skipped (fp16 overflow, non-finite gradients),
+        rolled back.  ``shield(fn)`` runs the state-changing part (Note [window abort] in
+        infinity.engine_phase); ``on_commit(moved_extents)`` / ``on_rollback(keys)`` let
+        the engine follow.  Returns True when the update was applied."""
         t0 = time.perf_counter()
         done = done or {}
-        self.boundaries += 1
+        shield = shield or (lambda fn: fn())
         self._zero_unwritten(skip=done)
         scale = float(self.scaler.scale)
         raw_norm = self.grad_norm(skip=done) if done else self.grad_norm()  # ZeRO: no skip
         overflow = not math.isfinite(raw_norm)
         norm = raw_norm / scale
-        self.last_grad_norm = norm
-        if self.precision == "fp16" and not self.scaler.update(overflow):
-            self.zero_grad()
+        if overflow:
+            def skip():
+                if txn is not None:
+                    keys = set(txn.keys)
+                    self.store.rollback(txn)
+                    if on_rollback is not None:
+                        on_rollback(keys)
+                self.boundaries += 1
+                self.last_grad_norm = norm
+                if self.precision == "fp16":
+                    self.scaler.update(True)
+                else:
+                    self.nonfinite_steps += 1
+                for g in self.groups:
+                    self.release_grad(g)
+                self.zero_grad()
+            shield(skip)
             return False
         clip_coef = 1.0
-        if self.clip > 0 and math.isfinite(norm):
+        if self.clip > 0:
             clip_coef = min(1.0, self.clip / (norm + 1e-6))
         grad_scale = clip_coef / scale
         if done and grad_scale != 1.0 / scale:
             raise RuntimeError("engine.step: groups were stepped during backward although "
                                "the step clips gradients (internal error)")
         lrs, wds = self._next_hparams()
-        self._hp = None
-        self.step_count += 1
+        step = self.step_count + 1
         items = [self._item(g, lrs, wds) for g in self.groups if g.gid not in done]
-        for it in items:
-            self.count_master_in_hand(it)
-        if items:
-            self.store.step(items, step=self.step_count, beta1=self.beta1, beta2=self.beta2,
-                            eps=self.eps, adamw=self.adamw, bias_correction=True,
-                            grad_scale=grad_scale)
+        if txn is not None:
+            for it in items:
+                self.store.prepare(txn, it.key)
+
+        def apply():
+            if items:
+                self.store.step(items, step=step, beta1=self.beta1, beta2=self.beta2,
+                                eps=self.eps, adamw=self.adamw, bias_correction=True,
+                                grad_scale=grad_scale, txn=txn)
+            if not self.vote(True):
+                raise RuntimeError("engine.step: another rank failed its part of this step; "
+                                   "the update was not applied on any rank")
+            # ---- commit: nothing below may fail half-way
+            moved = self.store.commit(txn) if txn is not None else {}
+            if on_commit is not None:
+                on_commit(moved)
+            self.boundaries += 1
+            self.last_grad_norm = norm
+            if self.precision == "fp16":
+                self.scaler.update(False)
+            self._hp = None
+            self.step_count = step
+            for it in items:
+                self.count_master_in_hand(it)
             for g in self.groups:
                 if g.gid not in done:
                     self.release_grad(g)
-        self.zero_grad()
-        if self.torch_sched is not None:
-            self.sched_target.step()
-            self.torch_sched.step()
-        self.last_step_seconds = time.perf_counter() - t0
+            self.zero_grad()
+            if self.torch_sched is not None:
+                self.sched_target.step()
+                self.torch_sched.step()
+            self.last_step_seconds = time.perf_counter() - t0
+        shield(apply)
         return True
+
+    def vote(self, ok: bool) -> bool:
+        """Whether every rank completed its part of the update (one process: ``ok``)."""
+        return ok
 
     def _item(self, g: GroupRecord, lrs: list[float], wds: list[float]):
         from infinity.optim.offload_step import StepItem

@@ -46,6 +46,12 @@ __all__ = ["OverlappedStep", "eligible", "MAX_HANDOFF"]
 MAX_HANDOFF = 3      # released parameter buffers held for their group's step at once
 
 
+def _wait_quietly(fut: Future) -> None:
+    """Wait for a group step before its home is read (its error surfaces at step())."""
+    from concurrent.futures import wait
+    wait([fut])              # its error is reported by OverlappedStep.wait; a signal propagates
+
+
 def eligible(engine) -> bool:
     """Whether the engine's configuration allows overlapping the step at all."""
     cfg = engine.cfg
@@ -58,6 +64,8 @@ def eligible(engine) -> bool:
 
 
 class OverlappedStep:
+    _undo_planned = 0
+
     def __init__(self, opt, mm, coord, accounting):
         self.opt = opt
         self.mm = mm
@@ -74,13 +82,19 @@ class OverlappedStep:
         self._held: dict[int, torch.Tensor] = {}
         # (future, group, handed-off buffer or None) of every submitted group step
         self._stepping: list[tuple[Future, GroupRecord, torch.Tensor | None]] = []
+        # the window's transaction (Note [commit point]): early steps write shadows and
+        # undo copies; the engine commits or rolls back at the boundary
+        self.txn = None
+        self.undo_budget: int | None = None   # host bytes of undo copies allowed (None: any)
         mm.on_release = self.on_release
         mm.on_reclaim_blocked = self.wait
 
     # ------------------------------------------------------------------ backward
-    def begin(self) -> None:
+    def begin(self, txn) -> None:
         """The boundary micro-step's backward starts: the groups used by exactly one
-        module call in this forward may be stepped as soon as their gradient is final."""
+        module call in this forward may be stepped as soon as their gradient is final,
+        into ``txn`` (committed or rolled back by the engine, Note [commit point])."""
+        self.txn = txn
         if not self.coord.in_pass:
             self.active = False
             return
@@ -88,6 +102,7 @@ class OverlappedStep:
         self._single_use = {gid for gid, n in uses.items() if n == 1}
         self._pending = {g.gid: {i for i, s in enumerate(g.slots) if s.trainable}
                          for g in self.opt.groups if g.gid in self._single_use}
+        self._undo_planned = 0
         self.active = True
 
     def end(self) -> None:
@@ -97,7 +112,10 @@ class OverlappedStep:
         self._pending = {}
         held, self._held = self._held, {}
         for buf in held.values():
-            self.mm.give_back_device(buf)
+            # (an interrupt between taking a buffer over and telling the manager leaves
+            # it with both: the pool knows whether it is still out)
+            if self.mm.device_pool.is_leased(buf):
+                self.mm.give_back_device(buf)
         self._reap()
 
     def on_release(self, g: GroupRecord, buf: torch.Tensor | None) -> bool:
@@ -171,7 +189,6 @@ class OverlappedStep:
         return True
 
     def _submit(self, g: GroupRecord) -> None:
-        n = float(torch.linalg.vector_norm(g.grad_buf))
         buf = self._held.pop(g.gid, None)
         if buf is not None and self.mm.cached(g):
             # released twice in this backward, cached the second time: the cached copy is
@@ -179,12 +196,26 @@ class OverlappedStep:
             self.mm.give_back_device(buf)
             buf = None
         item, kw = self.opt.early_item(g, master_buf=buf)   # a cached copy: its own
+        store = self.opt.store
+        undo = store.host_state_bytes(item.key, master_in_hand=item.master_buf is not None)
+        if self.txn is None or (undo and self.undo_budget is not None
+                                and self.txn.undo_bytes + self._undo_planned + undo > self.undo_budget):
+            # no room for the undo copies (or no transaction): stepped at the boundary
+            if buf is not None:
+                self.mm.give_back_device(buf)
+            self.acct.count("optimizer_groups_not_overlapped_undo")
+            return
+        self._undo_planned += undo
+        store.prepare(self.txn, item.key)
+        kw["txn"] = self.txn
+        n = float(torch.linalg.vector_norm(g.grad_buf))
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="infinity-step")
         self.done[g.gid] = n * n
         if item.master_buf is not None and buf is None:
             self.mm.pinned.add(g.gid)        # a cached copy the step updates in place
         fut = self._pool.submit(self.opt.store.step, [item], **kw)
+        self.mm.home_busy[g.gid] = lambda f=fut: _wait_quietly(f)
         self._futures.append(fut)
         self._stepping.append((fut, g, buf))
         self.acct.count("optimizer_groups_overlapped")
@@ -205,21 +236,53 @@ class OverlappedStep:
         return done
 
     def wait(self) -> None:
-        """Block until no submitted group step runs (re-raises the first error)."""
+        """Block until no submitted group step runs, then re-raise the first worker error
+        unchanged (with a note).  A ``KeyboardInterrupt`` that arrives while waiting is
+        held until every step ended (their buffers are in use), then re-raised."""
         futures, self._futures = self._futures, []
         done = self.done
-        err = None
+        err = interrupted = None
         for f in futures:
-            try:
-                f.result()
-            except BaseException as e:  # wait for the rest before raising
-                if err is None:
-                    err = e
+            while True:
+                try:
+                    f.result()
+                except KeyboardInterrupt as e:
+                    if not f.done():
+                        interrupted = e   # a signal in this thread: keep waiting
+                        continue
+                    err = err or e
+                except BaseException as e:  # wait for the rest before raising
+                    err = err or e
+                break
+        self.mm.home_busy.clear()
         self._reap()                    # every step ended: all buffers go back
         if err is not None:
-            raise RuntimeError(f"engine.step: an optimizer group step overlapped with "
-                               f"backward failed ({len(done)} groups were submitted); the "
-                               f"parameters are partly updated: reload a checkpoint") from err
+            err.add_note(f"infinity: an optimizer group step overlapped with backward failed "
+                         f"({len(done)} groups were submitted); the window is rolled back "
+                         f"(Note [window abort])")
+            raise err
+        if interrupted is not None:
+            raise interrupted
+
+    def abandon(self) -> None:
+        """The window failed (Note [window abort]): wait for every submitted step (their
+        buffers are in use; errors are dropped with the window) and forget the window."""
+        self.end()
+        futures, self._futures = self._futures, []
+        if futures:
+            from concurrent.futures import wait
+            wait(futures)
+        if self._pool is not None:     # a barrier: a step submitted but not yet recorded
+            self._pool.submit(int).result()   # (interrupted in between) has ended too
+        self.mm.home_busy.clear()
+        self._reap()
+        for _, g, buf in self._stepping:     # (all done) nothing may stay held
+            if buf is not None:
+                self.mm.give_back_device(buf)
+            self.mm.pinned.discard(g.gid)
+        self._stepping = []
+        self.done = {}
+        self.txn = None
 
     @property
     def busy(self) -> bool:

@@ -53,7 +53,7 @@ class StreamedStateDict(Mapping):
         return key in self._params or key in self._buffers
 
     def __getitem__(self, key: str) -> torch.Tensor:
-        self.engine._check_open()
+        self.engine._enter("state_dict")
         if key in self._params:
             return read_param(self.engine, self._params[key])
         if key in self._buffers:

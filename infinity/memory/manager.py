@@ -80,6 +80,10 @@ class MemoryManager:
         self.cache_on = False
         self.pinned: set[int] = set()      # gids whose cached copy a running step updates
         self.on_reclaim_blocked = None     # called when only pinned copies could be freed
+        # gid -> callable waiting for a running optimizer step that writes the group's
+        # home (overlapped step): a fetch of that group waits for it first
+        self.home_busy: dict = {}
+        self._failed: dict[int, BaseException] = {}   # gid -> error of its abandoned fetch
 
     # ------------------------------------------------------------------ setup
     def place(self, g: GroupRecord, staging: torch.Tensor | None = None) -> None:
@@ -155,6 +159,10 @@ class MemoryManager:
         (only possible with ``allow_overflow=False``)."""
         if g.state in (Location.DEVICE, Location.READING, Location.TO_DEVICE):
             return True
+        wait = self.home_busy.pop(g.gid, None)
+        if wait is not None:
+            wait()                                # a running step still writes its home
+        self._failed.pop(g.gid, None)
         if g.state is Location.HOST and self.dev.zero_copy:
             # the host home (or a cached copy of an NVMe home) is directly usable by CPU
             # compute: no copy, no extra bytes
@@ -168,13 +176,21 @@ class MemoryManager:
         if buf is None:
             return False
         t0 = time.perf_counter()
-        if g.home == "cpu":                       # separate device memory: H2D copy
-            g.begin_to_device(buf, _Fetch(None, t0, xfer=self.dev.h2d(buf, g.host_buf)))
-        elif self.dev.zero_copy:                  # read straight into the compute buffer
-            g.begin_read(buf, _Fetch(self.swap.read(g.extent, buf), t0))
-        else:                                     # NVMe -> pinned staging -> H2D
-            staging = self.host_pool.lease(g.nbytes, g.dtype)
-            g.begin_read(buf, _Fetch(self.swap.read(g.extent, staging), t0, staging=staging))
+        staging = None
+        try:
+            if g.home == "cpu":                       # separate device memory: H2D copy
+                g.begin_to_device(buf, _Fetch(None, t0, xfer=self.dev.h2d(buf, g.host_buf)))
+            elif self.dev.zero_copy:                  # read straight into the compute buffer
+                g.begin_read(buf, _Fetch(self.swap.read(g.extent, buf), t0))
+            else:                                     # NVMe -> pinned staging -> H2D
+                staging = self.host_pool.lease(g.nbytes, g.dtype)
+                g.begin_read(buf, _Fetch(self.swap.read(g.extent, staging), t0, staging=staging))
+        except BaseException:
+            # nothing was submitted (or the submission failed): no buffer may leak
+            if staging is not None:
+                self.host_pool.give_back(staging)
+            self.dev.give_back(buf)
+            raise
         self._inflight[g.gid] = g
         return True
 
@@ -184,8 +200,33 @@ class MemoryManager:
         for g in list(self._inflight.values()):
             f = g.pending
             if g.state is Location.READING and f.poll_read() and f.staging is not None:
-                self._start_h2d(g, f)
+                try:
+                    self._start_h2d(g, f)
+                except Exception as e:  # g's own wait raises it, not some other group's
+                    self._forget_fetch(g, e)
         self.dev.poll()
+
+    def _forget_fetch(self, g: GroupRecord, err: BaseException | None = None) -> None:
+        """Abandon ``g``'s in-flight fetch (it failed, or its window did): its buffers go
+        back, it returns to its home state, and ``err`` is what waiting for it raises."""
+        f = g.pending
+        self._inflight.pop(g.gid, None)
+        if isinstance(f, _Fetch):
+            if f.handle is not None:
+                try:
+                    f.handle.wait()
+                except Exception:  # noqa: BLE001 - already failed; nothing is in flight after
+                    pass
+            if f.xfer is not None:
+                f.xfer.wait_host()
+            if f.staging is not None:
+                self.host_pool.give_back(f.staging)
+                f.staging = None
+        buf = g.abort_fetch()
+        if buf is not None:
+            self.dev.give_back(buf)
+        if err is not None:
+            self._failed[g.gid] = err
 
     def _start_h2d(self, g: GroupRecord, f: _Fetch) -> None:
         """READING -> TO_DEVICE (CUDA path): the read landed in staging; copy it up."""
@@ -207,8 +248,24 @@ class MemoryManager:
         self.dev.retire(x, done)
 
     def wait_resident(self, g: GroupRecord) -> None:
-        """Block until ``g`` is on the device tier (it must have been fetched)."""
+        """Block until ``g`` is on the device tier (it must have been fetched).  A failed
+        read raises here, for ``g`` only, once: the group is back at its home and a later
+        use fetches it again."""
+        err = self._failed.pop(g.gid, None)
+        if err is not None:
+            raise err
+        try:
+            self._wait_resident(g)
+        except Exception:
+            if g.state in (Location.READING, Location.TO_DEVICE):
+                self._forget_fetch(g)
+            raise
+
+    def _wait_resident(self, g: GroupRecord) -> None:
         self._progress()
+        err = self._failed.pop(g.gid, None)
+        if err is not None:
+            raise err
         if g.state is Location.READING:
             f = g.pending
             if not f.poll_read():
@@ -232,7 +289,10 @@ class MemoryManager:
         elif g.state is not Location.DEVICE:
             raise RuntimeError(f"memory: group {g.gid} ({g.name}) was not fetched "
                                f"(state {g.state.name})")
-        if self._inflight.pop(g.gid, None) is not None:
+        self._inflight.pop(g.gid, None)
+        # saved tensors in this buffer are packed as references (also when an interrupt
+        # kept the fetch from being recorded in _inflight)
+        if g.device_buf is not None:
             self._by_storage[g.device_buf.untyped_storage().data_ptr()] = g
 
     def release(self, g: GroupRecord) -> None:
@@ -256,6 +316,38 @@ class MemoryManager:
         if buf is not None and not cached and (g.home == "nvme" or not self.dev.zero_copy):
             self.dev.give_back(buf)       # CUDA: the next copy into it waits for compute
         self._progress()
+
+    def abandon_all(self) -> None:
+        """After a failed forward/backward (Note [window abort] in infinity.engine_phase):
+        every in-flight fetch finished or abandoned, every paged group released to its
+        home, nothing leaked.  The hooks' counters must have been reset first."""
+        fetching = {g.gid: g for g in self.groups
+                    if g.state in (Location.READING, Location.TO_DEVICE)}
+        fetching.update(self._inflight)
+        for g in list(fetching.values()):
+            try:
+                self._wait_resident(g)
+            except Exception as e:  # noqa: BLE001 - the window is being dropped anyway
+                log.debug("memory: abandoning the fetch of group %d: %s", g.gid, e)
+                if g.state in (Location.READING, Location.TO_DEVICE):
+                    self._forget_fetch(g)
+        self._failed.clear()
+        for g in self.groups:
+            g.prefetched = False
+            if not self.paged(g):
+                continue
+            if g.state is Location.DEVICE and g.device_buf is None:
+                g.set_home_state()        # an interrupt landed inside its release: done
+            elif g.state is Location.DEVICE:
+                self.release(g)
+
+    def discard_cached(self, gids) -> None:
+        """Forget the cached copies of ``gids`` (a rolled-back step updated them in place:
+        their NVMe home holds the committed values)."""
+        for g in self.groups:
+            if g.gid in gids and self.cached(g) and g.state is Location.HOST:
+                self.pinned.discard(g.gid)
+                self._evict(g)
 
     # ------------------------------------------------------------------ parameter cache
     def enable_cache(self) -> None:

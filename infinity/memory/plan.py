@@ -117,6 +117,12 @@ class PlacementPlan:
             self.nvme["param home"] = sum(g.nbytes for g in paged)
         if self.optimizer_home == "nvme":
             self.nvme["optimizer states"] = states * 4 * n_train
+        # Note [commit point]: one shadow per NVMe state tensor an update writes (fp32 with
+        # NVMe params: the param home is the master), so an update is all-or-nothing
+        shadow = (states * 4 * n_train if self.optimizer_home == "nvme" else 0) \
+            + (4 * n_train if fp32 and self.param_home == "nvme" else 0)
+        if shadow:
+            self.nvme["commit shadows (all-or-nothing updates)"] = shadow
         # links per optimizer step (grad_accum micro-steps)
         nvme_params = sum(g.nbytes for g in paged) if self.param_home == "nvme" else 0
         rd = 2 * max(0, nvme_params - cached) * grad_accum   # forward + backward re-fetch

@@ -49,6 +49,17 @@ def placeholder(dtype: torch.dtype, shape, device=None) -> torch.Tensor:
     return t.expand(shape)
 
 
+def is_placeholder(t: torch.Tensor) -> bool:
+    """Whether ``t`` is (a view of) a released parameter's placeholder."""
+    ph = _PLACEHOLDERS.get((t.dtype, t.device))
+    if ph is None or t.numel() == 0:
+        return False
+    try:
+        return t.untyped_storage().data_ptr() == ph.untyped_storage().data_ptr()
+    except RuntimeError:            # meta / exotic tensors have no storage pointer
+        return False
+
+
 class Location(enum.Enum):
     NVME = "nvme"
     READING = "reading"
@@ -174,6 +185,20 @@ class GroupRecord:
         self.hold_until_backward_end = False
         return buf
 
+    def abort_fetch(self) -> torch.Tensor | None:
+        """READING/TO_DEVICE -> home: an in-flight fetch is abandoned (it failed, or the
+        window it was for failed).  Returns the buffer it was filling (to give back), or
+        None when that was the host copy itself."""
+        self._need(Location.READING, Location.TO_DEVICE, op="abandon a fetch")
+        buf, self.device_buf = self.device_buf, None
+        self.pending = None
+        for s in self.slots:
+            s.param.data = placeholder(self.dtype, s.shape, s.param.device)
+        self.state = Location.NVME if self.home == "nvme" and self.host_buf is None \
+            else Location.HOST
+        self.prefetched = False
+        return None if buf is self.host_buf else buf
+
     def drop_host_copy(self) -> None:
         """HOST -> NVME: an NVMe-homed group forgets its cached host copy (the NVMe home
         is current: the copy was written through)."""
@@ -215,7 +240,8 @@ class GroupRecord:
 
     def set_home_state(self) -> None:
         """Initial state after the home copy has been written (params empty until fetched)."""
-        self.state = Location.NVME if self.home == "nvme" else Location.HOST
+        self.state = Location.NVME if self.home == "nvme" and self.host_buf is None \
+            else Location.HOST
         for s in self.slots:
             s.param.data = placeholder(self.dtype, s.shape, s.param.device)
 

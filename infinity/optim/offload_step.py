@@ -343,10 +343,11 @@ class OptimizerStateStore:
             for b in part.backing.values():
                 if b.extent is None or id(b) in txn.writes:
                     continue
-                shadow = self._spare.pop(id(b), None)
+                shadow = self._spare.get(id(b))   # (interrupt-safe order: never lost)
                 if shadow is None:
-                    shadow = self.swap.allocate(b.nbytes)
+                    shadow = self._spare[id(b)] = self.swap.allocate(b.nbytes)
                 txn.writes[id(b)] = [b, shadow, set()]
+                del self._spare[id(b)]
 
     def host_state_bytes(self, key: str, master_in_hand: bool = False) -> int:
         """Bytes of ``key``'s state that live in host tensors (what a transactional step

@@ -38,7 +38,7 @@ def in_backward() -> bool:
 
 class _SavedRef:
     """A saved tensor that lives in a paged group's buffer, kept as coordinates only."""
-    __slots__ = ("owner", "g", "rel", "size", "stride", "__weakref__")
+    __slots__ = ("owner", "g", "rel", "size", "stride", "epoch", "__weakref__")
 
     def __init__(self, owner: "ParamHooks", g: GroupRecord, t: torch.Tensor):
         self.owner = owner
@@ -46,13 +46,19 @@ class _SavedRef:
         self.rel = t.storage_offset() - g.device_buf.storage_offset()
         self.size = tuple(t.shape)
         self.stride = tuple(t.stride())
+        self.epoch = owner.epoch          # refs of an abandoned window no longer count
         g.saved_refs += 1
 
     def __del__(self):
+        owner = self.owner
+        if owner is None or self.epoch != owner.epoch:
+            return
         try:
-            self.owner._ref_dropped(self.g)
-        except Exception:  # never raise from a destructor (interpreter shutdown etc.)
-            pass
+            owner._ref_dropped(self.g)
+        except Exception as e:  # a destructor must not raise: the error is logged, and
+            # the next backward's finish_backward releases the group anyway
+            log.warning("infinity: releasing group %s after its last saved tensor was dropped "
+                        "failed: %s", getattr(self.g, "name", "?"), e)
 
 
 class ParamHooks:
@@ -69,6 +75,7 @@ class ParamHooks:
         self._fwd_depth = 0
         self._bw_callback_queued = False
         self.enabled = True
+        self.epoch = 0                    # bumped by reset(): saved refs of older windows are inert
         # profiling (only when the timeline is enabled): per-module forward spans and
         # per-group backward spans (first use in backward -> last gradient arrived)
         self._names: dict | None = None
@@ -111,6 +118,32 @@ class ParamHooks:
         self.handles.clear()
         while self._saved_ctx:
             self._saved_ctx.pop().__exit__(None, None, None)
+
+    def reset(self) -> None:
+        """After a failed forward/backward (Note [window abort] in infinity.engine_phase):
+        forget every module that was executing (a ``KeyboardInterrupt`` skips the post
+        hooks), leave the saved-tensor hooks, make saved references of the failed window
+        inert, and end the prefetch pass.  The caller releases the groups."""
+        while self._saved_ctx:
+            ctx = self._saved_ctx.pop()
+            if ctx is not None:
+                try:
+                    ctx.__exit__(None, None, None)
+                except Exception as e:  # noqa: BLE001 - keep resetting
+                    log.debug("infinity: leaving saved-tensor hooks: %s", e)
+        self._fwd_depth = 0
+        self._bw_callback_queued = False
+        self._fwd_t0.clear()
+        self._bw_span.clear()
+        self.epoch += 1
+        for g in self.plan.groups:
+            for sl in g.slots:            # a gradient the interrupted hook did not take
+                sl.param.grad = None      # would be added to the next backward's
+            g.users = 0
+            g.saved_refs = 0
+            g.hold_until_backward_end = False
+            g.grads_pending = set()
+        self.coord.abandon_pass()
 
     # ------------------------------------------------------------------ root
     def _training_pass(self) -> bool:

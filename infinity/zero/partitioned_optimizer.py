@@ -242,7 +242,12 @@ class PartitionedOptimizer(EngineOptimizer):
         return self.comm.all_reduce_scalar(local, name="squared gradient norm") ** 0.5
 
     # ------------------------------------------------------------------ the step
-    def boundary_step(self) -> bool:
+    def vote(self, ok: bool) -> bool:
+        """Every rank completed its part of the update (the sum of one flag per rank)."""
+        return self.comm.all_reduce_scalar(1.0 if ok else 0.0,
+                                           name="step commit vote") >= self.comm.world_size - 0.5
+
+    def boundary_step(self, done=None, **kw) -> bool:
         if self.stage == 1:
             inv = 1.0 / self.comm.world_size
             for g in self.groups:
@@ -250,7 +255,7 @@ class PartitionedOptimizer(EngineOptimizer):
                 g.grad_buf.mul_(inv)
         else:
             self.finish_backward()   # no-op when backward already flushed
-        applied = super().boundary_step()
+        applied = super().boundary_step(done, **kw)
         if applied and self.stage in (1, 2):
             for g in self.groups:
                 lo, hi = self.shard(g)

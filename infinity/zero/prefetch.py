@@ -64,6 +64,18 @@ class PrefetchCoordinator:
                 self.mm.release(g)
                 self.acct.count("prefetch_unused")
 
+    def abandon_pass(self) -> None:
+        """The micro-step failed (Note [window abort]): keep the recorded trace as it
+        was, forget this pass's progress and its prefetches' marks (the manager releases
+        the groups)."""
+        self.in_pass = False
+        self.recording = []
+        self._last_event = None
+        self.cursor = 0
+        self.divergent = False
+        for g in self.mm.groups:
+            g.prefetched = False
+
     # ------------------------------------------------------------------ uses
     def use(self, g: GroupRecord, *, track: bool = True, kind: str = "module") -> None:
         """Make ``g`` resident (blocking) and keep the prefetch window full.

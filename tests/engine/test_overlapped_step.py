@@ -103,11 +103,22 @@ def test_worker_error_surfaces_at_step(harness, swap_dir):
         assert eng.step() is False                      # first micro-step: no update
         b = batches[1]
         eng.backward(harness.loss_of("mlp", eng(b[0]), b))
-        with pytest.raises(RuntimeError, match="overlapped with backward failed") as ei:
-            eng.step()
-        assert isinstance(ei.value.__cause__, OSError)
-        # the failed window's gradients are dropped: the next window starts clean
+        from infinity.checkpoint.engine_state import EngineCheckpoint
+        before = {n: t.clone() for n, t in EngineCheckpoint(eng).checkpoint_tensors()}
+        with pytest.raises(OSError, match="simulated ENOSPC") as ei:
+            eng.step()                                   # the worker's own error, unchanged
+        assert any("overlapped with backward failed" in n for n in ei.value.__notes__)
+        # the failed window is rolled back: no group moved, its gradients are dropped
+        assert eng.global_steps == 0 and eng.micro_steps == 0
+        after = {n: t.clone() for n, t in EngineCheckpoint(eng).checkpoint_tensors()}
+        diff = [n for n in before if not torch.equal(before[n], after[n])]
+        assert not diff, diff
         assert not eng.opt._written
+        eng.store.step = real                            # and training goes on
+        for b in batches:
+            eng.backward(harness.loss_of("mlp", eng(b[0]), b))
+            eng.step()
+        assert eng.global_steps == 1
 
 
 def test_master_handoff_bit_identical_and_saves_reads(harness, swap_dir):

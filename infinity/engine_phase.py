@@ -1,0 +1,68 @@
+"""The engine's phase machine and the shielded commit (failure semantics).
+
+Note [window abort]
+-------------------
+Every update is all-or-nothing.  An exception of any kind (``KeyboardInterrupt`` and
+``SystemExit`` included) raised in ``forward``, ``backward`` or ``step`` drops the
+whole accumulation window: the optimizer steps already taken for it during backward
+are rolled back (Note [commit point] in :class:`infinity.optim.offload_step.StepTxn`),
+its gradients are discarded, ``micro_steps`` goes back to the window's start, every
+group is released to its home and the hooks forget what was executing.  Parameters,
+fp32 masters, Adam moments, ``global_steps``, the LR schedule and the loss scale are
+then exactly as after the last completed update; the original exception propagates
+unchanged and the next forward/backward/step works.  If the rollback itself fails
+the engine enters ``FAILED`` and every method but ``stats()``/``close()`` says to
+reload a checkpoint.
+
+The commit of an update (state swap, counters, schedule) runs on a worker thread
+while the main thread waits (:func:`run_shielded`): Python delivers signals to the
+main thread only, so a ``KeyboardInterrupt`` raised by a signal handler during the
+commit is held until the commit has ended, then re-raised.
+"""
+from __future__ import annotations
+
+import enum
+from concurrent.futures import ThreadPoolExecutor
+
+__all__ = ["Phase", "NonFiniteGradientError", "run_shielded", "PhaseError"]
+
+
+class Phase(enum.Enum):
+    IDLE = "idle"              # between calls (a window may be accumulating)
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    STEPPING = "stepping"
+    FAILED = "failed"          # a rollback failed: only stats() and close() work
+    CLOSED = "closed"
+
+
+class PhaseError(RuntimeError):
+    """A public engine method was called in a phase that does not accept it."""
+
+
+class NonFiniteGradientError(FloatingPointError):
+    """The global gradient norm of an update was inf or NaN (``nonfinite_grads: "raise"``);
+    the update was rolled back (nothing changed)."""
+
+
+def run_shielded(executor: ThreadPoolExecutor, fn, *args):
+    """Run ``fn(*args)`` on ``executor``'s worker and wait for it; a ``KeyboardInterrupt``
+    raised in this (main) thread while waiting is held until ``fn`` has returned, then
+    re-raised (``fn``'s own exception wins, chained to it)."""
+    fut = executor.submit(fn, *args)
+    interrupted = None
+    while True:
+        try:
+            result = fut.result()
+            break
+        except KeyboardInterrupt as e:
+            if fut.done() and not fut.cancelled() and fut.exception() is e:
+                raise                      # fn itself raised it (not a signal)
+            interrupted = e                # a signal: wait for the worker, then raise it
+        except BaseException as e:
+            if interrupted is not None:
+                raise e from interrupted
+            raise
+    if interrupted is not None:
+        raise interrupted
+    return result

@@ -1,0 +1,321 @@
+"""Every update is all-or-nothing (Note [window abort], Note [commit point]): failures in
+forward, backward and step, interrupts, non-finite gradients and misuse leave the model
+exactly as after the last completed update, and the engine usable."""
+import copy
+import math
+import random
+import signal
+
+import pytest
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+import infinity
+from infinity.engine_phase import NonFiniteGradientError
+
+
+class Boom(torch.autograd.Function):
+    armed = False
+    exc = RuntimeError
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        if Boom.armed:
+            raise Boom.exc("OOM (simulated)")
+        return g
+
+
+class BoomLayer(nn.Module):
+    def forward(self, x):
+        return Boom.apply(x)
+
+
+class Net(nn.Module):
+    """Linear -> Boom -> ReLU -> Linear -> ReLU -> Linear (the issue's model), wider."""
+
+    def __init__(self):
+        super().__init__()
+        self.l0 = nn.Linear(16, 48)
+        self.boom = BoomLayer()
+        self.l1 = nn.Linear(48, 48)
+        self.l2 = nn.Linear(48, 8)
+        self.fwd_interrupt = False
+
+    def forward(self, x):
+        h = torch.relu(self.boom(self.l0(x)))
+        if self.fwd_interrupt:
+            raise KeyboardInterrupt
+        return self.l2(torch.relu(self.l1(h)))
+
+
+def _cfg(swap, params, optim, prec="fp32", clip=0.0, accum=1, **extra):
+    c = {"precision": prec,
+         "offload": {"params": params, "optimizer": optim, "nvme_paths": [swap]},
+         "optimizer": {"lr": 1e-2, "weight_decay": 0.1, "no_decay": []},
+         "gradient_accumulation_steps": accum, "gradient_clipping": clip}
+    c.update(extra)
+    return c
+
+
+def _batches(n, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(8, 16, generator=g), torch.randn(8, 8, generator=g)) for _ in range(n)]
+
+
+def _state(engine):
+    from infinity.checkpoint.engine_state import EngineCheckpoint
+    return {n: t.clone() for n, t in EngineCheckpoint(engine).checkpoint_tensors()}
+
+
+def _same(a, b):
+    return [n for n in a if not torch.equal(a[n], b[n])] == []
+
+
+def _train(engine, batches):
+    for x, y in batches:
+        engine.backward(F.mse_loss(engine(x).float(), y))
+        engine.step()
+
+
+HOMES = [("cpu", "cpu"), ("nvme", "nvme")]
+
+
+@pytest.fixture(autouse=True)
+def _disarm():
+    Boom.armed, Boom.exc = False, RuntimeError
+    yield
+    Boom.armed, Boom.exc = False, RuntimeError
+
+
+@pytest.mark.parametrize("params,optim", HOMES)
+@pytest.mark.parametrize("prec", ["fp32", "bf16"])
+@pytest.mark.parametrize("exc", [RuntimeError, KeyboardInterrupt])
+def test_exception_in_backward_changes_nothing(tmp_path, params, optim, prec, exc):
+    """The issue's case 1: with the step overlapped with backward, groups whose gradients
+    arrived were updated although the backward failed.  Now: nothing moves, the window is
+    dropped, and training goes on to the same weights as a run without the failed batch."""
+    torch.manual_seed(0)
+    m = Net()
+    ref = copy.deepcopy(m)
+    data = _batches(4)
+    with infinity.initialize(m, _cfg(str(tmp_path / "s"), params, optim, prec)) as e:
+        _train(e, data[:1])
+        before = _state(e)
+        x, y = data[1]
+        Boom.armed, Boom.exc = True, exc
+        with pytest.raises(exc, match="OOM"):
+            e.backward(F.mse_loss(e(x).float(), y))
+        Boom.armed = False
+        assert e.stats()["optimizer_groups_overlapped"] >= 1 or params == "cpu"
+        assert _same(before, _state(e)), "a failed backward changed the model"
+        assert e.global_steps == 1 and e.micro_steps == 1 and e.phase.value == "idle"
+        _train(e, data[2:])
+        got = _state(e)
+    with infinity.initialize(ref, _cfg(str(tmp_path / "r"), params, optim, prec)) as r:
+        _train(r, data[:1] + data[2:])
+        want = _state(r)
+    assert _same(got, want)
+
+
+@pytest.mark.parametrize("params,optim", HOMES)
+def test_accumulation_window_is_dropped_whole(tmp_path, params, optim):
+    """A failure in the second micro-batch drops the first one's gradients too; the caller
+    feeds the window again."""
+    torch.manual_seed(0)
+    m = Net()
+    ref = copy.deepcopy(m)
+    data = _batches(6)
+    with infinity.initialize(m, _cfg(str(tmp_path / "s"), params, optim, accum=2)) as e:
+        _train(e, data[:2])
+        x, y = data[2]
+        e.backward(F.mse_loss(e(x).float(), y))
+        assert e.step() is False and e.micro_steps == 3
+        Boom.armed = True
+        x, y = data[3]
+        with pytest.raises(RuntimeError):
+            e.backward(F.mse_loss(e(x).float(), y))
+        Boom.armed = False
+        assert e.micro_steps == 2 and e.global_steps == 1
+        _train(e, data[4:6])
+        got = _state(e)
+    with infinity.initialize(ref, _cfg(str(tmp_path / "r"), params, optim, accum=2)) as r:
+        _train(r, data[:2] + data[4:6])
+        want = _state(r)
+    assert _same(got, want)
+
+
+def test_interrupt_inside_forward_does_not_wedge(tmp_path):
+    """The issue's case 2: a KeyboardInterrupt inside a module's forward skipped the hook
+    that marks it finished; save_checkpoint then refused.  A save-on-Ctrl-C handler works."""
+    torch.manual_seed(0)
+    m = Net()
+    with infinity.initialize(m, _cfg(str(tmp_path / "s"), "nvme", "nvme")) as e:
+        _train(e, _batches(1))
+        before = _state(e)
+        m.fwd_interrupt = True
+        with pytest.raises(KeyboardInterrupt):
+            e(_batches(1)[0][0])
+        m.fwd_interrupt = False
+        e.save_checkpoint(tmp_path / "ck")              # the handler's save works
+        assert _same(before, _state(e))
+        _train(e, _batches(2, seed=3))
+        assert e.global_steps == 3
+
+
+@pytest.mark.parametrize("params,optim", HOMES)
+def test_interrupt_during_step_is_a_keyboard_interrupt_and_consistent(tmp_path, params, optim):
+    """The issue's case 3: Ctrl-C during step() came out as RuntimeError, and the weights
+    could hold step N+1 with global_steps N.  Now: KeyboardInterrupt, and the weights match
+    global_steps (a reference run of exactly that many steps)."""
+    torch.manual_seed(0)
+    m = Net()
+    data = _batches(3)
+    refs = {}
+    for n in (1, 2):
+        r0 = copy.deepcopy(m)
+        with infinity.initialize(r0, _cfg(str(tmp_path / f"r{n}"), params, optim)) as r:
+            _train(r, data[:n])
+            refs[n] = _state(r)
+    with infinity.initialize(m, _cfg(str(tmp_path / "s"), params, optim)) as e:
+        _train(e, data[:1])
+        x, y = data[1]
+        e.backward(F.mse_loss(e(x).float(), y))
+        real = e.store.commit
+
+        def interrupted(txn):                # a Ctrl-C lands while the update commits
+            signal.raise_signal(signal.SIGINT)
+            return real(txn)
+        e.store.commit = interrupted
+        with pytest.raises(KeyboardInterrupt):
+            e.step()
+        e.store.commit = real
+        assert e.global_steps in (1, 2)
+        assert _same(_state(e), refs[e.global_steps])
+        e.save_checkpoint(tmp_path / "ck")
+
+
+@pytest.mark.parametrize("prec", ["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("clip", [0.0, 1.0])
+@pytest.mark.parametrize("params,optim", HOMES)
+def test_nonfinite_loss_skips_the_update(tmp_path, prec, clip, params, optim):
+    """The issue's case 4: one NaN loss turned every weight and both moments into NaN."""
+    torch.manual_seed(0)
+    m = Net()
+    with infinity.initialize(m, _cfg(str(tmp_path / "s"), params, optim, prec, clip)) as e:
+        _train(e, _batches(2))
+        before = _state(e)
+        steps, lr = e.global_steps, e.lr
+        x, y = _batches(1, seed=5)[0]
+        e.backward(F.mse_loss(e(x).float(), y) * float("nan"))
+        assert e.step() is False
+        assert _same(before, _state(e)), "a NaN gradient reached the model"
+        assert e.global_steps == steps and e.lr == lr
+        st = e.stats()
+        assert st["skipped_steps"] == 1
+        assert st["nonfinite_steps"] == (0 if prec == "fp16" else 1)
+        _train(e, _batches(2, seed=7))
+        assert e.global_steps == steps + 2
+        assert all(torch.isfinite(t).all() for t in _state(e).values())
+
+
+@pytest.mark.parametrize("params,optim", HOMES)
+def test_nonfinite_raise_policy(tmp_path, params, optim):
+    torch.manual_seed(0)
+    m = Net()
+    with infinity.initialize(m, _cfg(str(tmp_path / "s"), params, optim,
+                                     nonfinite_grads="raise")) as e:
+        _train(e, _batches(1))
+        before = _state(e)
+        x, y = _batches(1, seed=5)[0]
+        e.backward(F.mse_loss(e(x).float(), y) * float("inf"))
+        with pytest.raises(NonFiniteGradientError, match="update 2") as ei:
+            e.step()
+        assert isinstance(ei.value, FloatingPointError)
+        assert _same(before, _state(e)) and e.global_steps == 1
+        _train(e, _batches(1, seed=7))
+        assert e.global_steps == 2
+
+
+def test_misuse_is_an_error_or_a_noop(tmp_path, caplog):
+    torch.manual_seed(0)
+    m = Net()
+    e = infinity.initialize(m, _cfg(str(tmp_path / "s"), "cpu", "cpu"))
+    assert e.step() is False and e.micro_steps == 0          # no backward: a no-op
+    x, y = _batches(1)[0]
+    with pytest.raises(ValueError, match="scalar"):
+        e.backward(F.mse_loss(e(x), y, reduction="none"))
+    with torch.no_grad():
+        loss = F.mse_loss(e(x), y)
+    with pytest.raises(ValueError, match="no autograd graph"):
+        e.backward(loss)
+    _train(e, _batches(1))
+    assert e.global_steps == 1
+    e.close()
+    for call in (lambda: e(x), lambda: e.step(), lambda: e.state_dict(),
+                 lambda: e.save_checkpoint(tmp_path / "c")):
+        with pytest.raises(RuntimeError, match="closed"):
+            call()
+    assert e.stats()["step"] == 1                            # stats() still answers
+    with pytest.raises(ValueError, match="placeholders left by a closed infinity engine"):
+        infinity.initialize(m, _cfg(str(tmp_path / "s2"), "cpu", "cpu"))
+
+
+@pytest.mark.parametrize("trial", range(20))
+def test_random_interrupts_keep_the_reference_trajectory(tmp_path, trial):
+    """A timer's SIGINT handler raises KeyboardInterrupt at a random moment of forward,
+    backward or step (NVMe homes, overlap on, accumulation 1): the weights always equal a
+    plain PyTorch AdamW trajectory at exactly engine.global_steps, and training on reaches
+    the reference's final weights."""
+    rng = random.Random(1000 + trial)
+    torch.manual_seed(0)
+    m = Net()
+    data = _batches(4, seed=2)
+    ref = copy.deepcopy(m)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    traj = [{n: p.detach().clone() for n, p in ref.named_parameters()}]
+    for x, y in data:
+        F.mse_loss(ref(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        traj.append({n: p.detach().clone() for n, p in ref.named_parameters()})
+
+    def weights(e):
+        sd = e.state_dict()
+        return {n: sd[n].clone() for n, _ in ref.named_parameters()}
+
+    def close(a, b):
+        num = sum(float((a[n].double() - b[n].double()).pow(2).sum()) for n in a)
+        den = sum(float(b[n].double().pow(2).sum()) for n in a)
+        return math.sqrt(num / den) < 1e-5
+
+    old = signal.signal(signal.SIGALRM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    interrupts = 0
+    where = []
+    try:
+        with infinity.initialize(m, _cfg(str(tmp_path / "s"), "nvme", "nvme")) as e:
+            while e.global_steps < len(data):
+                x, y = data[e.global_steps]
+                signal.setitimer(signal.ITIMER_REAL, rng.uniform(0.0005, 0.03))
+                try:
+                    e.backward(F.mse_loss(e(x).float(), y))
+                    e.step()
+                except KeyboardInterrupt as ki:
+                    interrupts += 1
+                    import traceback
+                    where.append([f"{f.name}:{f.lineno}" for f in traceback.extract_tb(ki.__traceback__)[1:-2]])
+                else:
+                    where.append(f"ok->{e.global_steps}")
+                finally:
+                    signal.setitimer(signal.ITIMER_REAL, 0)
+                assert close(weights(e), traj[e.global_steps]), \
+                    f"weights differ from the reference at global step {e.global_steps}: {where[-3:]}"
+                assert interrupts < 200
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    assert close(weights_final := {n: p for n, p in traj[-1].items()}, traj[-1]) and weights_final
