@@ -305,6 +305,10 @@ class Engine:
         hooks are reset here (saved-tensor hooks are thread-local); the rest runs
         shielded from signals on the commit worker.  ``exc``: the error propagating (an
         interrupt arriving meanwhile is folded into it), or None (then errors raise)."""
+        if exc is not None and self.zero is not None:
+            from infinity.zero.comm import CollectiveError
+            if not isinstance(exc, CollectiveError):
+                self.zero.comm.report_failure(exc)   # the other ranks' errors name this one
         try:
             if self.hooks is not None:
                 self.hooks.reset()

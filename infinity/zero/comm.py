@@ -127,13 +127,64 @@ class Comm:
                        "param": dist.new_group(timeout=td),
                        "grad": dist.new_group(timeout=td)}
         self.device = torch.device("cpu")
+        st = self._store()
+        if st is not None:             # a failure reported by an earlier engine is stale
+            try:
+                st.delete_key(f"{self._FAIL_KEY}{self.rank}")
+            except Exception:  # noqa: BLE001 - not every store can delete
+                pass
 
     # ------------------------------------------------------------------ errors, accounting
     def error(self, what: str, e: BaseException) -> CollectiveError:
+        first = self.reported_failures()
+        if first:
+            why = "; ".join(f"rank {r} failed first: {msg}" for r, msg in first)
+            return CollectiveError(
+                f"rank {self.rank} of {self.world_size} ({self.backend}): {what} failed: {e}. "
+                f"{why}. This rank's window was dropped too: no rank applied the update")
         return CollectiveError(
             f"rank {self.rank} of {self.world_size} ({self.backend}): {what} failed: {e}. "
             f"Another rank probably raised, died or stopped calling collectives (each waits "
             f"at most dist_timeout_s={self.timeout_s:g}s); see that rank's error first")
+
+    # ---- failures told to the other ranks (through the process group's store)
+    _FAIL_KEY = "infinity/failed/"
+
+    @staticmethod
+    def _store():
+        try:
+            from torch.distributed import distributed_c10d as c10d
+            return c10d._get_default_store()
+        except Exception:  # noqa: BLE001 - no store (or a backend without one): best effort
+            return None
+
+    def report_failure(self, exc: BaseException) -> None:
+        """Tell the other ranks why this rank dropped its window (their collectives then
+        fail naming it instead of only timing out)."""
+        st = self._store()
+        if st is None:
+            return
+        try:
+            msg = f"{type(exc).__name__}: {exc}"[:500]
+            st.set(f"{self._FAIL_KEY}{self.rank}", msg)
+        except Exception as e:  # noqa: BLE001 - the original error matters more
+            log.debug("comm: could not report the failure to the other ranks: %s", e)
+
+    def reported_failures(self) -> list[tuple[int, str]]:
+        st = self._store()
+        if st is None:
+            return []
+        out = []
+        for r in range(self.world_size):
+            if r == self.rank:
+                continue
+            key = f"{self._FAIL_KEY}{r}"
+            try:
+                if st.check([key]):
+                    out.append((r, st.get(key).decode(errors="replace")))
+            except Exception:  # noqa: BLE001 - the store may be gone with the failed rank
+                continue
+        return out
 
     def account(self, link: str | None, nbytes: int, t0: float) -> None:
         if link is None:

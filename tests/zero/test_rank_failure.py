@@ -43,3 +43,20 @@ def test_stalled_rank_times_out(tmp_path):
     # rank 0: it finished well before rank 1 woke up and exited
     assert res[1].seconds - res[0].seconds > 2 * TIMEOUT_S, (res[0], res[1])
     assert "timed out" in res[0].stderr.lower(), res[0]
+
+
+def test_exception_in_one_ranks_backward_fails_every_rank_and_moves_no_weights(tmp_path):
+    """Failure semantics across ranks: rank 1's backward raises inside autograd; rank 0
+    fails too (a CollectiveError naming rank 1) and neither rank's shards move."""
+    cfg = {"zero_stage": 3, "dist_timeout_s": TIMEOUT_S,
+           "offload": {"params": "nvme", "optimizer": "nvme",
+                       "nvme_paths": [str(tmp_path / "swap")]}}
+    res = run_ranks("backward_failure_child.py", {"config": cfg, "fail_rank": 1}, tmp_path,
+                    timeout=HARNESS_TIMEOUT)
+    for r in res:
+        assert r.result is not None, r
+        assert r.result["raised"], f"rank {r.rank} did not fail: {r}"
+        assert r.result["unchanged"] and r.result["global_steps_unchanged"], r
+    assert "injected backward failure" in res[1].result["raised"]
+    assert "CollectiveError" in res[0].result["raised"] and "rank 1 failed first" in \
+        res[0].result["raised"], res[0].result

@@ -1,0 +1,89 @@
+"""One rank of the "exception in one rank's backward" test (test_rank_failure.py).
+
+Trains 2 steps, snapshots its own optimizer shards, then on step 3 the failing rank's
+backward raises inside autograd.  Every rank must raise, and no rank's shards may move:
+each rank compares its shards with the snapshot locally and writes the verdict.
+"""
+import json
+import os
+import sys
+
+import torch
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from zero_harness import child_entry  # noqa: E402
+
+
+class Boom(torch.autograd.Function):
+    armed = False
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        if Boom.armed:
+            raise RuntimeError("injected backward failure")
+        return g
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(16, 32)
+        self.b = nn.Linear(32, 32)
+        self.c = nn.Linear(32, 4)
+
+    def forward(self, x):
+        return self.c(torch.relu(self.b(Boom.apply(torch.relu(self.a(x))))))
+
+
+def _shards(eng):
+    st = eng.opt.store
+    out = {}
+    for k in st.keys():
+        n = st.numel(k)
+        for what in ("master", "exp_avg", "exp_avg_sq"):
+            t = torch.empty(n)
+            st.read_master(k, t) if what == "master" else st.read_state(k, what, t)
+            out[f"{k}.{what}"] = t
+    return out
+
+
+def main():
+    spec = json.loads(open(sys.argv[1]).read())
+    rank, ws = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.set_num_threads(1)
+    import infinity
+    torch.manual_seed(0)
+    eng = infinity.initialize(Net(), spec["config"])
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)) for _ in range(3)]
+    result = {"rank": rank}
+    for i, (x, y) in enumerate(data):
+        xs, ys = x[rank * 4:(rank + 1) * 4], y[rank * 4:(rank + 1) * 4]
+        if i == 2:
+            snap = _shards(eng)
+            steps = eng.global_steps
+            Boom.armed = rank == spec["fail_rank"]
+            try:
+                eng.backward(nn.functional.mse_loss(eng(xs), ys))
+                eng.step()
+                result["raised"] = None
+            except Exception as e:  # noqa: BLE001 - reported to the test
+                result["raised"] = f"{type(e).__name__}: {e}"
+            after = _shards(eng)
+            result["unchanged"] = all(torch.equal(snap[k], after[k]) for k in snap)
+            result["global_steps_unchanged"] = eng.global_steps == steps
+            break
+        eng.backward(nn.functional.mse_loss(eng(xs), ys))
+        eng.step()
+    with open(sys.argv[2], "w") as f:
+        json.dump(result, f)
+    os._exit(0)                      # the process group is broken: no clean teardown
+
+
+if __name__ == "__main__":
+    child_entry(main)
