@@ -81,6 +81,9 @@ class Engine:
         # overlap each group's optimizer update with backward where that cannot change
         # results (infinity.engine_overlap); set False to always step at the boundary
         self.overlap_optimizer_step = True
+        # Note [commit point]: updates are transactions (all-or-nothing); False restores
+        # the in-place updates for A/B benchmarks only (tools/bench_e2e.py --no-commit-point)
+        self.commit_point = True
         self._orig_dtypes: dict[int, torch.dtype] = {}
         self._dev_tier = None
         self.device = self._choose_device(model)
@@ -444,8 +447,8 @@ class Engine:
             if before_backward is not None:
                 before_backward(final)
             if final:
-                self._txn = self._new_txn() if self.swap is not None or self.overlap is not None \
-                    else None
+                self._txn = self._new_txn() if self.commit_point and \
+                    (self.swap is not None or self.overlap is not None) else None
             ov = self.overlap
             if ov is not None and final and self.overlap_optimizer_step and not retain_graph:
                 ov.begin(self._txn)

@@ -198,16 +198,17 @@ class OverlappedStep:
         item, kw = self.opt.early_item(g, master_buf=buf)   # a cached copy: its own
         store = self.opt.store
         undo = store.host_state_bytes(item.key, master_in_hand=item.master_buf is not None)
-        if self.txn is None or (undo and self.undo_budget is not None
-                                and self.txn.undo_bytes + self._undo_planned + undo > self.undo_budget):
-            # no room for the undo copies (or no transaction): stepped at the boundary
+        if self.txn is not None and undo and self.undo_budget is not None \
+                and self._undo_planned + undo > self.undo_budget:
+            # no room for the undo copies within the host cap: stepped at the boundary
             if buf is not None:
                 self.mm.give_back_device(buf)
             self.acct.count("optimizer_groups_not_overlapped_undo")
             return
-        self._undo_planned += undo
-        store.prepare(self.txn, item.key)
-        kw["txn"] = self.txn
+        if self.txn is not None:        # (None: Engine.commit_point off, benchmarks only)
+            self._undo_planned += undo
+            store.prepare(self.txn, item.key)
+            kw["txn"] = self.txn
         n = float(torch.linalg.vector_norm(g.grad_buf))
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="infinity-step")

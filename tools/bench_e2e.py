@@ -86,6 +86,8 @@ def run_infinity(args, swap_dir, host_gb):
     x, y = batch(args.d, args.tokens)
     times, moved = [], []
     with infinity.initialize(model, cfg) as eng:
+        if args.no_commit_point:
+            eng.commit_point = False             # A/B: updates in place (not all-or-nothing)
         if args.no_master_handoff and eng.overlap is not None:
             eng.overlap.handoff = False          # A/B: the overlapped step reads its master
         for i in range(args.warmup + args.steps):
@@ -270,6 +272,8 @@ def main(argv=None):
     ap.add_argument("--fio-mb", type=int, default=2048)
     ap.add_argument("--skip-torch", action="store_true")
     ap.add_argument("--skip-fio", action="store_true", help="no fio runs (and so no bound)")
+    ap.add_argument("--no-commit-point", action="store_true",
+                    help="A/B only: updates in place instead of all-or-nothing (Note [commit point])")
     ap.add_argument("--no-master-handoff", action="store_true",
                     help="A/B: the overlapped optimizer step reads each fp32 master from NVMe "
                          "instead of reusing the parameter buffer backward fetched")
