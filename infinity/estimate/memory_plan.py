@@ -252,6 +252,13 @@ def plan_memory(spec, machine, knobs, params_home, optimizer_home):
         add(Item("pageable", f"optimizer: {what} (host)", r * states, "r*" + f_states))
     else:
         add(Item("nvme", f"optimizer: {what} (NVMe)", r * states, "r*" + f_states))
+    # all-or-nothing updates (Note [commit point]): one shadow per NVMe state tensor an
+    # update writes; fp32 with NVMe params: the param home is the master
+    shadow = (states if optimizer_home == "nvme" else 0) + \
+        (shard * 4 if master_is_param and params_home == "nvme" else 0)
+    if shadow:
+        add(Item("nvme", "commit shadows (all-or-nothing updates)", r * shadow,
+                 "r*(NVMe optimizer states + fp32 NVMe master)"))
     swap = params_home == "nvme" or optimizer_home == "nvme"
     # OptimizerStateStore ring: D slots of one tile each of master + grad (fp32, when a swap
     # space exists), m + v (NVMe home) and the low-precision params for an NVMe param home

@@ -45,6 +45,7 @@ def test_nvme_nvme_two_gpus_every_line():
         ("pageable", "grad accumulation (fp32, host)"): 2 * 500_000 * 4,
         ("nvme", "param home (NVMe)"): 2 * 500_000 * 2,
         ("nvme", "optimizer: master + m + v (NVMe)"): 2 * 500_000 * 12,
+        ("nvme", "commit shadows (all-or-nothing updates)"): 2 * 500_000 * 12,
     }
     # Korthikanti et al.: per layer S*B*H*(34 + 5*a*S/H) = 16*2*64*(34 + 5*2*16/64) = 74752
     assert pl.activations["none"].nbytes == 4 * 74_752
