@@ -209,6 +209,12 @@ class PlacementPlan:
             items = "; ".join(f"{k} {_gb(v)}" for k, v in d.items() if v) or "nothing"
             capstr = "" if cap is None else f" (cap {_gb(cap)})"
             lines.append(f"  {tier}: {_gb(sum(d.values()))}{capstr}: {items}")
+        host_states = self.optimizer_home in ("none", "cpu") or \
+            (self.precision == "fp32" and self.param_home == "cpu")
+        if host_states:       # Note [commit point]: undo copies of host states updated in place
+            room = "no cap" if self.host_cap is None else \
+                f"up to {_gb(max(0, self.host_cap - self.host_total))}, what the cap leaves"
+            lines.append(f"  commit undo copies (host, transient, per update): {room}")
         lines.append("  expected per optimizer step: " +
                      ", ".join(f"{k} {_gb(v)}" for k, v in self.links.items()))
         return "\n".join(lines)
