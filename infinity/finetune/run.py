@@ -29,6 +29,7 @@ class FinetuneOptions:
     seq_len: int = 256
     lr: float = None
     save: str = None
+    output: str = None              # write the fine-tuned model (HF directory) here at the end
     save_every: int = 0
     keep_last: int = 0
     resume: bool = False
@@ -67,6 +68,13 @@ def _validate(opts):
         raise FinetuneError(f"--tokenizer must be 'auto' or 'byte', got {opts.tokenizer!r}")
     if opts.lr is not None and not (opts.lr > 0):
         raise FinetuneError(f"--lr must be > 0, got {opts.lr}")
+    if opts.output:
+        from infinity.finetune.output import OutputError, check_output_dir
+
+        try:
+            check_output_dir(opts.output)
+        except OutputError as e:
+            raise FinetuneError(str(e)) from e
 
 
 def _shape(opts, model):
@@ -125,7 +133,11 @@ def finetune(opts, *, reporter_streams=None):
                                world_size=world, seed=opts.seed)
     except (DataError, ModelError) as e:
         raise FinetuneError(str(e)) from e
-    except OSError as e:  # infinity.Init cannot create its swap directory, ...
+    except OSError as e:  # infinity.Init cannot create its swap directory, no free space, ...
+        from infinity.memory.plan import NvmeSpaceError
+
+        if isinstance(e, NvmeSpaceError):
+            raise FinetuneError(e.strerror) from e
         raise FinetuneError(f"cannot build the model into its offloaded home: {e}") from e
     n_params = sum(p.numel() for p in model.parameters())
     gas = int(cfg.get("gradient_accumulation_steps", 1) or 1)
@@ -137,8 +149,11 @@ def finetune(opts, *, reporter_streams=None):
         f"{world} rank(s) | params home {cfg['offload']['params']}, optimizer home "
         f"{cfg['offload']['optimizer']}, swap {cfg['offload']['nvme_paths']}")
 
-    checkpointer = ck.Checkpointer(opts.save, keep_last=opts.keep_last,
-                                   is_rank0=(rank == 0)) if opts.save else None
+    from infinity.checkpoint import model_meta
+
+    checkpointer = ck.Checkpointer(opts.save, keep_last=opts.keep_last, is_rank0=(rank == 0),
+                                   extra_meta=model_meta(model, tokenizer=tok.describe())) \
+        if opts.save else None
     t_start = time.perf_counter()
     result = None
     aborted = False
@@ -182,6 +197,14 @@ def finetune(opts, *, reporter_streams=None):
                 with prof:
                     result = loop.run(engine, batcher, lopts, reporter, stopper, checkpointer,
                                       timeline=timeline)
+                if opts.output and result.last_step > 0:
+                    from infinity.finetune.output import write_output
+
+                    try:
+                        write_output(engine, opts.output, tok, rank=rank, world_size=world)
+                    except OSError as e:
+                        raise FinetuneError(f"--output {opts.output}: cannot write the model: "
+                                            f"{e}") from e
                 stats = engine.stats()
             finally:
                 stopper.finish()
@@ -193,6 +216,9 @@ def finetune(opts, *, reporter_streams=None):
                 extra["peak memory"] = peaks
             if result.saved:
                 extra["checkpoints"] = f"{opts.save}: {', '.join(result.saved)}"
+            if opts.output and result.last_step > 0:
+                extra["model"] = (f"{opts.output} (AutoModelForCausalLM.from_pretrained / "
+                                  "AutoTokenizer.from_pretrained load it)")
             if opts.profile:
                 extra["profile"] = opts.profile
             reporter.summary(stop_reason=None if result.stop_reason == "completed"
