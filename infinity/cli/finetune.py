@@ -59,6 +59,9 @@ def register(sub):
                    help="keep only the K newest checkpoints (0: keep all)")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --save DIR")
     p.add_argument("--profile", metavar="DIR", help="write a timeline (Chrome trace, PNG, summary) to DIR")
+    p.add_argument("--profile-skip", type=_nonneg_int, default=1, metavar="N",
+                   help="leave the first N steps of the run out of --profile as warm-up (default 1: "
+                        "the first step records the module order, so its fetches are on demand)")
     p.add_argument("--json", action="store_true",
                    help="stdout: one JSON object per step and nothing else (progress goes to stderr)")
     p.add_argument("--no-bench-io", action="store_true",
@@ -74,7 +77,8 @@ def run(args):
                            nvme_paths=args.nvme_paths, steps=args.steps,
                            batch_tokens=args.batch_tokens, seq_len=args.seq_len, lr=args.lr,
                            save=args.save, output=args.output, save_every=args.save_every, keep_last=args.keep_last,
-                           resume=args.resume, profile=args.profile, json_lines=args.json,
+                           resume=args.resume, profile=args.profile,
+                           profile_skip=args.profile_skip, json_lines=args.json,
                            seed=args.seed, use_bench_io=not args.no_bench_io,
                            tokenizer=args.tokenizer)
     try:

@@ -34,6 +34,7 @@ class FinetuneOptions:
     keep_last: int = 0
     resume: bool = False
     profile: str = None
+    profile_skip: int = 1           # warm-up steps left out of the profile (the first records the order)
     json_lines: bool = False
     seed: int = 0
     tokenizer: str = "auto"         # "auto": the model directory's own tokenizer if it has one
@@ -56,7 +57,7 @@ def _validate(opts):
             raise FinetuneError(f"--{name.replace('_', '-')} must be a positive integer, got {v!r}")
     if opts.seq_len < 2:
         raise FinetuneError("--seq-len must be at least 2")
-    for name in ("save_every", "keep_last"):
+    for name in ("save_every", "keep_last", "profile_skip"):
         v = getattr(opts, name)
         if v < 0:
             raise FinetuneError(f"--{name.replace('_', '-')} must be >= 0, got {v}")
@@ -184,19 +185,23 @@ def finetune(opts, *, reporter_streams=None):
                     if start >= opts.steps:
                         reporter.info(f"checkpoint is at step {start} >= --steps {opts.steps}: "
                                       "nothing to do")
-                prof = contextlib.nullcontext()
+                prof = None
                 if opts.profile:
                     bench = None
                     if opts.use_bench_io:
                         from infinity.finetune.settings import find_bench_io_result
 
                         bench, _ = find_bench_io_result(cfg["offload"]["nvme_paths"])
-                    prof = _profile_session(engine, timeline, opts.profile, rank, bench)
+                    prof = _WarmProfile(
+                        lambda note: _profile_session(engine, timeline, opts.profile, rank, bench,
+                                                      note=note),
+                        start, opts.steps, opts.profile_skip)
                 lopts = loop.LoopOptions(steps=opts.steps, start_step=start, grad_accum=gas,
                                          save_every=opts.save_every, world_size=world)
-                with prof:
+                with prof or contextlib.nullcontext():
                     result = loop.run(engine, batcher, lopts, reporter, stopper, checkpointer,
-                                      timeline=timeline)
+                                      timeline=timeline,
+                                      on_step_start=prof.before_step if prof else None)
                 if opts.output and result.last_step > 0:
                     from infinity.finetune.output import write_output
 
@@ -243,7 +248,42 @@ def finetune(opts, *, reporter_streams=None):
     return {"records": reporter.records, "result": result, "stats": stats}
 
 
-def _profile_session(engine, timeline, directory, rank, bench_io_file=None):
+class _WarmProfile:
+    """``--profile`` that starts after ``--profile-skip`` warm-up steps of this run: the first
+    step records the module order (every fetch is on demand) and pays one-time set-up, which
+    would drag the prefetch hit rate and the bandwidths down without saying so. When the run
+    has no more steps than that, the last step is profiled. The summary names the steps."""
+
+    def __init__(self, make, start_step, last_step, skip):
+        n_run = max(0, last_step - start_step)
+        self.skip = min(skip, max(0, n_run - 1))
+        self.first = start_step + self.skip + 1
+        self.make = make
+        self.session = None
+        if self.skip == 0:
+            self.note = None if skip == 0 else \
+                f"no warm-up step skipped (the run has {n_run} step(s), --profile-skip {skip})"
+        else:
+            a, b = start_step + 1, start_step + self.skip
+            skipped = f"step {a}" if a == b else f"steps {a}-{b}"
+            self.note = (f"{skipped} left out as warm-up (--profile-skip {skip}; the first step "
+                         "records the module order, so its fetches are on demand)")
+
+    def before_step(self, step_no):
+        if self.session is None and step_no >= self.first:
+            self.session = self.make(self.note)
+            self.session.__enter__()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if self.session is not None:
+            return self.session.__exit__(*exc)
+        return False
+
+
+def _profile_session(engine, timeline, directory, rank, bench_io_file=None, note=None):
     """``engine.profile(dir)`` when the engine has it, else a ``ProfileSession`` over the
     timeline given to ``initialize`` (with the bench-io result, if any, as the GB/s
     ceiling). Each rank > 0 writes to ``dir/rank<r>``."""
@@ -254,10 +294,11 @@ def _profile_session(engine, timeline, directory, rank, bench_io_file=None):
     except OSError as e:
         raise FinetuneError(f"--profile: cannot create {directory}: {e.strerror or e}") from e
     if hasattr(engine, "profile"):
-        return engine.profile(directory, ceilings=bench_io_file)
+        return engine.profile(directory, ceilings=bench_io_file, note=note)
     from infinity.profile import ProfileSession
 
-    return ProfileSession(timeline, directory, stats_fn=engine.stats, ceilings=bench_io_file)
+    return ProfileSession(timeline, directory, stats_fn=engine.stats, ceilings=bench_io_file,
+                          note=note)
 
 
 def _close_uninterrupted(engine):
