@@ -366,12 +366,12 @@ def _per_step(timeline, per_lane, wait_iv, lo, hi):
     return rows
 
 
-def _covers_text(c):
+def _covers_text(c, count=True):
     if not c:
         return ""
     if c["first"] == c["last"]:
         return f"step {c['first']}"
-    return f"steps {c['first']}-{c['last']} ({c['count']} step marks)"
+    return f"steps {c['first']}-{c['last']}" + (f" ({c['count']} step marks)" if count else "")
 
 
 def format_summary(s):
@@ -418,7 +418,8 @@ def format_summary(s):
     elif p["hit_rate"] is None:
         lines.append("Prefetch hit rate: no fetches counted")
     else:
-        over = f" over {covers}" if covers else ""
+        span = _covers_text(s.get("covers"), count=False)
+        over = f" over {span}" if span else ""
         lines.append(f"Prefetch hit rate: {100 * p['hit_rate']:.1f} %{over} "
                      f"({p['prefetched']} prefetched, {p['on_demand']} on demand)")
     if s["steps"]:
