@@ -288,3 +288,15 @@ def test_yaml_exponent_ints_and_bytes(tmp_path):
     c = InfinityConfig.load(str(p))
     assert c.scheduler.warmup_steps == 1000 and isinstance(c.scheduler.warmup_steps, int)
     assert c.host_memory_bytes == 100_000_000
+
+
+@pytest.mark.parametrize("key,bad,example", [
+    ("prefetch.depth", "2", "such as 2"),          # not "such as 0", which turns prefetch off
+    ("aio.queue_depth", "deep", "such as 32"),
+    ("aio.block_size", "1M", "such as 1048576"),
+])
+def test_int_hint_suggests_a_sensible_value(key, bad, example):
+    from infinity.config import ConfigError, InfinityConfig
+    section, name = key.split(".")
+    with pytest.raises(ConfigError, match=f"{key}: expected an integer.*{example}$"):
+        InfinityConfig.load({section: {name: bad}})
