@@ -154,3 +154,26 @@ def test_export_without_recorded_config_says_so(tmp_path):
 def _tensors(path):
     from safetensors.torch import load_file
     return load_file(str(path))
+
+
+def test_clean_stop_still_writes_the_output(tmp_path, tiny_config, monkeypatch):
+    """A clean Ctrl-C stop (requested at a step boundary) hands back the model trained so far."""
+    from transformers import AutoModelForCausalLM
+
+    from infinity.finetune import stop as stop_mod
+
+    orig = stop_mod.GracefulStop.should_stop
+    calls = []
+
+    def should_stop(self, *a, **kw):
+        calls.append(1)
+        if len(calls) == 3:          # after steps 1 and 2
+            self.request("SIGINT")
+        return orig(self, *a, **kw)
+
+    monkeypatch.setattr(stop_mod.GracefulStop, "should_stop", should_stop)
+    out = tmp_path / "model"
+    res, err = _run(tmp_path, model=tiny_config("llama"), steps=6, output=str(out))
+    assert res["result"].last_step == 2 and "stopped cleanly after step 2" in res["result"].stop_reason
+    assert str(out) in err
+    AutoModelForCausalLM.from_pretrained(str(out), local_files_only=True)
