@@ -442,9 +442,15 @@ class Init:
             need *= ranks
             parts = {f"{k} x {ranks} local ranks": v * ranks for k, v in parts.items()} \
                 if parts else None
-        check_nvme_free(list(self.cfg.offload.nvme_paths), need,
-                        what="infinity.Init: building and initializing this model", parts=parts,
-                        hint="offload.nvme_paths / --nvme-path")
+        from infinity.memory.plan import nvme_dirs_ok, remove_if_empty
+        paths = list(self.cfg.offload.nvme_paths)
+        # a path that cannot be created fails here with its own error, not as "0 B free"
+        created = nvme_dirs_ok(paths)
+        try:
+            check_nvme_free(paths, need, what="infinity.Init: building and initializing this "
+                            "model", parts=parts, hint="offload.nvme_paths / --nvme-path")
+        finally:
+            remove_if_empty(sorted(created, key=len, reverse=True))   # as found
 
     # ------------------------------------------------------------------ patching
     def _all_module_classes(self):
