@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from infinity.memory.plan import remove_if_empty
+
 log = logging.getLogger("infinity.finetune")
 
 
@@ -117,29 +119,34 @@ def finetune(opts, *, reporter_streams=None):
 
     torch.manual_seed(opts.seed)
     own_pg = False
+    swap_dirs = _missing_dirs(cfg["offload"]["nvme_paths"])  # removed at the end when left empty
     try:
-        if opts.tokenizer == "auto" and opts.model and has_tokenizer(opts.model):
-            tok = HFTokenizer(opts.model)
-        else:
-            tok = ByteTokenizer()
-        texts = load_texts(opts.data)
-        from infinity.zero.comm import ensure_process_group
+        try:
+            if opts.tokenizer == "auto" and opts.model and has_tokenizer(opts.model):
+                tok = HFTokenizer(opts.model)
+            else:
+                tok = ByteTokenizer()
+            texts = load_texts(opts.data)
+            from infinity.zero.comm import ensure_process_group
 
-        # before the model is built: Init shards it by rank
-        own_pg = world > 1 and ensure_process_group(int(cfg.get("dist_timeout_s", 600)))
-        model, desc = resolve_model(opts.model, init_config=cfg)
-        check_vocab(model, tok)
-        seq_len, batch = _shape(opts, model)
-        batcher = TokenBatcher(texts, tok, seq_len=seq_len, batch_size=batch, rank=rank,
-                               world_size=world, seed=opts.seed)
-    except (DataError, ModelError) as e:
-        raise FinetuneError(str(e)) from e
-    except OSError as e:  # infinity.Init cannot create its swap directory, no free space, ...
-        from infinity.memory.plan import NvmeSpaceError
+            # before the model is built: Init shards it by rank
+            own_pg = world > 1 and ensure_process_group(int(cfg.get("dist_timeout_s", 600)))
+            model, desc = resolve_model(opts.model, init_config=cfg)
+            check_vocab(model, tok)
+            seq_len, batch = _shape(opts, model)
+            batcher = TokenBatcher(texts, tok, seq_len=seq_len, batch_size=batch, rank=rank,
+                                   world_size=world, seed=opts.seed)
+        except (DataError, ModelError) as e:
+            raise FinetuneError(str(e)) from e
+        except OSError as e:  # infinity.Init cannot create its swap directory, no free space, ...
+            from infinity.memory.plan import NvmeSpaceError
 
-        if isinstance(e, NvmeSpaceError):
-            raise FinetuneError(e.strerror) from e
-        raise FinetuneError(f"cannot build the model into its offloaded home: {e}") from e
+            if isinstance(e, NvmeSpaceError):
+                raise FinetuneError(e.strerror) from e
+            raise FinetuneError(f"cannot build the model into its offloaded home: {e}") from e
+    except BaseException:
+        remove_if_empty(swap_dirs)
+        raise
     n_params = sum(p.numel() for p in model.parameters())
     gas = int(cfg.get("gradient_accumulation_steps", 1) or 1)
     reporter.info(
@@ -240,6 +247,7 @@ def finetune(opts, *, reporter_streams=None):
     finally:
         if not aborted and result is None:
             reporter.close()
+        remove_if_empty(swap_dirs)
         if own_pg:
             import torch.distributed as dist
 
@@ -281,6 +289,19 @@ class _WarmProfile:
         if self.session is not None:
             return self.session.__exit__(*exc)
         return False
+
+
+def _missing_dirs(paths):
+    """The swap directories (and missing ancestors), deepest first, that this run will
+    create: ``infinity.Init`` makes ``<path>/init`` (so ``<path>`` too) before the engine
+    looks, so the engine thinks ``<path>`` was there and leaves it; the run removes it."""
+    out = []
+    for p in paths:
+        d = os.path.abspath(p)
+        while d and not os.path.exists(d) and d not in out:
+            out.append(d)
+            d = os.path.dirname(d)
+    return sorted(out, key=len, reverse=True)
 
 
 def _profile_session(engine, timeline, directory, rank, bench_io_file=None, note=None):

@@ -63,6 +63,7 @@ def test_output_dir_loads_with_from_pretrained_and_generates(tmp_path, tiny_conf
               "tokenizer_config.json"):
         assert f in names, names
     assert not [n for n in os.listdir(tmp_path) if "tmp-infinity" in n or "old-infinity" in n]
+    assert not (tmp_path / "swap").exists()     # the swap dir the run created is gone too
     cfg = AutoConfig.from_pretrained(str(out), local_files_only=True)
     assert cfg.model_type == "llama" and cfg.hidden_size == 64 and cfg.num_hidden_layers == 2
     assert cfg.use_cache is True
