@@ -231,6 +231,10 @@ def finetune(opts, *, reporter_streams=None):
             if opts.output and result.last_step > 0:
                 extra["model"] = (f"{opts.output} (AutoModelForCausalLM.from_pretrained / "
                                   "AutoTokenizer.from_pretrained load it)")
+            elif result.last_step > 0:
+                extra["model"] = ("not written: pass --output DIR for a directory "
+                                  "from_pretrained loads" + (f", or `infinity export {opts.save} "
+                                                             "OUT`" if result.saved else ""))
             if opts.profile:
                 extra["profile"] = opts.profile
             reporter.summary(stop_reason=None if result.stop_reason == "completed"

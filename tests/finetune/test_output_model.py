@@ -86,7 +86,9 @@ def test_export_of_a_finetune_checkpoint_writes_config_and_tokenizer(tmp_path, t
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     ck = tmp_path / "ck"
-    _run(tmp_path, model=tiny_config("gpt2"), steps=2, save=str(ck))
+    _, err = _run(tmp_path, model=tiny_config("gpt2"), steps=2, save=str(ck))
+    assert f"not written: pass --output DIR for a directory from_pretrained loads, or " \
+        f"`infinity export {ck} OUT`" in err
     from infinity.checkpoint import CheckpointReader
     with CheckpointReader(str(ck)) as r:
         meta = r.meta
@@ -104,6 +106,15 @@ def test_export_of_a_finetune_checkpoint_writes_config_and_tokenizer(tmp_path, t
     with CheckpointReader(str(ck)) as rd:
         assert torch.equal(model.transformer.h[0].mlp.c_fc.weight.detach(),
                            rd.read("transformer.h.0.mlp.c_fc.weight"))
+    # --dtype bf16: the weights and config.json agree, and it still loads
+    r = _cli("export", str(ck), str(tmp_path / "bf16"), "--dtype", "bf16", "--no-tokenizer")
+    assert r.returncode == 0, r.stderr
+    cfg = json.loads((tmp_path / "bf16" / "config.json").read_text())
+    assert "bfloat16" in (cfg.get("dtype"), cfg.get("torch_dtype")), cfg
+    assert not (tmp_path / "bf16" / "tokenizer.json").exists()
+    m16 = AutoModelForCausalLM.from_pretrained(str(tmp_path / "bf16"), local_files_only=True,
+                                               dtype="auto")
+    assert m16.transformer.h[0].mlp.c_fc.weight.dtype == torch.bfloat16
 
 
 def test_hf_tokenizer_source_is_recorded_and_exported(tmp_path, tiny_config):
