@@ -29,6 +29,7 @@ Init-built model tensor by tensor.
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import logging
 import os
@@ -130,7 +131,19 @@ class _InitStore:
         esize = torch.empty((), dtype=rec.dtype).element_size()
         nbytes = round_up(max(c * esize, 1), 4096)
         if rec.extent is None:
-            rec.extent = self.swap.allocate(nbytes)
+            try:
+                rec.extent = self.swap.allocate(nbytes)
+            except OSError as e:
+                if e.errno != errno.ENOSPC:
+                    raise
+                from infinity.memory.plan import _mb
+                raise OSError(errno.ENOSPC, f"infinity.Init: the NVMe swap in "
+                              f"{', '.join(self.swap.paths)} is full after {_mb(self.bytes_written)} "
+                              f"of parameters, and the model being built needs more (then the "
+                              f"engine needs its own swap on top); free space or choose a larger "
+                              f"offload.nvme_paths entry. To fail before building: "
+                              f"Init(config, nvme_need=infinity.zero.init.nvme_need(model_on_meta, "
+                              f"config)) ({e})") from e
         raw = aligned_buffer(nbytes)
         raw[c * esize:].zero_()
         raw[: c * esize].view(rec.dtype).copy_(mine)

@@ -77,3 +77,19 @@ def test_init_checks_nvme_need_on_enter(tmpfs16):
     with infinity.initialize(m, small) as e:
         e(torch.ones(1, 64))
     assert _files(tmpfs16) == []
+
+
+def test_init_without_nvme_need_says_what_ran_out(tmpfs16):
+    """Without nvme_need the total is unknown up front; running out mid-construction says how
+    much was written, that more is needed, and how to check first (not a bare increment)."""
+    import infinity
+
+    cfg = {"offload": {"params": "nvme", "optimizer": "nvme", "nvme_paths": [str(tmpfs16)]}}
+    with pytest.raises(OSError) as ei:
+        with infinity.Init(cfg):
+            nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(6)])   # 25 MB > 16 MB
+    msg = str(ei.value)
+    assert ei.value.errno == 28
+    assert "infinity.Init: the NVMe swap in" in msg and "is full after 1" in msg
+    assert "nvme_need=infinity.zero.init.nvme_need(" in msg
+    assert _files(tmpfs16) == []
