@@ -142,8 +142,8 @@ class _InitStore:
                               f"of parameters, and the model being built needs more (then the "
                               f"engine needs its own swap on top); free space or choose a larger "
                               f"offload.nvme_paths entry. To fail before building: "
-                              f"Init(config, nvme_need=infinity.zero.init.nvme_need(model_on_meta, "
-                              f"config)) ({e})") from e
+                              f"Init(config, nvme_need=nvme_need(model_on_meta, config)) with "
+                              f"nvme_need from infinity.zero.init ({e})") from e
         raw = aligned_buffer(nbytes)
         raw[c * esize:].zero_()
         raw[: c * esize].view(rec.dtype).copy_(mine)

@@ -91,5 +91,6 @@ def test_init_without_nvme_need_says_what_ran_out(tmpfs16):
     msg = str(ei.value)
     assert ei.value.errno == 28
     assert "infinity.Init: the NVMe swap in" in msg and "is full after 1" in msg
-    assert "nvme_need=infinity.zero.init.nvme_need(" in msg
+    assert "nvme_need=nvme_need(model_on_meta, config)) with nvme_need from infinity.zero.init" \
+        in msg
     assert _files(tmpfs16) == []
