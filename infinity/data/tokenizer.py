@@ -66,8 +66,20 @@ class ByteTokenizer:
         fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>",
                                        eos_token="<eos>", clean_up_tokenization_spaces=False)
         os.makedirs(directory, exist_ok=True)
-        return [os.path.join(directory, f) if not os.path.isabs(f) else f
-                for f in fast.save_pretrained(directory)]
+        files = [str(f) for f in fast.save_pretrained(directory)]
+        # transformers 5 names its class TokenizersBackend; PreTrainedTokenizerFast is what
+        # transformers 4 knows, and 5 still loads it (an alias)
+        import json
+        cfg_path = os.path.join(directory, "tokenizer_config.json")
+        if os.path.exists(cfg_path):
+            with open(cfg_path, encoding="utf-8") as f:
+                cfg = json.load(f)
+            if cfg.get("tokenizer_class") != "PreTrainedTokenizerFast":
+                cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+                with open(cfg_path, "w", encoding="utf-8") as f:
+                    json.dump(cfg, f, indent=2, sort_keys=True)
+                    f.write("\n")
+        return files
 
     def encode_bytes(self, text):
         """Text -> ``bytes`` (the token ids of the byte range, compactly)."""

@@ -37,7 +37,14 @@ def test_byte_tokenizer_files_load_with_autotokenizer_and_match(tmp_path):
     from infinity.data import ByteTokenizer
 
     bt = ByteTokenizer()
-    bt.save_pretrained(str(tmp_path))
+    files = bt.save_pretrained(str(tmp_path))
+    assert sorted(os.path.basename(f) for f in files) == ["tokenizer.json", "tokenizer_config.json"]
+    assert all(os.path.isfile(f) for f in files)
+    cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    assert cfg["tokenizer_class"] == "PreTrainedTokenizerFast"     # transformers 4 and 5 load it
+    from tokenizers import Tokenizer                                # and without transformers:
+    assert Tokenizer.from_file(str(tmp_path / "tokenizer.json")).encode("héllo").ids == \
+        bt.encode("héllo")
     hf = AutoTokenizer.from_pretrained(str(tmp_path), local_files_only=True)
     assert len(hf) == bt.vocab_size
     assert (hf.pad_token_id, hf.bos_token_id, hf.eos_token_id) == (bt.PAD, bt.BOS, bt.EOS)
