@@ -65,10 +65,14 @@ def _choice(key: str, value: Any, choices: tuple, *, lower: bool = True) -> Any:
 
 
 def _int(key: str, value: Any, *, lo: int | None = None, hi: int | None = None,
-         what: str = "") -> int:
+         what: str = "", example: int | None = None) -> int:
+    """``example``: the value the hint suggests (the default; else the lower bound if > 0,
+    else 1) -- never a value that silently turns a feature off, such as a depth of 0."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
+        if example is None:
+            example = lo if lo else 1
         raise ConfigError(f"{key}: expected an integer, got {_fmt(value)} "
-                          f"({type(value).__name__}); write a plain number such as {lo if lo is not None else 1}")
+                          f"({type(value).__name__}); write a plain number such as {example}")
     if isinstance(value, float):
         if not math.isfinite(value) or not value.is_integer():
             raise ConfigError(f"{key}: expected an integer, got {_fmt(value)}; "
@@ -189,7 +193,7 @@ class PrefetchConfig:
         self.validate()
 
     def validate(self) -> None:
-        self.depth = _int("prefetch.depth", self.depth, lo=0)
+        self.depth = _int("prefetch.depth", self.depth, lo=0, example=PrefetchConfig.depth)
 
 
 MAX_AIO_BLOCK = 1 << 30          # the I/O engine's own bound (infinity.io.AioEngine)
@@ -220,17 +224,28 @@ class AioConfig:
     def validate(self) -> None:
         p = "aio."
         self.engine = _choice(p + "engine", self.engine, AIO_ENGINES)
+<<<<<<< HEAD
         bs = _int(p + "block_size", self.block_size, lo=4096, hi=MAX_AIO_BLOCK,
                   what=f"that is a power of two >= 4096 and <= {MAX_AIO_BLOCK} (1 GiB)")
+=======
+        bs = _int(p + "block_size", self.block_size, lo=4096,
+                  what="that is a power of two >= 4096", example=AioConfig.block_size)
+>>>>>>> main
         if bs & (bs - 1):
             lower = 1 << (bs.bit_length() - 1)
             raise ConfigError(f"{p}block_size: expected a power of two >= 4096, got {bs}; "
                               f"use {lower} or {lower * 2}")
         self.block_size = bs
+<<<<<<< HEAD
         self.queue_depth = _int(p + "queue_depth", self.queue_depth, lo=1, hi=1024)
         hi = max_aio_threads()
         self.threads = _int(p + "threads", self.threads, lo=1, hi=hi,
                             what=f">= 1 and <= {hi} (4 per CPU this process may use, at most 256)")
+=======
+        self.queue_depth = _int(p + "queue_depth", self.queue_depth, lo=1, hi=1024,
+                                example=AioConfig.queue_depth)
+        self.threads = _int(p + "threads", self.threads, lo=1)
+>>>>>>> main
 
 
 PARAM_GROUP_KEYS = ("params", "lr", "weight_decay", "betas", "eps")

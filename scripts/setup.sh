@@ -3,12 +3,45 @@
 # a virtual env with the CPU build of torch, the package in editable mode,
 # and both C++ extensions built in place. Safe to run again: it only does
 # what is missing, then rebuilds the extensions incrementally.
+#
+# Long steps (installing torch, the dependencies, building the extensions) print a
+# progress line every ${INFINITY_PROGRESS_EVERY:-10} s, so a fresh machine's minutes of
+# set-up are never silent. `source scripts/setup.sh` only defines the functions.
+log() { echo "[setup] $*" >&2; }
+
+# progress "what" cmd args...: run cmd, saying every N s that it is still running and,
+# at the end, how long it took; returns cmd's exit status.
+progress() {
+    local what=$1 short=${1%% (*}; shift
+    local every=${INFINITY_PROGRESS_EVERY:-10} start=$SECONDS pid rc=0
+    log "$what ..."
+    "$@" &
+    pid=$!
+    while ! wait_for "$pid" "$every"; do
+        log "  ... still $short ($((SECONDS - start)) s)"
+    done
+    wait "$pid" || rc=$?
+    if [ "$rc" = 0 ]; then log "  done: $short ($((SECONDS - start)) s)"; else log "  FAILED: $short (exit $rc)"; fi
+    return "$rc"
+}
+
+# wait_for pid seconds: true once pid has exited, false after `seconds` if it has not.
+wait_for() {
+    local pid=$1 i
+    for ((i = 0; i < $2 * 10; i++)); do
+        kill -0 "$pid" 2>/dev/null || return 0
+        sleep 0.1
+    done
+    ! kill -0 "$pid" 2>/dev/null
+}
+
+if [ "${BASH_SOURCE[0]}" != "$0" ]; then return 0; fi   # sourced: functions only
+
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${INFINITY_VENV:-.venv}
 PY=${PYTHON:-python3}
 TORCH_VERSION=${INFINITY_TORCH_VERSION:-2.13.0}
-log() { echo "[setup] $*" >&2; }
 
 # 0. a C++ compiler, the Python headers and venv: a fresh Debian may lack them.
 need=()
@@ -54,19 +87,19 @@ PIP=("$VPY" -m pip --disable-pip-version-check -q)
 # 3. torch: the pinned CPU build first, unless a (CUDA) torch is already there.
 if ! "$VPY" -c "import torch" 2>/dev/null; then
     if command -v nvidia-smi >/dev/null; then
-        log "installing torch==$TORCH_VERSION"
-        "${PIP[@]}" install "torch==$TORCH_VERSION"
+        progress "installing torch==$TORCH_VERSION (a few minutes on a fresh machine)" \
+            "${PIP[@]}" install "torch==$TORCH_VERSION"
     else
         # no GPU: the CPU build (PyPI's default Linux wheel is the multi-GB CUDA one); a
         # local +cpu wheel (pip find-links) wins too. The CPU index is only added when it
         # answers within 5 s, so an offline machine does not wait on retries per package.
-        log "installing torch==$TORCH_VERSION (CPU build)"
         CPU_INDEX=https://download.pytorch.org/whl/cpu
+        what="installing torch==$TORCH_VERSION, CPU build (about 2 minutes on a fresh machine)"
         if "$VPY" -c "import urllib.request as u; u.urlopen('$CPU_INDEX/', timeout=5)" 2>/dev/null; then
-            "${PIP[@]}" install "torch==$TORCH_VERSION" --extra-index-url "$CPU_INDEX" \
+            progress "$what" "${PIP[@]}" install "torch==$TORCH_VERSION" --extra-index-url "$CPU_INDEX" \
                 --timeout 30 --retries 2
         else
-            "${PIP[@]}" install "torch==$TORCH_VERSION"
+            progress "$what" "${PIP[@]}" install "torch==$TORCH_VERSION"
         fi
     fi
 fi
@@ -75,15 +108,16 @@ fi
 #    the build needs only setuptools and pybind11, never torch).
 STAMP=.setup-stamp
 if [ ! -f "$STAMP" ] || [ pyproject.toml -nt "$STAMP" ] || [ setup.py -nt "$STAMP" ]; then
-    log "installing build tools and dependencies"
-    "${PIP[@]}" install "setuptools>=64" wheel "pybind11>=2.10" pytest
-    "${PIP[@]}" install --no-build-isolation -e . >&2
+    progress "installing build tools" "${PIP[@]}" install "setuptools>=64" wheel "pybind11>=2.10" pytest
+    progress "installing infinity and its dependencies (transformers, safetensors, matplotlib, ...)" \
+        "${PIP[@]}" install --no-build-isolation -e . >&2
     touch "$STAMP"
 fi
 
 # 5. (re)build the extensions in place; incremental when sources are unchanged.
-log "building C++ extensions"
-"$VPY" setup.py -q build_ext --inplace >/dev/null 2>/tmp/infinity-build.$$.log || { cat /tmp/infinity-build.$$.log >&2; rm -f /tmp/infinity-build.$$.log; exit 1; }
+build_ext() { "$VPY" setup.py -q build_ext --inplace >/dev/null 2>/tmp/infinity-build.$$.log; }
+progress "building the C++ extensions (incremental: seconds when unchanged)" build_ext \
+    || { cat /tmp/infinity-build.$$.log >&2; rm -f /tmp/infinity-build.$$.log; exit 1; }
 grep -i "liburing" /tmp/infinity-build.$$.log >&2 || true
 rm -f /tmp/infinity-build.$$.log
 log "ready: $VPY"

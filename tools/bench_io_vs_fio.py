@@ -29,7 +29,7 @@ def log(msg):
 
 
 def run_infinity(a):
-    cmd = [sys.executable, "-m", "infinity", "bench-io", "--path", a.path, "--size-mb", str(a.size_mb),
+    cmd = [sys.executable, "-m", "infinity", "bench-io", "--nvme-path", a.path, "--size-mb", str(a.size_mb),
            "--block-kb", str(a.block_kb), "--queue-depth", str(a.queue_depth), "--threads", str(a.threads),
            "--engine", a.engine, "--repeats", "1", "--json"]
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)

@@ -20,16 +20,18 @@ Protocol the engine implements::
                     async_=False, max_host_bytes=1 << 30) -> SaveHandle
     load_checkpoint(obj, dir, tag=None, *, strict=True) -> meta dict
     delete_checkpoint(dir, tag, *, allow_latest=False)   # atomic disappearance
+    export_model(dir, out, tag=None)        # weights (+ config.json when the meta records the model)
+    model_meta(model, tokenizer=None)       # extra_meta= for save_checkpoint: the model's config
 """
 from .api import (Checkpointable, SaveHandle, default_tag, load_checkpoint, save_checkpoint,
                   wait_pending)
 from .errors import CheckpointError
-from .export import export_model
+from .export import export_model, model_meta
 from .reader import CheckpointReader, list_tags, resolve_tag
 from .rng import rng_state_from_json, rng_state_to_json
 from .writer import Piece
 from .writer import delete as delete_checkpoint
 
 __all__ = ["CheckpointError", "CheckpointReader", "Checkpointable", "Piece", "SaveHandle",
-           "default_tag", "delete_checkpoint", "export_model", "list_tags", "load_checkpoint", "resolve_tag",
+           "default_tag", "delete_checkpoint", "export_model", "list_tags", "model_meta", "load_checkpoint", "resolve_tag",
            "rng_state_from_json", "rng_state_to_json", "save_checkpoint", "wait_pending"]

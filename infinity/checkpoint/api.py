@@ -224,7 +224,7 @@ def default_tag(meta, step):
 def save_checkpoint(obj, dir, tag=None, *, step=None, shard_bytes=DEFAULT_SHARD_BYTES,
                     async_=False, max_host_bytes=DEFAULT_ASYNC_HOST_BYTES,
                     header_reserve=DEFAULT_HEADER_RESERVE, hash_block_bytes=HASH_BLOCK_BYTES,
-                    timeline=None, accounting=None):
+                    timeline=None, accounting=None, extra_meta=None):
     """Write ``obj``'s state to ``dir/<tag>`` atomically and point ``dir/latest`` at it.
 
     Default tag ``step-<N>`` from ``step`` or ``meta["step"]``. Under an initialised
@@ -234,11 +234,19 @@ def save_checkpoint(obj, dir, tag=None, *, step=None, shard_bytes=DEFAULT_SHARD_
     thread: the call returns once every tensor is copied (so later training cannot
     change what is saved), the last ``max_host_bytes`` are written in the background.
     A later save or load waits for it. Returns a :class:`SaveHandle`.
+    ``extra_meta`` (a JSON-able dict) is merged into the meta, e.g.
+    ``{"model_config": ..., "tokenizer": ...}`` from :func:`infinity.checkpoint.model_meta`,
+    which ``infinity export`` turns into ``config.json`` and friends.
     """
     global _pending
     wait_pending()
     rank, world = _dist_info()
     meta = _snapshot_meta(obj)
+    if extra_meta:
+        try:
+            meta.update(json.loads(json.dumps(dict(extra_meta))))
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(f"extra_meta is not JSON-serialisable: {e}") from e
     tag = mf.check_tag(tag if tag is not None else default_tag(meta, step))
     root = os.path.abspath(os.fspath(dir))
     writer_kw = dict(shard_bytes=shard_bytes, header_reserve=header_reserve,

@@ -7,6 +7,13 @@ Model tensors are every checkpoint name that does not start with ``optim.``
 (the optimizer-state namespace), unless ``meta["model_names"]`` lists them.
 Partitioned tensors (saved by several ranks) are reassembled. Tensors stream one
 at a time; each output file is written under a temp name, fsynced and renamed.
+
+When the checkpoint's meta records the model (``meta["model_config"]``, and
+``meta["generation_config"]``: see :func:`model_meta`, which ``infinity finetune``
+passes to every save), ``OUT/config.json`` and ``OUT/generation_config.json`` are
+written too, so ``AutoModelForCausalLM.from_pretrained(OUT)`` loads the export as is.
+``meta["tokenizer"]`` says where the tokenizer came from; ``infinity export`` (the
+CLI, a layer above) writes its files.
 """
 import json
 import logging
@@ -17,12 +24,61 @@ from .errors import CheckpointError
 from .fsutil import atomic_write_text, fsync_dir, remove_tree
 from .reader import CheckpointReader
 from .safetensors_stream import SafetensorsStreamWriter, header_reserve_for
+from infinity.fsmode import makedirs
 
 log = logging.getLogger("infinity.checkpoint")
 
 OPTIM_PREFIX = "optim."
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
 INDEX_NAME = "model.safetensors.index.json"
+CONFIG_NAME = "config.json"
+GENERATION_CONFIG_NAME = "generation_config.json"
+
+
+def model_meta(model, *, tokenizer=None):
+    """JSON-able checkpoint meta describing ``model`` (a Hugging Face model, or anything
+    with a ``config.to_dict()``): ``{"model_config": {...}, "generation_config": {...},
+    "tokenizer": tokenizer}``. Pass it as ``extra_meta=`` to ``engine.save_checkpoint``;
+    :func:`export_model` writes ``config.json``/``generation_config.json`` from it.
+    ``tokenizer``: a JSON-able description of the tokenizer's source (``infinity
+    finetune`` records ``{"kind": "byte"}`` or ``{"kind": "hf", "path": DIR}``).
+    Models without a config give ``{}`` (plus the tokenizer)."""
+    out = {}
+    cfg = getattr(model, "config", None)
+    if cfg is not None and hasattr(cfg, "to_dict"):
+        d = json.loads(cfg.to_json_string(use_diff=False)) if hasattr(cfg, "to_json_string") \
+            else json.loads(json.dumps(cfg.to_dict(), default=str))
+        d.pop("_name_or_path", None)
+        if not d.get("architectures"):
+            d["architectures"] = [type(model).__name__]
+        # training turns the KV cache off (use_cache=False); a model handed back generates
+        if "use_cache" in d:
+            d["use_cache"] = True
+        out["model_config"] = d
+        gen = getattr(model, "generation_config", None)
+        if gen is not None and hasattr(gen, "to_dict"):
+            try:
+                out["generation_config"] = json.loads(json.dumps(gen.to_dict(), default=str))
+            except (TypeError, ValueError) as e:
+                log.debug("model_meta: generation_config not recorded: %s", e)
+    if tokenizer is not None:
+        out["tokenizer"] = tokenizer
+    return out
+
+
+def write_model_config(meta, out_dir):
+    """``config.json`` (+ ``generation_config.json``) from a checkpoint's meta; returns the
+    files written ([] when the checkpoint does not record its model)."""
+    written = []
+    cfg = meta.get("model_config") if isinstance(meta, dict) else None
+    if not isinstance(cfg, dict) or "model_type" not in cfg:
+        return written
+    for name, d in ((CONFIG_NAME, cfg), (GENERATION_CONFIG_NAME, meta.get("generation_config"))):
+        if isinstance(d, dict) and d:
+            path = os.path.join(out_dir, name)
+            atomic_write_text(path, json.dumps(d, indent=2, sort_keys=True) + "\n")
+            written.append(path)
+    return written
 
 
 def model_names(reader):
@@ -39,8 +95,10 @@ def model_names(reader):
 
 
 def export_model(ckpt_dir, out_dir, tag=None, *, max_shard_bytes=DEFAULT_MAX_SHARD_BYTES,
-                 dtype=None, verify=True):
-    """Write the checkpoint's model weights to ``out_dir``; returns the list of files."""
+                 dtype=None, verify=True, meta_out=None):
+    """Write the checkpoint's model weights (and ``config.json`` +
+    ``generation_config.json`` when its meta records the model) to ``out_dir``; returns
+    the list of files. ``meta_out`` (a dict), when given, receives the checkpoint's meta."""
     if max_shard_bytes <= 0:
         raise CheckpointError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
     with CheckpointReader(ckpt_dir, tag) as r:
@@ -62,7 +120,7 @@ def export_model(ckpt_dir, out_dir, tag=None, *, max_shard_bytes=DEFAULT_MAX_SHA
         plan.append(cur)
         if os.path.exists(out_dir) and not os.path.isdir(out_dir):
             raise CheckpointError(f"export target {out_dir} exists and is not a directory")
-        os.makedirs(out_dir, exist_ok=True)
+        makedirs(out_dir)
         k = len(plan)
         fnames = (["model.safetensors"] if k == 1 else
                   [f"model-{i + 1:05d}-of-{k:05d}.safetensors" for i in range(k)])
@@ -97,8 +155,29 @@ def export_model(ckpt_dir, out_dir, tag=None, *, max_shard_bytes=DEFAULT_MAX_SHA
             written.append(index)
         elif os.path.exists(index):
             os.unlink(index)  # a stale index from an earlier sharded export would mislead loaders
+        cfg_files = write_model_config(r.meta, out_dir)
+        if cfg_files and dtype is not None:
+            _set_config_dtype(cfg_files[0], dtype)
+        written += cfg_files
+        if not cfg_files:
+            log.warning("%s does not record its model's config: %s gets the weights only (write "
+                        "config.json beside them, e.g. model.config.save_pretrained(OUT))",
+                        r.path, out_dir)
+        if meta_out is not None:
+            meta_out.update(r.meta)
         log.info("exported %d tensors (%d bytes) from %s to %s", len(weight_map), total, r.path, out_dir)
         return written
+
+
+def _set_config_dtype(path, dtype):
+    """The exported weights' dtype in config.json (``torch_dtype``/``dtype``, as recorded)."""
+    with open(path, encoding="utf-8") as f:
+        d = json.load(f)
+    name = str(dtype).replace("torch.", "")
+    for key in ("dtype", "torch_dtype"):
+        if key in d:
+            d[key] = name
+    atomic_write_text(path, json.dumps(d, indent=2, sort_keys=True) + "\n")
 
 
 def load_exported(out_dir):

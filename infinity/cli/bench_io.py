@@ -12,6 +12,7 @@ import logging
 import os
 import sys
 import time
+from infinity.fsmode import makedirs
 
 log = logging.getLogger("infinity.cli")
 
@@ -34,7 +35,8 @@ def _int_list(s):
 def register(sub):
     p = sub.add_parser("bench-io", help="measure NVMe swap read/write throughput (and tune it with --sweep)",
                        description=__doc__.split("\n\n")[1])
-    p.add_argument("--path", default="./infinity-swap", help="swap directory (default ./infinity-swap)")
+    p.add_argument("--nvme-path", "--path", dest="path", default="./infinity-swap", metavar="DIR",
+                   help="swap directory (default ./infinity-swap; --path is an alias)")
     p.add_argument("--size-mb", type=int, default=None,
                    help="MiB written then read per round (default 1024; 256 per config with --sweep)")
     p.add_argument("--block-kb", type=int, default=1024, help="engine block size in KiB (default 1024)")
@@ -133,7 +135,7 @@ def run(args):
     if args.save is not None:
         save = args.save or os.path.join(path, SAVE_NAME)
         try:
-            os.makedirs(os.path.dirname(os.path.abspath(save)), exist_ok=True)
+            makedirs(os.path.dirname(os.path.abspath(save)))
             tmp = save + ".tmp"
             with open(tmp, "w", encoding="utf-8") as f:
                 json.dump(out, f, indent=1)

@@ -5,6 +5,7 @@
 
 See docs/estimator.md for the formulas and their sources.
 """
+import argparse
 import json
 import os
 import re
@@ -24,6 +25,40 @@ def parse_count(text):
     if v < 1 or v != int(v):
         raise CLIError(f"count {text!r} must be a positive whole number")
     return int(v)
+
+
+# (params, layers, hidden, vocab, heads, name): shapes to suggest when only --params is given
+_SHAPES = [(125e6, 12, 768, 50257, 12, "GPT-2 small / OPT-125M"), (1.3e9, 24, 2048, 50272, 32, "OPT-1.3B"),
+           (7e9, 32, 4096, 32000, 32, "Llama-2-7B"), (13e9, 40, 5120, 32000, 40, "Llama-2-13B"),
+           (70e9, 80, 8192, 32000, 64, "Llama-2-70B"), (175e9, 96, 12288, 50257, 96, "GPT-3 175B"),
+           (1e12, 128, 25600, 51200, 160, "a 1T GPT (ZeRO-Infinity paper)")]
+
+
+def missing_shape_message(params, layers, hidden):
+    """What to add when the model is described by --params alone (or without its shape)."""
+    import math
+    need = [f for f, v in (("--layers L", layers), ("--hidden H", hidden)) if v is None]
+    n = params if params is not None else 7e9
+    p, L, H, V, A, name = min(_SHAPES, key=lambda s: abs(math.log(s[0] / n)))
+    eg = f"e.g. --params {_fmt_count(p)} --layers {L} --hidden {H} --vocab {V} --heads {A}, " \
+        f"the shape of {name}"
+    if params is None:
+        return (f"describe the model: add --params N --layers L --hidden H ({eg}); --vocab, "
+                "--heads, --seq, --batch are optional. Or count a real model: "
+                "--model-factory MODULE:FUNCTION")
+    given = f"--params {_fmt_count(params)}" + (f" --layers {layers}" if layers else "") + \
+        (f" --hidden {hidden}" if hidden else "")
+    eg = f"e.g. --layers {L} --hidden {H} --vocab {V} --heads {A}, the shape of {name}"
+    return (f"{given} is not enough to size activations and groups: add {' '.join(need)} ({eg}); "
+            "--vocab, --heads, --seq, --batch are optional. Or count a real model: "
+            "--model-factory MODULE:FUNCTION")
+
+
+def _fmt_count(n):
+    for div, suf in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if n >= div:
+            return f"{n / div:g}{suf}"
+    return str(n)
 
 
 def _home_pair(text):
@@ -87,7 +122,10 @@ def register(sub):
                    help="estimate only these homes (repeatable), e.g. --only nvme/nvme")
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="print one JSON object")
-    o.add_argument("--brief", action="store_true", help="summary table and verdict only")
+    o.add_argument("--explain", action="store_true",
+                   help="also print each configuration's items, formulas and the step-time derivation "
+                        "(default: the summary table and the verdict)")
+    o.add_argument("--brief", action="store_true", help=argparse.SUPPRESS)  # the default now
     p.set_defaults(func=run)
 
 
@@ -128,8 +166,8 @@ def run(args):
         machine = _machine(args)
         model = args.model_factory
         params = parse_count(args.params) if args.params is not None else None
-        if model is None and params is None:
-            raise CLIError("describe the model: --params N --layers L --hidden H, or --model-factory MODULE:FUNCTION")
+        if model is None and (params is None or args.layers is None or args.hidden is None):
+            raise CLIError(missing_shape_message(params, args.layers, args.hidden))
         precision = args.precision
         if precision is None and args.config is None:
             precision = "bf16"
@@ -146,5 +184,5 @@ def run(args):
     if args.json:
         print(json.dumps(est.as_dict()))
     else:
-        print(est.text(details=not args.brief), end="")
+        print(est.text(details=args.explain and not args.brief), end="")
     return 0

@@ -48,6 +48,10 @@ def register(sub):
                    help="sequence length (default 256, capped by the model)")
     p.add_argument("--lr", type=float, metavar="X", help="learning rate (default 3e-3 or the config's)")
     p.add_argument("--seed", type=int, default=0, metavar="S", help="seed for data order and init (default 0)")
+    p.add_argument("--output", metavar="DIR",
+                   help="write the fine-tuned model and its tokenizer here at the end (and on Ctrl-C) "
+                        "as a Hugging Face directory: AutoModelForCausalLM.from_pretrained(DIR) and "
+                        "AutoTokenizer.from_pretrained(DIR) load it")
     p.add_argument("--save", metavar="DIR", help="checkpoint directory (saved at the end and on Ctrl-C)")
     p.add_argument("--save-every", type=_nonneg_int, default=0, metavar="N",
                    help="also save every N steps")
@@ -55,6 +59,9 @@ def register(sub):
                    help="keep only the K newest checkpoints (0: keep all)")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --save DIR")
     p.add_argument("--profile", metavar="DIR", help="write a timeline (Chrome trace, PNG, summary) to DIR")
+    p.add_argument("--profile-skip", type=_nonneg_int, default=1, metavar="N",
+                   help="leave the first N steps of the run out of --profile as warm-up (default 1: "
+                        "the first step records the module order, so its fetches are on demand)")
     p.add_argument("--json", action="store_true",
                    help="stdout: one JSON object per step and nothing else (progress goes to stderr)")
     p.add_argument("--no-bench-io", action="store_true",
@@ -69,8 +76,9 @@ def run(args):
     opts = FinetuneOptions(model=args.model, data=args.data, config=args.config,
                            nvme_paths=args.nvme_paths, steps=args.steps,
                            batch_tokens=args.batch_tokens, seq_len=args.seq_len, lr=args.lr,
-                           save=args.save, save_every=args.save_every, keep_last=args.keep_last,
-                           resume=args.resume, profile=args.profile, json_lines=args.json,
+                           save=args.save, output=args.output, save_every=args.save_every, keep_last=args.keep_last,
+                           resume=args.resume, profile=args.profile,
+                           profile_skip=args.profile_skip, json_lines=args.json,
                            seed=args.seed, use_bench_io=not args.no_bench_io,
                            tokenizer=args.tokenizer)
     try:

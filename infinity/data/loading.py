@@ -37,7 +37,25 @@ def _read_text_file(path):
                         "convert it to UTF-8 first") from e
     if not text.strip():
         raise DataError(f"data file {path} is empty")
+    _check_has_text(text, path)
     return text
+
+
+def _printable(ch):
+    return ch.isprintable() or ch in "\t\n\r"
+
+
+def _check_has_text(text, where):
+    """Refuse data with no text in it (only NUL/control characters, e.g. a zero-filled or
+    binary file that happens to be valid UTF-8), as a non-UTF-8 binary file is refused."""
+    sample = text[: 1 << 20]
+    nul = sample.count("\0")
+    if not any(_printable(c) and not c.isspace() for c in sample):
+        raise DataError(f"{where} holds no text (only control characters such as NUL bytes): it "
+                        "looks like a binary file; pass a UTF-8 text file")
+    if nul > len(sample) // 100:
+        raise DataError(f"{where} is {100 * nul / len(sample):.0f} % NUL bytes: it looks like a "
+                        "binary file, not text; pass a UTF-8 text file")
 
 
 def _read_jsonl(path, field="text"):
@@ -69,6 +87,7 @@ def _read_jsonl(path, field="text"):
         raise DataError(f"cannot read data file {path}: {e.strerror or e}") from e
     if not any(t.strip() for t in texts):
         raise DataError(f"{path} holds no non-empty {field!r} values")
+    _check_has_text("".join(t[:4096] for t in texts[:256]), f"{path} ({field!r} values)")
     return texts
 
 

@@ -5,7 +5,8 @@
                             machine=dict(gpus=8, gpu_mem_gb=80, host_mem_gb=2000,
                                          nvme_gb=30720, nvme_drives=8, nvme_gbps=48),
                             config={"precision": "bf16"})
-    print(est.text())          # per tier, per configuration; which fit; step time derivation
+    print(est.text())          # per configuration: tiers, which fit, step time; the verdict
+    print(est.text(details=True))   # + items, formulas and the step-time derivation
     est.best                   # fastest configuration that fits (or None)
     est.as_dict()              # JSON-ready
 
@@ -25,7 +26,7 @@ from .memory_plan import (GRAD_SPILL_MODES, HOMES, HOST_RESERVE_BASE_GB,  # noqa
 from .model_spec import (GROUPINGS, EstimateError, ModelSpec, spec_from_dims, spec_from_factory,
                          spec_from_module)
 from .report import _num
-from .step_time import StepEstimate, estimate_step
+from .step_time import StepEstimate, bound_text, estimate_step
 
 __all__ = ["estimate", "Estimate", "ConfigEstimate", "ModelSpec", "Machine", "Knobs",
            "EstimateError", "spec_from_dims", "spec_from_module", "spec_from_factory"]
@@ -94,7 +95,7 @@ class Estimate:
         grads = "; fp32 gradients on NVMe" if c.plan.grads_on_nvme else ""
         return (f"Yes: {_num(self.model.params)} parameters fit on {self._where()} with {c.name} "
                 f"({ck}{grads}); estimated {s.step_s:.4g} s per step, {s.tokens_per_s:.3g} tokens/s, "
-                f"{s.bound}-bound (lower bound: perfect overlap).")
+                f"{bound_text(s.bound)} (lower bound: perfect overlap).")
 
     def verdict(self):
         out = self._answer()
@@ -125,7 +126,7 @@ class Estimate:
                 "verdict": self.verdict(),
                 "what_if": None if self.what_if is None else self.what_if.as_dict()}
 
-    def text(self, details=True):
+    def text(self, details=False):
         from .report import format_estimate
         return format_estimate(self, details=details)
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from .machine import GB
 from .memory_plan import TIER_NAMES
+from .step_time import BOUND_NAMES, phase_text
 
 NOTATION = ("N params, R ranks, r ranks/node, lp bytes/param (precision), sb bytes/Adam moment, "
             "Gmax largest group, d prefetch depth, T tile elements, D tile ring slots, "
@@ -51,7 +52,8 @@ def format_summary_table(est):
         sc, sf = c.steps["checkpointing"], c.steps["none"]
         lines.append(f"{c.params_home:<7}{c.optimizer_home:<7}{_gb(t['device_checkpointing']):>13}"
                      f"{_gb(t['device_none']):>13}{_gb(t['pinned']):>10}{_gb(t['pageable']):>11}"
-                     f"{_gb(t['nvme']):>11}{fit:>10}{sc.step_s:>10.4g}{sf.step_s:>9.4g}  {sc.bound}"
+                     f"{_gb(t['nvme']):>11}{fit:>10}{sc.step_s:>10.4g}{sf.step_s:>9.4g}  "
+                     f"{BOUND_NAMES.get(sc.bound, sc.bound)}"
                      + ("  (grads on NVMe)" if c.plan.grads_on_nvme else ""))
     lines.append("GB = 10^9 bytes; device per GPU" + (" (*CPU-only: counted in host memory)" if cpu else "")
                  + ", host and NVMe per node; host fit also counts "
@@ -87,7 +89,7 @@ def format_config(est, c):
     lines.append(f"  step time (with checkpointing) = {A} x {s.fwd_bwd.seconds:.3g} s + "
                  f"{s.optimizer.seconds:.3g} s = {s.step_s:.3g} s, {s.tokens_per_s:.3g} tokens/s")
     for ph in (s.fwd_bwd, s.optimizer):
-        lines.append(f"    {ph.name}: {ph.seconds:.3g} s, {ph.bound}-bound")
+        lines.append(f"    {phase_text(ph)}")
         for d in ph.derivation:
             lines.append(f"      {d}")
     tr = s.traffic
@@ -96,8 +98,12 @@ def format_config(est, c):
     return lines
 
 
-def format_estimate(est, details=True):
+def format_estimate(est, details=False):
+    """The header, the table and the verdict; ``details`` (``--explain``) adds each
+    configuration's items, formulas and step-time derivation."""
     lines = format_header(est) + [""] + format_summary_table(est) + ["", "Verdict: " + est.verdict()]
+    if not details:
+        lines += ["", "(per-configuration items, formulas and the step-time derivation: --explain)"]
     if details:
         lines += ["", "Notation: " + NOTATION, ""]
         for c in est.configs:

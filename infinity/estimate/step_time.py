@@ -76,6 +76,26 @@ def _fmt_b(n):
     return f"{n:.0f} B"
 
 
+BOUND_NAMES = {"compute": "compute", "nvme": "NVMe", "cpu_adam": "CPU Adam", "pcie": "PCIe",
+               "collectives": "collectives"}
+
+
+def bound_text(bound):
+    """``"nvme"`` -> ``"NVMe-bound"``; what a step or phase is limited by, in English."""
+    if bound in (None, "none"):
+        return "nothing to move or update off the device"
+    return f"{BOUND_NAMES.get(bound, bound)}-bound"
+
+
+def phase_text(phase):
+    """``"optimizer: 17.5 s, CPU Adam-bound"``; a phase with no offloaded work says so."""
+    if not phase.seconds:
+        what = ("Adam runs on the device with its states there; no transfers to time"
+                if phase.name == "optimizer" else "nothing to move or compute")
+        return f"{phase.name}: 0 s ({what})"
+    return f"{phase.name}: {phase.seconds:.3g} s, {bound_text(phase.bound)}"
+
+
 def _phase(name, terms, derivation):
     terms = {k: v for k, v in terms.items() if v > 0}
     if not terms:

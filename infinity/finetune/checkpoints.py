@@ -5,7 +5,10 @@ Saving and loading go through ``engine.save_checkpoint(dir, tag)`` /
 ``engine.load_checkpoint(dir)`` (sharded, atomic, ``latest`` pointer: see
 ``infinity.checkpoint``). Tags are ``step-<8 digits>``, so the step to resume
 from is read from the tag ``latest`` names — and the data stream continues at
-that step (batches are a pure function of seed and index).
+that step (batches are a pure function of seed and index). Each checkpoint's meta
+records the model's config and the tokenizer's source
+(:func:`infinity.checkpoint.model_meta`), so ``infinity export`` writes a directory
+``from_pretrained`` loads.
 """
 import logging
 import os
@@ -32,8 +35,9 @@ def _require(engine, method):
 
 
 class Checkpointer:
-    def __init__(self, root, *, keep_last=0, is_rank0=True):
+    def __init__(self, root, *, keep_last=0, is_rank0=True, extra_meta=None):
         self.root = os.fspath(root)
+        self.extra_meta = extra_meta or None   # the model's config + tokenizer source
         self.keep_last = keep_last
         self.is_rank0 = is_rank0
 
@@ -43,7 +47,11 @@ class Checkpointer:
 
     def save(self, engine, step):
         tag = self.tag_for(step)
-        _require(engine, "save_checkpoint")(self.root, tag=tag)
+        save = _require(engine, "save_checkpoint")
+        if self.extra_meta:
+            save(self.root, tag=tag, extra_meta=self.extra_meta)
+        else:
+            save(self.root, tag=tag)
         log.info("saved checkpoint %s", os.path.join(self.root, tag))
         self._prune()
         return tag

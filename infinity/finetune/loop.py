@@ -78,9 +78,15 @@ def _lr(engine, stats):
     return float(lr) if isinstance(lr, (int, float)) else float("nan")
 
 
-def run(engine, batcher, opts, reporter, stopper, checkpointer=None, timeline=None):
+def run(engine, batcher, opts, reporter, stopper, checkpointer=None, timeline=None,
+        on_step_start=None):
     """Train from ``opts.start_step + 1`` to ``opts.steps``. Returns :class:`LoopResult`.
-    ``timeline`` (an ``infinity.profile.Timeline`` or None) gets a mark at each step start."""
+    ``timeline`` (an ``infinity.profile.Timeline`` or None) gets a mark at each step start,
+    unless the engine marks it itself (the infinity engine marks the end of each optimizer
+    step with its number: two marks a moment apart would label every boundary twice);
+    ``on_step_start(step)`` (e.g. starting a profile after warm-up) runs at each step start."""
+    if timeline is not None and getattr(engine, "timeline", None) is timeline:
+        timeline = None
     step = opts.start_step
     saved = []
     stop_reason = "completed"
@@ -91,6 +97,8 @@ def run(engine, batcher, opts, reporter, stopper, checkpointer=None, timeline=No
             stop_reason = f"{stopper.reason}: stopped cleanly after step {step}"
             break
         lr = _lr(engine, None)
+        if on_step_start is not None:
+            on_step_start(step_no)
         if timeline is not None:
             timeline.mark_step(step_no)
         t0 = time.perf_counter()

@@ -150,10 +150,23 @@ def _uses_init(init_config):
     return InfinityConfig.load(init_config).offload.params in ("cpu", "nvme")
 
 
+def plan_nvme_need(config, init_config):
+    """NVMe bytes per rank the whole plan needs (``infinity.zero.init.nvme_need`` over the
+    model built on the ``meta`` device: nothing allocated, nothing written)."""
+    import torch.distributed as dist
+
+    from infinity.zero.init import nvme_need
+
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    with torch.device("meta"):
+        meta = build_model(config)
+    return nvme_need(meta, init_config, world_size=world)
+
+
 def _build_under_init(config, init_config):
     from infinity.zero.init import Init
 
-    with Init(init_config):
+    with Init(init_config, nvme_need=plan_nvme_need(config, init_config)):
         return build_model(config)
 
 

@@ -11,6 +11,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from infinity.memory.plan import remove_if_empty
+from infinity.fsmode import makedirs
+
 log = logging.getLogger("infinity.finetune")
 
 
@@ -29,10 +32,12 @@ class FinetuneOptions:
     seq_len: int = 256
     lr: float = None
     save: str = None
+    output: str = None              # write the fine-tuned model (HF directory) here at the end
     save_every: int = 0
     keep_last: int = 0
     resume: bool = False
     profile: str = None
+    profile_skip: int = 1           # warm-up steps left out of the profile (the first records the order)
     json_lines: bool = False
     seed: int = 0
     tokenizer: str = "auto"         # "auto": the model directory's own tokenizer if it has one
@@ -55,7 +60,7 @@ def _validate(opts):
             raise FinetuneError(f"--{name.replace('_', '-')} must be a positive integer, got {v!r}")
     if opts.seq_len < 2:
         raise FinetuneError("--seq-len must be at least 2")
-    for name in ("save_every", "keep_last"):
+    for name in ("save_every", "keep_last", "profile_skip"):
         v = getattr(opts, name)
         if v < 0:
             raise FinetuneError(f"--{name.replace('_', '-')} must be >= 0, got {v}")
@@ -67,6 +72,13 @@ def _validate(opts):
         raise FinetuneError(f"--tokenizer must be 'auto' or 'byte', got {opts.tokenizer!r}")
     if opts.lr is not None and not (opts.lr > 0):
         raise FinetuneError(f"--lr must be > 0, got {opts.lr}")
+    if opts.output:
+        from infinity.finetune.output import OutputError, check_output_dir
+
+        try:
+            check_output_dir(opts.output)
+        except OutputError as e:
+            raise FinetuneError(str(e)) from e
 
 
 def _shape(opts, model):
@@ -108,25 +120,34 @@ def finetune(opts, *, reporter_streams=None):
 
     torch.manual_seed(opts.seed)
     own_pg = False
+    swap_dirs = _missing_dirs(cfg["offload"]["nvme_paths"])  # removed at the end when left empty
     try:
-        if opts.tokenizer == "auto" and opts.model and has_tokenizer(opts.model):
-            tok = HFTokenizer(opts.model)
-        else:
-            tok = ByteTokenizer()
-        texts = load_texts(opts.data)
-        from infinity.zero.comm import ensure_process_group
+        try:
+            if opts.tokenizer == "auto" and opts.model and has_tokenizer(opts.model):
+                tok = HFTokenizer(opts.model)
+            else:
+                tok = ByteTokenizer()
+            texts = load_texts(opts.data)
+            from infinity.zero.comm import ensure_process_group
 
-        # before the model is built: Init shards it by rank
-        own_pg = world > 1 and ensure_process_group(int(cfg.get("dist_timeout_s", 600)))
-        model, desc = resolve_model(opts.model, init_config=cfg)
-        check_vocab(model, tok)
-        seq_len, batch = _shape(opts, model)
-        batcher = TokenBatcher(texts, tok, seq_len=seq_len, batch_size=batch, rank=rank,
-                               world_size=world, seed=opts.seed)
-    except (DataError, ModelError) as e:
-        raise FinetuneError(str(e)) from e
-    except OSError as e:  # infinity.Init cannot create its swap directory, ...
-        raise FinetuneError(f"cannot build the model into its offloaded home: {e}") from e
+            # before the model is built: Init shards it by rank
+            own_pg = world > 1 and ensure_process_group(int(cfg.get("dist_timeout_s", 600)))
+            model, desc = resolve_model(opts.model, init_config=cfg)
+            check_vocab(model, tok)
+            seq_len, batch = _shape(opts, model)
+            batcher = TokenBatcher(texts, tok, seq_len=seq_len, batch_size=batch, rank=rank,
+                                   world_size=world, seed=opts.seed)
+        except (DataError, ModelError) as e:
+            raise FinetuneError(str(e)) from e
+        except OSError as e:  # infinity.Init cannot create its swap directory, no free space, ...
+            from infinity.memory.plan import NvmeSpaceError
+
+            if isinstance(e, NvmeSpaceError):
+                raise FinetuneError(e.strerror) from e
+            raise FinetuneError(f"cannot build the model into its offloaded home: {e}") from e
+    except BaseException:
+        remove_if_empty(swap_dirs)
+        raise
     n_params = sum(p.numel() for p in model.parameters())
     gas = int(cfg.get("gradient_accumulation_steps", 1) or 1)
     reporter.info(
@@ -137,8 +158,11 @@ def finetune(opts, *, reporter_streams=None):
         f"{world} rank(s) | params home {cfg['offload']['params']}, optimizer home "
         f"{cfg['offload']['optimizer']}, swap {cfg['offload']['nvme_paths']}")
 
-    checkpointer = ck.Checkpointer(opts.save, keep_last=opts.keep_last,
-                                   is_rank0=(rank == 0)) if opts.save else None
+    from infinity.checkpoint import model_meta
+
+    checkpointer = ck.Checkpointer(opts.save, keep_last=opts.keep_last, is_rank0=(rank == 0),
+                                   extra_meta=model_meta(model, tokenizer=tok.describe())) \
+        if opts.save else None
     t_start = time.perf_counter()
     result = None
     aborted = False
@@ -169,19 +193,31 @@ def finetune(opts, *, reporter_streams=None):
                     if start >= opts.steps:
                         reporter.info(f"checkpoint is at step {start} >= --steps {opts.steps}: "
                                       "nothing to do")
-                prof = contextlib.nullcontext()
+                prof = None
                 if opts.profile:
                     bench = None
                     if opts.use_bench_io:
                         from infinity.finetune.settings import find_bench_io_result
 
                         bench, _ = find_bench_io_result(cfg["offload"]["nvme_paths"])
-                    prof = _profile_session(engine, timeline, opts.profile, rank, bench)
+                    prof = _WarmProfile(
+                        lambda note: _profile_session(engine, timeline, opts.profile, rank, bench,
+                                                      note=note),
+                        start, opts.steps, opts.profile_skip)
                 lopts = loop.LoopOptions(steps=opts.steps, start_step=start, grad_accum=gas,
                                          save_every=opts.save_every, world_size=world)
-                with prof:
+                with prof or contextlib.nullcontext():
                     result = loop.run(engine, batcher, lopts, reporter, stopper, checkpointer,
-                                      timeline=timeline)
+                                      timeline=timeline,
+                                      on_step_start=prof.before_step if prof else None)
+                if opts.output and result.last_step > 0:
+                    from infinity.finetune.output import write_output
+
+                    try:
+                        write_output(engine, opts.output, tok, rank=rank, world_size=world)
+                    except OSError as e:
+                        raise FinetuneError(f"--output {opts.output}: cannot write the model: "
+                                            f"{e}") from e
                 stats = engine.stats()
             finally:
                 stopper.finish()
@@ -193,6 +229,13 @@ def finetune(opts, *, reporter_streams=None):
                 extra["peak memory"] = peaks
             if result.saved:
                 extra["checkpoints"] = f"{opts.save}: {', '.join(result.saved)}"
+            if opts.output and result.last_step > 0:
+                extra["model"] = (f"{opts.output} (AutoModelForCausalLM.from_pretrained / "
+                                  "AutoTokenizer.from_pretrained load it)")
+            elif result.last_step > 0:
+                extra["model"] = ("not written: pass --output DIR for a directory "
+                                  "from_pretrained loads" + (f", or `infinity export {opts.save} "
+                                                             "OUT`" if result.saved else ""))
             if opts.profile:
                 extra["profile"] = opts.profile
             reporter.summary(stop_reason=None if result.stop_reason == "completed"
@@ -209,6 +252,7 @@ def finetune(opts, *, reporter_streams=None):
     finally:
         if not aborted and result is None:
             reporter.close()
+        remove_if_empty(swap_dirs)
         if own_pg:
             import torch.distributed as dist
 
@@ -217,21 +261,70 @@ def finetune(opts, *, reporter_streams=None):
     return {"records": reporter.records, "result": result, "stats": stats}
 
 
-def _profile_session(engine, timeline, directory, rank, bench_io_file=None):
+class _WarmProfile:
+    """``--profile`` that starts after ``--profile-skip`` warm-up steps of this run: the first
+    step records the module order (every fetch is on demand) and pays one-time set-up, which
+    would drag the prefetch hit rate and the bandwidths down without saying so. When the run
+    has no more steps than that, the last step is profiled. The summary names the steps."""
+
+    def __init__(self, make, start_step, last_step, skip):
+        n_run = max(0, last_step - start_step)
+        self.skip = min(skip, max(0, n_run - 1))
+        self.first = start_step + self.skip + 1
+        self.make = make
+        self.session = None
+        if self.skip == 0:
+            self.note = None if skip == 0 else \
+                f"no warm-up step skipped (the run has {n_run} step(s), --profile-skip {skip})"
+        else:
+            a, b = start_step + 1, start_step + self.skip
+            skipped = f"step {a}" if a == b else f"steps {a}-{b}"
+            self.note = (f"{skipped} left out as warm-up (--profile-skip {skip}; the first step "
+                         "records the module order, so its fetches are on demand)")
+
+    def before_step(self, step_no):
+        if self.session is None and step_no >= self.first:
+            self.session = self.make(self.note)
+            self.session.__enter__()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if self.session is not None:
+            return self.session.__exit__(*exc)
+        return False
+
+
+def _missing_dirs(paths):
+    """The swap directories (and missing ancestors), deepest first, that this run will
+    create: ``infinity.Init`` makes ``<path>/init`` (so ``<path>`` too) before the engine
+    looks, so the engine thinks ``<path>`` was there and leaves it; the run removes it."""
+    out = []
+    for p in paths:
+        d = os.path.abspath(p)
+        while d and not os.path.exists(d) and d not in out:
+            out.append(d)
+            d = os.path.dirname(d)
+    return sorted(out, key=len, reverse=True)
+
+
+def _profile_session(engine, timeline, directory, rank, bench_io_file=None, note=None):
     """``engine.profile(dir)`` when the engine has it, else a ``ProfileSession`` over the
     timeline given to ``initialize`` (with the bench-io result, if any, as the GB/s
     ceiling). Each rank > 0 writes to ``dir/rank<r>``."""
     if rank:
         directory = os.path.join(directory, f"rank{rank}")
     try:
-        os.makedirs(directory, exist_ok=True)
+        makedirs(directory)
     except OSError as e:
         raise FinetuneError(f"--profile: cannot create {directory}: {e.strerror or e}") from e
     if hasattr(engine, "profile"):
-        return engine.profile(directory, ceilings=bench_io_file)
+        return engine.profile(directory, ceilings=bench_io_file, note=note)
     from infinity.profile import ProfileSession
 
-    return ProfileSession(timeline, directory, stats_fn=engine.stats, ceilings=bench_io_file)
+    return ProfileSession(timeline, directory, stats_fn=engine.stats, ceilings=bench_io_file,
+                          note=note)
 
 
 def _close_uninterrupted(engine):

@@ -13,9 +13,9 @@ from .extents import Extent
 from .swap import SwapSpace
 
 
-def doctor_checks(path="./infinity-swap"):
+def doctor_checks(path="./infinity-swap", need=None, need_what=""):
     from .doctor import doctor_checks as _dc
-    return _dc(path)
+    return _dc(path, need, need_what)
 
 
 __all__ = ["AioEngine", "IOHandle", "AioError", "aligned_empty", "is_aligned", "SwapSpace", "Extent",

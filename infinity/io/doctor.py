@@ -10,7 +10,13 @@ import torch
 from .. import _aio
 from .engine import uring_status
 
-MIN_FREE = 10 * 10**9  # below this we warn: offloading a real model needs tens of GB
+
+def format_bytes(n):
+    """Sizes that read well at any scale: 16.8 MB, 61.6 MB, 20.0 GB, 512 B."""
+    for unit, div in (("TB", 10**12), ("GB", 10**9), ("MB", 10**6), ("kB", 10**3)):
+        if n >= div:
+            return f"{n / div:.1f} {unit}"
+    return f"{int(n)} B"
 
 
 def _check(name, ok, detail, fix=""):
@@ -48,12 +54,12 @@ def _odirect_check(path):
     name = "O_DIRECT"
     if not os.path.isdir(base) or not os.access(base, os.W_OK):
         return _check(name, False, f"{base} is not a writable directory (needed for {path})",
-                      "create the swap directory or choose a writable --path")
+                      "create the swap directory or choose a writable --nvme-path")
     try:
         f = _aio.File.open_tmpfile(base, True)
     except OSError as e:
         return _check(name, False, f"cannot create a file in {base}: {e.strerror}",
-                      "choose a writable --path")
+                      "choose a writable --nvme-path")
     try:
         if not f.direct:
             return _check(name, False, f"{base}: the file system refuses O_DIRECT; infinity would use "
@@ -74,20 +80,28 @@ def _odirect_check(path):
                       "the device returned different bytes: check the drive (dmesg, smartctl)")
     except OSError as e:
         return _check(name, False, f"{base}: O_DIRECT round trip failed: {e}",
-                      "run `infinity bench-io --engine posix --path DIR` and check dmesg")
+                      "run `infinity bench-io --engine posix --nvme-path DIR` and check dmesg")
     finally:
         f.close()
 
 
-def _free_space_check(path):
+def _free_space_check(path, need=None, need_what=""):
+    """Free space at ``path`` against ``need`` bytes (``need_what`` says whose need it is);
+    without ``need`` the free space is only reported."""
     base = _existing_ancestor(path)
     try:
         usage = shutil.disk_usage(base)
     except OSError as e:
-        return _check("free space", False, f"cannot stat {base}: {e}", "choose an existing --path")
-    gb = usage.free / 1e9
-    return _check("free space", usage.free >= MIN_FREE, f"{gb:.1f} GB free at {base}",
-                  f"free space there or choose a larger drive (fewer than {MIN_FREE / 1e9:.0f} GB free)")
+        return _check("free space", False, f"cannot stat {base}: {e}", "choose an existing --nvme-path")
+    free = format_bytes(usage.free)
+    if need is None:
+        return _check("free space", True, f"{free} free at {base}")
+    what = f" ({need_what})" if need_what else ""
+    ok = usage.free >= need
+    return _check("free space", ok,
+                  f"{free} free at {base}; {format_bytes(need)} needed{what}",
+                  f"free {format_bytes(need - usage.free)} there or choose a larger drive "
+                  "(--nvme-path), or check against your own model's need with --need SIZE")
 
 
 def _memlock_check():
@@ -122,7 +136,8 @@ def _thp_check(path=THP_PATH):
                   f"`echo madvise > {path}`")
 
 
-def doctor_checks(path="./infinity-swap"):
+def doctor_checks(path="./infinity-swap", need=None, need_what=""):
+    """``need``: bytes of swap the run needs at ``path`` (None: free space only reported)."""
     path = os.path.expanduser(os.fspath(path))
-    return [_liburing_check(), _uring_check(), _odirect_check(path), _free_space_check(path),
-            _memlock_check(), _thp_check()]
+    return [_liburing_check(), _uring_check(), _odirect_check(path),
+            _free_space_check(path, need, need_what), _memlock_check(), _thp_check()]

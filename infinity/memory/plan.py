@@ -246,3 +246,58 @@ def remove_if_empty(dirs: list[str]) -> None:
             os.rmdir(d)
         except OSError:
             pass
+
+
+def _mb(n: int | float) -> str:
+    """Bytes in the unit that reads best: 16.0 MB, 61.6 MB, 1.234 GB."""
+    if n >= GB:
+        return f"{n / GB:.3f} GB"
+    if n >= 10 ** 6:
+        return f"{n / 10 ** 6:.1f} MB"
+    return f"{n / 10 ** 3:.1f} kB"
+
+
+def _existing(path: str) -> str:
+    p = os.path.abspath(path)
+    while not os.path.exists(p):
+        parent = os.path.dirname(p)
+        if parent == p:
+            break
+        p = parent
+    return p
+
+
+class NvmeSpaceError(OSError):
+    """The NVMe paths do not have the free space a plan needs (raised before writing)."""
+
+
+def check_nvme_free(paths: list[str], need: int, *, what: str, parts: dict | None = None,
+                    hint: str = "") -> None:
+    """Raise :class:`NvmeSpaceError` (errno ENOSPC) when ``paths`` (striped evenly) lack
+    ``need`` bytes of free space in total on any file system; the message names the total,
+    its parts, the path and what it has. Paths on one file system share its free space."""
+    import errno
+    if need <= 0 or not paths:
+        return
+    per_fs: dict[int, list] = {}
+    for p in paths:
+        base = _existing(p)
+        try:
+            st = os.statvfs(base)
+            dev = os.stat(base).st_dev
+        except OSError:
+            continue
+        entry = per_fs.setdefault(dev, [0, st.f_bavail * st.f_frsize, []])
+        entry[0] += need / len(paths)
+        entry[2].append(p)
+    for share, free, ps in per_fs.values():
+        if share > free:
+            detail = f" ({', '.join(f'{k} {_mb(v)}' for k, v in parts.items() if v)})" if parts else ""
+            where = ps[0] if len(ps) == 1 else f"{', '.join(ps)} (one file system)"
+            share_txt = "" if len(per_fs) == 1 and len(ps) == len(paths) else \
+                f"; its share is {_mb(share)}"
+            raise NvmeSpaceError(
+                errno.ENOSPC,
+                f"{what} needs {_mb(need)} of NVMe swap{detail}{share_txt} but {where} has only "
+                f"{_mb(free)} free; free space there or point the swap at a larger file system"
+                + (f" ({hint})" if hint else ""))

@@ -3,7 +3,8 @@
 Uses matplotlib's object API with the Agg canvas (no pyplot global state, safe off
 the main thread and without a display). Each lane draws the union of its intervals
 (overlapping in-flight requests merge into one bar), step boundaries are vertical
-lines, and the title carries the bottleneck sentence.
+lines, and the title carries the bottleneck sentence. Step labels that would overlap
+(many short steps) are thinned: each step keeps its line, every label stays legible.
 """
 from .summary import LANE_LABELS, clip_intervals, merge_intervals
 from .timeline import LANES
@@ -17,6 +18,26 @@ LANE_COLORS = {
 
 def plot_timeline(timeline, path, *, title=None, dpi=110):
     """Write the PNG to ``path``; returns ``path``. Lanes without events are omitted."""
+    fig = build_figure(timeline, title=title, dpi=dpi)
+    fig.savefig(path, format="png")
+    return path
+
+
+def _thin_labels(fig, labels, gap_px=3):
+    """Hide step labels that would overlap the previous visible one (they are drawn left to
+    right; every step keeps its dashed line). Needs the final layout, so call it last."""
+    renderer = fig.canvas.get_renderer()
+    right = None
+    for t in labels:
+        bb = t.get_window_extent(renderer)
+        if right is not None and bb.x0 < right + gap_px:
+            t.set_visible(False)
+        else:
+            right = bb.x1
+
+
+def build_figure(timeline, *, title=None, dpi=110):
+    """The timeline as a matplotlib ``Figure`` (Agg canvas); step labels never overlap."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -30,6 +51,7 @@ def plot_timeline(timeline, path, *, title=None, dpi=110):
     fig = Figure(figsize=(12, height), dpi=dpi)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
+    labels = []
     if lo is None or not lanes:
         ax.text(0.5, 0.5, "nothing was recorded", ha="center", va="center", transform=ax.transAxes)
         ax.set_yticks([])
@@ -56,11 +78,12 @@ def plot_timeline(timeline, path, *, title=None, dpi=110):
         for step, t in timeline.steps():
             if lo <= t <= hi:
                 ax.axvline(t - lo, color="black", linewidth=0.8, linestyle="--", alpha=0.7)
-                ax.text(t - lo, n - 0.45, f" step {step}", fontsize=7, va="bottom", ha="left")
+                labels.append(ax.text(t - lo, n - 0.45, f" step {step}", fontsize=7, va="bottom",
+                                      ha="left"))
     ax.set_xlabel("seconds since the start of the profile")
     ax.grid(axis="x", alpha=0.3)
     if title:
         ax.set_title(title, fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, format="png")
-    return path
+    _thin_labels(fig, labels)
+    return fig

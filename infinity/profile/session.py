@@ -43,12 +43,13 @@ def stats_delta(before, after):
 
 
 class ProfileSession:
-    def __init__(self, timeline, dir=None, stats_fn=None, *, ceilings=None, plot=True):
+    def __init__(self, timeline, dir=None, stats_fn=None, *, ceilings=None, plot=True, note=None):
         self.timeline = timeline
         self.dir = dir
         self.stats_fn = stats_fn
         self.ceilings = ceilings
         self.plot = plot
+        self.note = note          # e.g. "step 1 skipped as warm-up": shown with the steps covered
         self.summary = None
         self.paths = None
         self._before = None
@@ -74,7 +75,7 @@ class ProfileSession:
         if self.dir is not None:
             try:
                 self.paths = self.timeline.write(self.dir, ceilings=self.ceilings,
-                                                 counters=counters, plot=self.plot)
+                                                 counters=counters, plot=self.plot, note=self.note)
                 self.summary = self.paths["summary"]
             except Exception:
                 if exc_type is None:
@@ -82,5 +83,6 @@ class ProfileSession:
                 log.exception("profile: writing outputs to %s failed while handling %s",
                               self.dir, exc_type.__name__)
         else:
-            self.summary = self.timeline.summary(ceilings=self.ceilings, counters=counters)
+            self.summary = self.timeline.summary(ceilings=self.ceilings, counters=counters,
+                                                 note=self.note)
         return False

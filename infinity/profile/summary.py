@@ -234,8 +234,21 @@ def bottleneck_sentence(lane, fraction):
     return f"step is {LANE_LABELS[lane]} bound: {pct} % of step time"
 
 
-def summarize(timeline, *, ceilings=None, counters=None):
-    """Summary dict of a :class:`Timeline` (JSON-serialisable). See the module docstring."""
+def steps_covered(timeline):
+    """``{"first": a, "last": b, "count": n}`` of the step marks in the window, or None."""
+    lo, hi = timeline.window()
+    if lo is None:
+        return None
+    marks = [s for s, t in timeline.steps() if lo <= t <= hi]
+    if not marks:
+        return None
+    return {"first": marks[0], "last": marks[-1], "count": len(marks)}
+
+
+def summarize(timeline, *, ceilings=None, counters=None, note=None):
+    """Summary dict of a :class:`Timeline` (JSON-serialisable). See the module docstring.
+    ``note``: what the caller left out of the window (e.g. warm-up steps), shown with the
+    steps the profile covers."""
     lo, hi = timeline.window()
     ceil = load_ceilings(ceilings)
     all_counters = dict(timeline.counters())
@@ -245,7 +258,7 @@ def summarize(timeline, *, ceilings=None, counters=None):
            "links": {}, "compute": {}, "wait": {"total_s": 0.0, "fraction": 0.0, "by_layer": []},
            "prefetch": None, "bottleneck": {"lane": None, "fraction": 0.0,
                                             "sentence": "nothing was recorded"},
-           "steps": [], "ceilings_gbps": ceil}
+           "steps": [], "ceilings_gbps": ceil, "covers": steps_covered(timeline), "note": note}
     pc = prefetch_counts(all_counters)
     if pc is not None:
         hits, miss = pc
@@ -353,11 +366,22 @@ def _per_step(timeline, per_lane, wait_iv, lo, hi):
     return rows
 
 
+def _covers_text(c, count=True):
+    if not c:
+        return ""
+    if c["first"] == c["last"]:
+        return f"step {c['first']}"
+    return f"steps {c['first']}-{c['last']}" + (f" ({c['count']} step marks)" if count else "")
+
+
 def format_summary(s):
     """Human-readable text of a summary dict (what ``summary.txt`` holds)."""
     lines = [f"Profile of {s['window_s']:.3f} s ({s['events']} events"
-             + (f", {s['dropped_events']} dropped" if s.get("dropped_events") else "") + ")",
-             f"Bottleneck: {s['bottleneck']['sentence']}", ""]
+             + (f", {s['dropped_events']} dropped" if s.get("dropped_events") else "") + ")"]
+    covers = _covers_text(s.get("covers"))
+    if covers or s.get("note"):
+        lines.append("Covers: " + "; ".join(x for x in (covers, s.get("note")) if x))
+    lines += [f"Bottleneck: {s['bottleneck']['sentence']}", ""]
     if s["links"]:
         lines.append(f"{'link':<15}{'bytes':>14}{'busy s':>10}{'busy %':>8}{'exposed %':>11}{'GB/s':>9}"
                      f"{'ceiling':>9}{'of ceil':>9}")
@@ -394,7 +418,9 @@ def format_summary(s):
     elif p["hit_rate"] is None:
         lines.append("Prefetch hit rate: no fetches counted")
     else:
-        lines.append(f"Prefetch hit rate: {100 * p['hit_rate']:.1f} % "
+        span = _covers_text(s.get("covers"), count=False)
+        over = f" over {span}" if span else ""
+        lines.append(f"Prefetch hit rate: {100 * p['hit_rate']:.1f} %{over} "
                      f"({p['prefetched']} prefetched, {p['on_demand']} on demand)")
     if s["steps"]:
         lines.append("")

@@ -227,22 +227,24 @@ class Timeline:
         return min(starts), max(ends)
 
     # ------------------------------------------------------------------ outputs
-    def summary(self, *, ceilings=None, counters=None):
+    def summary(self, *, ceilings=None, counters=None, note=None):
         """The bandwidth/bottleneck summary dict (see :func:`infinity.profile.summary.summarize`)."""
         from .summary import summarize
-        return summarize(self, ceilings=ceilings, counters=counters)
+        return summarize(self, ceilings=ceilings, counters=counters, note=note)
 
-    def write(self, dir, *, ceilings=None, counters=None, plot=True):
+    def write(self, dir, *, ceilings=None, counters=None, plot=True, note=None):
         """Write ``trace.json``, ``timeline.png``, ``summary.json`` and ``summary.txt`` into ``dir``.
 
         ``dir`` is created if missing. ``ceilings`` is ``{"nvme_read": GB/s, "nvme_write": GB/s}``
         or the path of a saved ``infinity bench-io --sweep --save FILE`` JSON. ``counters``
         adds to the timeline's own counters (e.g. prefetch hits from ``engine.stats()``).
+        ``note`` says what the window leaves out (e.g. warm-up steps), printed with the steps
+        it covers.
         Returns ``{"trace": path, "plot": path|None, "summary_json": path,
         "summary_txt": path, "summary": dict}``.
         """
         from .writer import write_outputs
-        return write_outputs(self, dir, ceilings=ceilings, counters=counters, plot=plot)
+        return write_outputs(self, dir, ceilings=ceilings, counters=counters, plot=plot, note=note)
 
 
 #: A shared, permanently disabled timeline for call sites given ``timeline=None``.

@@ -33,7 +33,7 @@ def _atomic_write(path, data, mode="w"):
         raise
 
 
-def write_outputs(timeline, dir, *, ceilings=None, counters=None, plot=True):
+def write_outputs(timeline, dir, *, ceilings=None, counters=None, plot=True, note=None):
     """See :meth:`infinity.profile.Timeline.write`."""
     dir = os.fspath(dir)
     try:
@@ -43,7 +43,7 @@ def write_outputs(timeline, dir, *, ceilings=None, counters=None, plot=True):
                       "pass a writable directory") from e
     names = output_names(timeline.rank)
     paths = {k: os.path.join(dir, v) for k, v in names.items()}
-    summary = summarize(timeline, ceilings=ceilings, counters=counters)
+    summary = summarize(timeline, ceilings=ceilings, counters=counters, note=note)
     _atomic_write(paths["trace"], json.dumps(trace_dict(timeline), separators=(",", ":")))
     _atomic_write(paths["summary_json"], json.dumps(summary, indent=1, default=_jsonable))
     _atomic_write(paths["summary_txt"], format_summary(summary))

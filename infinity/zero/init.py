@@ -29,6 +29,7 @@ Init-built model tensor by tensor.
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import logging
 import os
@@ -45,7 +46,7 @@ from infinity.fsmode import makedirs
 log = logging.getLogger("infinity.zero")
 
 __all__ = ["Init", "InitRecord", "adopting", "is_managed", "materialized", "load_safetensors",
-           "managed_count"]
+           "managed_count", "nvme_need"]
 
 _RECORDS: dict[int, "InitRecord"] = {}
 _LOCK = threading.RLock()
@@ -131,7 +132,19 @@ class _InitStore:
         esize = torch.empty((), dtype=rec.dtype).element_size()
         nbytes = round_up(max(c * esize, 1), 4096)
         if rec.extent is None:
-            rec.extent = self.swap.allocate(nbytes)
+            try:
+                rec.extent = self.swap.allocate(nbytes)
+            except OSError as e:
+                if e.errno != errno.ENOSPC:
+                    raise
+                from infinity.memory.plan import _mb
+                raise OSError(errno.ENOSPC, f"infinity.Init: the NVMe swap in "
+                              f"{', '.join(self.swap.paths)} is full after {_mb(self.bytes_written)} "
+                              f"of parameters, and the model being built needs more (then the "
+                              f"engine needs its own swap on top); free space or choose a larger "
+                              f"offload.nvme_paths entry. To fail before building: "
+                              f"Init(config, nvme_need=nvme_need(model_on_meta, config)) with "
+                              f"nvme_need from infinity.zero.init ({e})") from e
         raw = aligned_buffer(nbytes)
         raw[c * esize:].zero_()
         raw[: c * esize].view(rec.dtype).copy_(mine)
@@ -324,13 +337,60 @@ def load_safetensors(model: nn.Module, files, *, strict: bool = True, resolve=No
 
 
 # ---------------------------------------------------------------------- the context
+def _build_groups():
+    try:                                   # after the engine restructure
+        from infinity.runtime.groups import build_groups
+    except ImportError:
+        from infinity.zero.groups import build_groups
+    return build_groups
+
+
+def nvme_need(model: nn.Module, config=None, *, world_size: int = 1) -> dict:
+    """NVMe bytes one rank needs to build ``model`` under ``Init(config)`` and then
+    ``initialize`` it: ``{"Init copy of the parameters": ..., "engine param home": ...,
+    "engine optimizer states": ...}`` (plus "engine fp32 gradients" when they spill).
+    ``model`` may live on the ``meta`` device (only shapes and dtypes are read), so the
+    check can run before anything is built or written.  The Init copy and the engine's
+    swap coexist while ``initialize`` adopts the parameters, so the sum is the peak."""
+    from infinity.config import InfinityConfig
+    from infinity.memory.plan import PlacementPlan
+    from infinity.memory.pool import round_up
+    cfg = InfinityConfig.load(config)
+    out: dict[str, int] = {}
+    if cfg.offload.params == "nvme":
+        init = 0
+        seen = set()
+        for p in model.parameters():
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            c = -(-max(p.numel(), 1) // world_size)
+            init += round_up(max(c * p.element_size(), 1), 4096)
+        out["Init copy of the parameters"] = init
+    if cfg.offload.params != "nvme" and cfg.offload.optimizer != "nvme":
+        return out
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.precision]
+    home = {"none": "device", "cpu": "cpu", "nvme": "nvme"}[cfg.offload.params]
+    gp = _build_groups()(model, dtype, home, world_size=world_size)
+    plan = PlacementPlan(cfg.precision, home, cfg.offload.optimizer, cfg.prefetch.depth,
+                         gp.groups, None, None).compute(cfg.gradient_accumulation_steps)
+    for k, v in plan.nvme.items():
+        out[f"engine {k}"] = v // max(1, world_size)
+    return out
+
+
 class Init:
     """Context manager: modules built inside have their parameters in their offloaded
-    home (see module doc).  ``config``: dict, JSON/YAML path, InfinityConfig or None."""
+    home (see module doc).  ``config``: dict, JSON/YAML path, InfinityConfig or None.
+    ``nvme_need``: bytes (or a dict of named parts, e.g. from :func:`nvme_need` over the
+    model built on ``meta``) the whole plan needs on the NVMe paths; with params homed on
+    NVMe, entering checks that much free space before anything is written and raises
+    ``OSError(ENOSPC)`` naming the total and the path otherwise."""
 
-    def __init__(self, config=None, *, enabled: bool = True):
+    def __init__(self, config=None, *, enabled: bool = True, nvme_need=None):
         from infinity.config import InfinityConfig
         self.cfg = InfinityConfig.load(config)
+        self.nvme_need = nvme_need
         self.enabled = bool(enabled)
         self.store: _InitStore | None = None
         self._patched: list[tuple[type, object]] = []
@@ -356,6 +416,8 @@ class Init:
             rank, world = 0, 1
             if dist.is_available() and dist.is_initialized():
                 rank, world = dist.get_rank(), dist.get_world_size()
+            if self.nvme_need and self.cfg.offload.params == "nvme":
+                self._check_free_space()
             self.store = _InitStore(self.cfg.offload.params, self.cfg, rank, world)
             try:
                 self._patch()
@@ -384,6 +446,25 @@ class Init:
             if self.store is not None:
                 self.store.context_open = False
                 self.store.maybe_close()
+
+    def _check_free_space(self) -> None:
+        from infinity.memory.plan import check_nvme_free
+        parts = dict(self.nvme_need) if isinstance(self.nvme_need, dict) else None
+        need = sum(parts.values()) if parts else int(self.nvme_need)
+        ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)   # ranks sharing the paths
+        if ranks > 1:
+            need *= ranks
+            parts = {f"{k} x {ranks} local ranks": v * ranks for k, v in parts.items()} \
+                if parts else None
+        from infinity.memory.plan import nvme_dirs_ok, remove_if_empty
+        paths = list(self.cfg.offload.nvme_paths)
+        # a path that cannot be created fails here with its own error, not as "0 B free"
+        created = nvme_dirs_ok(paths)
+        try:
+            check_nvme_free(paths, need, what="infinity.Init: building and initializing this "
+                            "model", parts=parts, hint="offload.nvme_paths / --nvme-path")
+        finally:
+            remove_if_empty(sorted(created, key=len, reverse=True))   # as found
 
     # ------------------------------------------------------------------ patching
     def _all_module_classes(self):

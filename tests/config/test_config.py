@@ -302,3 +302,15 @@ def test_nonfinite_grads_default_and_values():
     hi = max_aio_threads()
     assert InfinityConfig.from_dict({"aio": {"threads": hi}}).aio.threads == hi
     assert InfinityConfig.from_dict({"gradient_accumulation_steps": 1 << 20}).gradient_accumulation_steps == 1 << 20
+
+
+@pytest.mark.parametrize("key,bad,example", [
+    ("prefetch.depth", "2", "such as 2"),          # not "such as 0", which turns prefetch off
+    ("aio.queue_depth", "deep", "such as 32"),
+    ("aio.block_size", "1M", "such as 1048576"),
+])
+def test_int_hint_suggests_a_sensible_value(key, bad, example):
+    from infinity.config import ConfigError, InfinityConfig
+    section, name = key.split(".")
+    with pytest.raises(ConfigError, match=f"{key}: expected an integer.*{example}$"):
+        InfinityConfig.load({section: {name: bad}})

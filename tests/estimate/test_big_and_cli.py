@@ -72,7 +72,8 @@ def test_cli_text_and_errors(capsys, tmp_path):
     bench = tmp_path / "bench.json"
     bench.write_text(json.dumps({"results": [{"read_gbps": 2.0, "write_gbps": 1.0}]}))
     rc = main(["estimate", "--params", "125M", "--layers", "12", "--hidden", "768", "--gpus", "0",
-               "--host-mem", "24", "--nvme-gb", "100", "--bench-io", str(bench), "--only", "nvme/nvme"])
+               "--host-mem", "24", "--nvme-gb", "100", "--bench-io", str(bench), "--only", "nvme/nvme",
+               "--explain"])
     out = capsys.readouterr().out
     assert rc == 0 and "== params=nvme, optimizer=nvme ==" in out and "Verdict:" in out
     assert "(2 GB/s read, 1 GB/s write)" in out
@@ -113,3 +114,38 @@ def test_model_factory_on_meta_device(tmp_path, capsys):
                "--host-mem", "16", "--nvme-gb", "10", "--json"])
     assert rc == 0
     assert json.loads(capsys.readouterr().out)["model"]["params"] == n_ref
+
+
+SMALL = ["estimate", "--params", "125M", "--layers", "12", "--hidden", "768", "--gpus", "0",
+         "--host-mem", "24", "--nvme-gb", "100"]
+
+
+def test_cli_default_is_the_brief_table_and_explain_adds_the_derivation(capsys):
+    assert main(SMALL) == 0
+    brief = capsys.readouterr().out
+    assert "Verdict:" in brief and "params optim" in brief
+    assert "==" not in brief and "Notation:" not in brief and "derivation: --explain" in brief
+    assert len(brief.splitlines()) < 30
+    assert main(SMALL + ["--brief"]) == 0           # still accepted: the same output
+    assert capsys.readouterr().out == brief
+    assert main(SMALL + ["--explain"]) == 0
+    full = capsys.readouterr().out
+    assert full.startswith(brief.split("(per-configuration")[0].rstrip("\n"))
+    assert "== params=nvme, optimizer=nvme ==" in full and "Notation:" in full
+    assert len(full.splitlines()) > 100
+    # a phase with nothing offloaded reads as English, not "0 s, none-bound"
+    assert "none-bound" not in full
+    assert "optimizer: 0 s (Adam runs on the device" in full
+    assert "CPU Adam-bound" in full and "cpu_adam" not in full
+
+
+def test_cli_params_alone_says_which_flags_to_add(capsys):
+    assert main(["estimate", "--params", "70B"]) == 2
+    err = capsys.readouterr().err
+    assert "--params 70B is not enough" in err and "add --layers L --hidden H" in err
+    assert "--layers 80 --hidden 8192" in err and "--model-factory" in err
+    assert main(["estimate", "--params", "7B", "--layers", "32"]) == 2
+    err = capsys.readouterr().err
+    assert "add --hidden H" in err and "add --layers" not in err and "--hidden 4096" in err
+    assert main(["estimate"]) == 2
+    assert "describe the model: add --params N --layers L --hidden H" in capsys.readouterr().err

@@ -139,3 +139,24 @@ def test_batcher_rank_shards_are_disjoint_and_cover_the_global_batch():
 def test_batcher_too_little_data():
     with pytest.raises(DataError, match="fewer than one sequence"):
         TokenBatcher(["abc"], ByteTokenizer(), seq_len=64, batch_size=1)
+
+
+@pytest.mark.parametrize("content", [b"\0" * 4096, b"\0\x01\x02\x03\n" * 100, b"\n\0\t" * 50,
+                                     b"real words " + b"\0" * 200])
+def test_file_without_text_is_refused_like_binary(tmp_path, content):
+    """Valid UTF-8 that holds no text (NUL-filled, control characters, mostly NUL) is refused
+    with the binary-file advice, not trained on."""
+    f = tmp_path / "zeros.txt"
+    f.write_bytes(content)
+    with pytest.raises(DataError, match=r"binary file.*pass a UTF-8 text file"):
+        load_texts(str(f))
+    j = tmp_path / "zeros.jsonl"
+    j.write_text(json.dumps({"text": content.decode()}) + "\n")
+    with pytest.raises(DataError, match="binary file"):
+        load_texts(str(j))
+
+
+def test_text_with_a_stray_nul_is_accepted(tmp_path):
+    f = tmp_path / "ok.txt"
+    f.write_bytes(b"To be, or not to be: that is the question.\n" * 10 + b"\0")
+    assert load_texts(str(f))[0].startswith("To be")

@@ -145,11 +145,11 @@ def test_torchrun_two_ranks_rank0_prints_and_data_is_sharded(tmp_path, tiny_conf
     model = tiny_config("llama")
     common = ["--model", model, "--steps", "3", "--seq-len", "64", "--json"]
     single = ft.run(*common, "--batch-tokens", "256", "--nvme-path", str(tmp_path / "s1"),
-                    cwd=tmp_path)
+                    "--output", str(tmp_path / "out1"), cwd=tmp_path)
     assert single.returncode == 0, single.stderr[-3000:]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
            "-m", "infinity", "finetune", *common, "--batch-tokens", "128",
-           "--nvme-path", str(tmp_path / "s2")]
+           "--nvme-path", str(tmp_path / "s2"), "--output", str(tmp_path / "out2")]
     r = subprocess.run(cmd, cwd=tmp_path, env=ft.env(), capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     recs = _json_lines(r.stdout)
@@ -158,6 +158,14 @@ def test_torchrun_two_ranks_rank0_prints_and_data_is_sharded(tmp_path, tiny_conf
     ref = _json_lines(single.stdout)
     assert [x["loss"] for x in recs] == pytest.approx([x["loss"] for x in ref], rel=2e-4)
     assert ft.files_under(tmp_path / "s2") == []
+    # --output at world size 2: every rank gathers, rank 0 writes the same model
+    import torch
+    from safetensors.torch import load_file
+    one, two = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("out1", "out2"))
+    assert sorted(one) == sorted(two)
+    for k in one:
+        assert torch.allclose(one[k], two[k], rtol=1e-3, atol=1e-5), k
+    assert sorted(os.listdir(tmp_path / "out1")) == sorted(os.listdir(tmp_path / "out2"))
 
 
 @pytest.mark.slow

@@ -102,6 +102,30 @@ def test_profile_dir_gets_a_trace_and_a_plot(tmp_path, tiny_config):
     for lane in ("nvme_read", "nvme_write", "forward", "backward", "optimizer"):
         assert lane in lanes, (lane, sorted(x for x in lanes if x))
     assert [p.name for p in swap.rglob("*") if p.is_file()] == ["bench-io.json"]
+    # 2 steps, --profile-skip 1 (the default): only step 2 is in the profile, and it says so
+    # (the engine marks the end of each optimizer step; the loop adds no second mark)
+    assert [(r["step"], r.get("before_step")) for r in summary["steps"]][:1] == [(None, 2)]
+    assert all(r["step"] in (None, 2) for r in summary["steps"])
+    assert summary["covers"] == {"first": 2, "last": 2, "count": 1}
+    text = next(prof.glob("summary*.txt")).read_text()
+    assert "Covers: step 2; step 1 left out as warm-up (--profile-skip 1" in text
+
+
+def test_profile_skip_leaves_warm_up_steps_out(tmp_path, tiny_config):
+    """--profile-skip 0 keeps step 1 (all on-demand fetches: a lower hit rate); the default
+    leaves it out, so the hit rate covers steps 2.. and the summary names them."""
+    hit = {}
+    for skip in (0, 1):
+        prof = tmp_path / f"prof{skip}"
+        _run(tmp_path, "swap", model=tiny_config("llama"), steps=3, batch_tokens=128,
+             profile=str(prof), profile_skip=skip)
+        s = json.loads(next(prof.glob("summary*.json")).read_text())
+        assert s["covers"]["first"] == 1 + skip and s["covers"]["last"] == 3
+        hit[skip] = s["prefetch"]["hit_rate"]
+        text = next(prof.glob("summary*.txt")).read_text()
+        assert f"over steps {1 + skip}-3" in text
+        assert ("left out as warm-up" in text) == (skip == 1)
+    assert hit[1] > hit[0], hit
 
 
 def _save_bpe_tokenizer(directory, texts, vocab_size=300):

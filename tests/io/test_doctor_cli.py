@@ -122,3 +122,57 @@ def test_doctor_transparent_huge_pages_modes(tmp_path):
         assert ok or ("echo madvise >" in c["fix"] and "never" in c["detail"])
     c = _thp_check(str(tmp_path / "missing"))
     assert c["ok"] and "cannot read" in c["detail"]
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mnt)],
+                       capture_output=True, text=True)
+    if r.returncode:
+        pytest.skip(f"cannot mount tmpfs here: {r.stderr.strip()}")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+def _doctor(args, capsys):
+    import argparse
+
+    from infinity.cli import doctor
+    p = argparse.ArgumentParser()
+    doctor.register(p.add_subparsers())
+    ns = p.parse_args(["doctor", *args])
+    rc = ns.func(ns)
+    out = capsys.readouterr().out
+    return rc, next(line for line in out.splitlines() if "free space" in line), out
+
+
+def test_doctor_free_space_against_need_and_readable_sizes(small_tmpfs, capsys):
+    """16 MB free: judged against --need (not a fixed 10 GB) and printed as MB, not '0.0 GB'."""
+    swap = str(small_tmpfs / "swap")
+    rc, line, _ = _doctor(["--nvme-path", swap, "--need", "10MB"], capsys)
+    assert line.startswith("[ok  ]"), line
+    assert "16.8 MB free" in line and "10.0 MB needed" in line and "0.0 GB" not in line
+    rc, line, out = _doctor(["--path", swap, "--need", "20GB"], capsys)   # --path: the alias
+    assert rc == 1 and line.startswith("[FAIL]") and "20.0 GB needed" in line
+    assert "fix: free 20.0 GB there" in out or "fix: free 19.9 GB there" in out
+
+
+def test_doctor_default_need_is_what_finetune_defaults_need(small_tmpfs, capsys):
+    from infinity.cli.doctor import finetune_default_need
+    from infinity.io.doctor import format_bytes
+    need = finetune_default_need()
+    # tiny-llama (5.13 M params) with params + optimizer on NVMe: Init copy 4 B + param home
+    # 4 B + Adam m, v 8 B per parameter, page-rounded per parameter/group
+    assert 16 * 5_128_000 <= need < 16 * 5_128_000 * 1.02
+    rc, line, _ = _doctor(["--nvme-path", str(small_tmpfs)], capsys)
+    assert rc == 1 and line.startswith("[FAIL]")
+    assert f"{format_bytes(need)} needed (by `infinity finetune` with its defaults" in line
+
+
+def test_bench_io_takes_nvme_path(tmp_path, capsys):
+    r = _run_inproc(["bench-io", "--nvme-path", str(tmp_path / "s"), "--size-mb", "1",
+                     "--repeats", "1", "--json"], capsys)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["size_bytes"] == 1 << 20

@@ -95,3 +95,40 @@ def test_failed_output_write_leaves_no_temp_file(tmp_path):
     assert list(tmp_path.iterdir()) == []
     _atomic_write(str(target), "fine")
     assert target.read_text() == "fine" and [p.name for p in tmp_path.iterdir()] == ["summary.txt"]
+
+
+def test_step_labels_in_the_png_do_not_overlap():
+    """40 short steps across the plot: every step keeps its line, the labels shown are legible
+    (no two overlap), the first is shown, and short steps leave some labels out."""
+    from infinity.profile.plot import build_figure
+    tl = Timeline(enabled=True, rank=0)
+    base = 50.0
+    with tl._lock:
+        tl._steps.extend([(i + 1, base + 0.05 * i) for i in range(40)])
+    for i in range(40):
+        tl.add("forward", "m", base + 0.05 * i, base + 0.05 * i + 0.03)
+    tl.enabled = False
+    fig = build_figure(tl)
+    ax = fig.axes[0]
+    r = fig.canvas.get_renderer()
+    labels = [t for t in ax.texts if t.get_text().strip().startswith("step")]
+    assert len(labels) == 40 and len(ax.lines) == 40
+    shown = [t for t in labels if t.get_visible()]
+    assert shown[0] is labels[0] and 3 <= len(shown) < 40
+    boxes = sorted((t.get_window_extent(r) for t in shown), key=lambda b: b.x0)
+    for a, b in zip(boxes, boxes[1:]):
+        assert a.x1 <= b.x0, (a, b)
+    # few long steps: every label is shown
+    tl2 = synthetic()
+    fig2 = build_figure(tl2)
+    assert all(t.get_visible() for t in fig2.axes[0].texts)
+
+
+def test_summary_names_the_steps_it_covers():
+    from infinity.profile.summary import format_summary
+    tl = synthetic()
+    s = tl.summary(counters={"prefetched": 9, "on_demand": 1}, note="step 0 left out as warm-up")
+    assert s["covers"] == {"first": 1, "last": 2, "count": 2}
+    text = format_summary(s)
+    assert "Covers: steps 1-2 (2 step marks); step 0 left out as warm-up" in text
+    assert "Prefetch hit rate: 90.0 % over steps 1-2" in text
