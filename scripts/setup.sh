@@ -77,7 +77,10 @@ STAMP=.setup-stamp
 if [ ! -f "$STAMP" ] || [ pyproject.toml -nt "$STAMP" ] || [ setup.py -nt "$STAMP" ]; then
     log "installing build tools and dependencies"
     "${PIP[@]}" install "setuptools>=64" wheel "pybind11>=2.10" pytest
-    "${PIP[@]}" install --no-build-isolation -e . >&2
+    # the test extra (trl, peft, accelerate, datasets for tests/integrations): torch is
+    # already installed above, so the resolver keeps it (never a CUDA wheel on a CPU box)
+    "${PIP[@]}" install --no-build-isolation -e ".[test]" >&2
+    "$VPY" -c "import torch, sys; v = torch.__version__; print('[setup] torch', v, file=sys.stderr)"
     touch "$STAMP"
 fi
 
