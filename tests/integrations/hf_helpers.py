@@ -71,3 +71,23 @@ def losses(trainer):
 
 def log_values(trainer, key):
     return [h[key] for h in trainer.state.log_history if key in h and "loss" in h]
+
+
+TEXTS = ["the cat sat on the mat", "a dog ran in the park", "offload to nvme and train",
+         "small models train fast", "hello world from infinity", "one two three four five",
+         "zero stage three shards", "gradients flow backwards"] * 2
+
+
+def char_tokenizer():
+    """A character-level fast tokenizer built in memory (no hub): ids < VOCAB."""
+    import string
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    chars = ["<pad>", "<eos>", "<unk>"] + list(string.ascii_lowercase + " .,!?")
+    vocab = {c: i for i, c in enumerate(chars)}
+    assert len(vocab) <= VOCAB
+    tk = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    return PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", eos_token="<eos>",
+                                   unk_token="<unk>")
