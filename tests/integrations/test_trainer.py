@@ -206,17 +206,21 @@ def test_evaluate_predict_callbacks_and_gradient_checkpointing(tmp_path, swap_di
         tr.close()
 
 
-def test_bf16(tmp_path, swap_dir, plain_run):
-    """bf16: the engine computes in bf16 with fp32 masters (DeepSpeed's bf16, not autocast):
-    losses follow the fp32 run within bf16 rounding."""
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_low_precision(tmp_path, swap_dir, plain_run, precision):
+    """bf16/fp16: the engine computes in that dtype with fp32 masters (DeepSpeed's mixed
+    precision, not autocast; fp16 with dynamic loss scaling): losses follow the fp32 run
+    within the dtype's rounding."""
     ref = plain_run()
-    tr = InfinityTrainer(model=H.gpt2(), args=H.args(tmp_path / "inf", bf16=True),
+    tr = InfinityTrainer(model=H.gpt2(), args=H.args(tmp_path / "inf", **{precision: True}),
                          train_dataset=H.TokenData(), infinity_config=H.nvme_config(swap_dir))
     try:
         tr.train()
-        assert tr.engine.cfg.precision == "bf16"
+        assert tr.engine.cfg.precision == precision
+        assert tr.engine.stats()["skipped_steps"] == 0
         a, b = H.losses(tr), H.losses(ref)
         assert len(a) == 10 and all(_rel(x, y) < 2e-2 for x, y in zip(a, b)), (a, b)
+        assert a != b                                  # really computed in low precision
     finally:
         tr.close()
 
