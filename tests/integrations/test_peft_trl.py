@@ -92,6 +92,7 @@ def test_sft_trainer_with_lora(tmp_path, swap_dir):
     assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer.json"} <= files
 
 
+@pytest.mark.slow
 def test_sft_trainer_full_model(tmp_path, swap_dir):
     trl = pytest.importorskip("trl")
     datasets = pytest.importorskip("datasets")
