@@ -257,14 +257,15 @@ class InfinityTrainerMixin:
     # ------------------------------------------------------------------ one micro-batch
     def training_step(self, model, inputs, num_items_in_batch=None):
         eng = self._ensure_engine()
-        gas = eng.gas
-        boundary = (eng.micro_steps + 1) % gas == 0
+        gas = eng.cfg.gradient_accumulation_steps
+        micro = int(eng.stats()["micro_step"])
+        boundary = (micro + 1) % gas == 0
         sync = getattr(self.accelerator, "sync_gradients", boundary)
         if sync != boundary:
             raise RuntimeError(
                 f"InfinityTrainer: the Trainer's optimizer step ({'now' if sync else 'later'}) and "
                 f"the engine's accumulation boundary (every {gas} micro-batches; this is micro-batch "
-                f"{eng.micro_steps % gas + 1}) disagree: an epoch's batch count must be a multiple "
+                f"{micro % gas + 1}) disagree: an epoch's batch count must be a multiple "
                 f"of gradient_accumulation_steps (set dataloader_drop_last=True and a dataset "
                 f"size that divides, or max_steps)")
         # the plain Trainer differentiates ``loss`` as returned by its own training_step
@@ -283,7 +284,10 @@ class InfinityTrainerMixin:
         eng.backward(captured["loss"] * gas if gas != 1 else captured["loss"])
         if boundary:
             self._last_lrs = [pg["lr"] for pg in self._box.target.param_groups]
-        eng.step()
+        applied = eng.step()
+        if boundary and not applied and not self.args.fp16:   # fp16: an overflow skips it
+            raise RuntimeError("InfinityTrainer: the engine did not apply the update at the "
+                               "Trainer's optimizer step (internal error)")
         return loss
 
     # ------------------------------------------------------------------ evaluation
@@ -327,7 +331,8 @@ class InfinityTrainerMixin:
         if should:
             os.makedirs(output_dir, exist_ok=True)
         model = self.model
-        if self._in_checkpoint:
+        if self._in_checkpoint and not self.args.save_only_model:
+            # infinity's checkpoint (written next) holds the weights: only the config here
             cfg = getattr(model, "config", None)
             if should and cfg is not None and hasattr(cfg, "save_pretrained"):
                 cfg.save_pretrained(output_dir)

@@ -279,3 +279,42 @@ def test_uneven_accumulation_is_a_clear_error(tmp_path, swap_dir):
             tr.train()
     finally:
         tr.close()
+
+
+def test_save_only_model_checkpoints_hold_weights(tmp_path, swap_dir):
+    tr = InfinityTrainer(model=H.gpt2(), args=H.args(tmp_path / "o", max_steps=2, save_steps=2,
+                                                     save_strategy="steps", save_only_model=True),
+                         train_dataset=H.TokenData(), infinity_config=H.nvme_config(swap_dir))
+    try:
+        tr.train()
+        want = dict(tr.engine.state_dict())
+    finally:
+        tr.close()
+    ck = tmp_path / "o" / "checkpoint-2"
+    assert "infinity" not in os.listdir(ck)
+    m = transformers.AutoModelForCausalLM.from_pretrained(str(ck))
+    for n, p in m.named_parameters():
+        assert torch.equal(p.detach(), want[n]), n
+
+
+def test_config_forms(tmp_path, swap_dir):
+    """infinity_config as a YAML path and as an InfinityConfig (whose non-default values
+    count as explicit)."""
+    import yaml
+
+    from infinity.config import InfinityConfig
+    from infinity.integrations.trainer_config import resolve_trainer_config
+    args = H.args(tmp_path / "o")
+    p = tmp_path / "cfg.yaml"
+    p.write_text(yaml.safe_dump(H.nvme_config(swap_dir, prefetch={"depth": 3})))
+    cfg, sched = resolve_trainer_config(str(p), args, model=H.gpt2())
+    assert sched is None and cfg.prefetch.depth == 3 and cfg.offload.params == "nvme"
+    assert cfg.optimizer.lr == 3e-3 and cfg.optimizer.weight_decay == 0.1
+    assert cfg.gradient_accumulation_steps == 2 and cfg.gradient_clipping == 1.0
+    pg = cfg.optimizer.param_groups
+    assert len(pg) == 1 and pg[0]["weight_decay"] == 0.0 and cfg.optimizer.no_decay == []
+    assert len(pg[0]["params"]) == 2 * 8 + 2   # per layer: ln_1, ln_2 (w, b), 4 biases; ln_f
+    cfg, _ = resolve_trainer_config(InfinityConfig.from_dict(H.nvme_config(swap_dir)), args)
+    assert cfg.offload.optimizer == "nvme"
+    with pytest.raises(ConfigError, match="optimizer.eps=1e-06 vs TrainingArguments adam_epsilon"):
+        resolve_trainer_config(InfinityConfig.from_dict({"optimizer": {"eps": 1e-6}}), args)
