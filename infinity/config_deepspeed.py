@@ -14,7 +14,8 @@ from infinity.config import (OFFLOAD_HOMES, ConfigError, OptimizerConfig, _float
 
 log = logging.getLogger("infinity.config")
 
-__all__ = ["deepspeed_to_dict", "fill_auto", "DS_AUTO_KEYS", "DS_IGNORED_TOP_KEYS", "DS_IGNORED_ZERO_KEYS",
+__all__ = ["deepspeed_to_dict", "fill_auto", "DS_AUTO_KEYS", "DS_IGNORED_TOP_KEYS",
+           "DS_IGNORED_ZERO_KEYS",
            "DS_IGNORED_OFFLOAD_KEYS", "DS_IGNORED_AIO_KEYS"]
 
 # Keys that only tune DeepSpeed's own buffers/overlap: accepted, ignored, listed in one log.
@@ -56,10 +57,11 @@ def _ds_find_auto(obj: Any, prefix: str = "") -> None:
         for i, v in enumerate(obj):
             _ds_find_auto(v, f"{prefix}[{i}]")
     elif isinstance(obj, str) and obj.strip().lower() == "auto":
-        raise _ds_err(prefix, '"auto" is filled in from the Hugging Face TrainingArguments: pass '
-                              'them (InfinityConfig.from_deepspeed(cfg, training_args=args), or use '
-                              'infinity.integrations.transformers.InfinityTrainer), or replace it '
-                              'with a concrete value (or delete the key to use the default)')
+        raise _ds_err(prefix, '"auto" is filled in from the Hugging Face TrainingArguments: '
+                              'pass them (InfinityConfig.from_deepspeed(cfg, '
+                              'training_args=args), or use infinity.integrations.transformers.'
+                              'InfinityTrainer), or replace it with a concrete value (or '
+                              'delete the key to use the default)')
 
 
 # Every "auto" the Hugging Face Trainer's DeepSpeed integration fills

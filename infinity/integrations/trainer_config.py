@@ -152,6 +152,7 @@ def resolve_trainer_config(infinity_config, args, *, num_training_steps: int | N
         "gradient_clipping": (float(args.max_grad_norm or 0.0), "max_grad_norm"),
         "precision": (_precision(args), "bf16/fp16"),
     }
+    sched_name = getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)
     bad = []
     for key, (hf_val, hf_name) in owned.items():
         v = _get(explicit, key)
@@ -162,8 +163,8 @@ def resolve_trainer_config(infinity_config, args, *, num_training_steps: int | N
                       "(get_decay_parameter_names: biases and norms)"),
                      ("optimizer.param_groups", "the Trainer's two parameter groups (decay / "
                       "no decay)"),
-                     ("scheduler", f"lr_scheduler_type={getattr(args.lr_scheduler_type, 'value', args.lr_scheduler_type)!r}, "
-                      f"warmup_steps/warmup_ratio")):
+                     ("scheduler", f"lr_scheduler_type={sched_name!r}, warmup_steps/"
+                      f"warmup_ratio")):
         v = _get(explicit, key)
         if v:
             bad.append(f"- {source} {key}={v!r} vs TrainingArguments {why}")

@@ -201,7 +201,8 @@ class InfinityTrainerMixin:
                 return orig_clip(parameters, max_norm, norm_type=norm_type)
             return torch.tensor(float(trainer.engine.stats()["grad_norm"]))
 
-        acc.prepare, acc.prepare_model, acc.clip_grad_norm_ = prepare, prepare_model, clip_grad_norm_
+        acc.prepare, acc.prepare_model = prepare, prepare_model
+        acc.clip_grad_norm_ = clip_grad_norm_
 
     def _move_model_to_device(self, model, device):
         if _has_init_params(model):      # built under infinity.Init: the engine places it
@@ -241,8 +242,9 @@ class InfinityTrainerMixin:
                                                             float(self.args.learning_rate)))
             else:
                 from transformers import get_scheduler
+                warm = self.args.get_warmup_steps(num_training_steps)
                 inner = get_scheduler(self.args.lr_scheduler_type, optimizer=target,
-                                      num_warmup_steps=self.args.get_warmup_steps(num_training_steps),
+                                      num_warmup_steps=warm,
                                       num_training_steps=num_training_steps,
                                       scheduler_specific_kwargs=self.args.lr_scheduler_kwargs)
             if isinstance(inner, torch.optim.lr_scheduler.ReduceLROnPlateau):
@@ -264,8 +266,8 @@ class InfinityTrainerMixin:
         if sync != boundary:
             raise RuntimeError(
                 f"InfinityTrainer: the Trainer's optimizer step ({'now' if sync else 'later'}) and "
-                f"the engine's accumulation boundary (every {gas} micro-batches; this is micro-batch "
-                f"{micro % gas + 1}) disagree: an epoch's batch count must be a multiple "
+                f"the engine's accumulation boundary (every {gas} micro-batches; this is "
+                f"micro-batch {micro % gas + 1}) disagree: an epoch's batch count must be a multiple "
                 f"of gradient_accumulation_steps (set dataloader_drop_last=True and a dataset "
                 f"size that divides, or max_steps)")
         # the plain Trainer differentiates ``loss`` as returned by its own training_step

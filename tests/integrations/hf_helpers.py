@@ -18,7 +18,8 @@ SEQ = 12
 def gpt2(seed=0, **kw):
     import transformers
     cfg = transformers.GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2,
-                                  n_head=4, bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                  n_head=4, bos_token_id=0, eos_token_id=0, resid_pdrop=0.0,
+                                  embd_pdrop=0.0, attn_pdrop=0.0,
                                   use_cache=False, **kw)
     torch.manual_seed(seed)
     return transformers.GPT2LMHeadModel(cfg)
