@@ -357,9 +357,10 @@ class InfinityTrainerMixin:
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         if not os.path.isdir(os.path.join(resume_from_checkpoint, CHECKPOINT_TAG)):
             raise ConfigError(f"InfinityTrainer: {resume_from_checkpoint} holds no infinity "
-                              f"checkpoint ({CHECKPOINT_TAG}/); it was not written by "
-                              f"InfinityTrainer (to start from plain weights, load them into "
-                              f"the model and train without resume_from_checkpoint)")
+                              f"checkpoint ({CHECKPOINT_TAG}/): a plain Trainer's, or one saved "
+                              f"with save_only_model=True, has no optimizer state to resume "
+                              f"(to start from its weights, load them into the model and train "
+                              f"without resume_from_checkpoint)")
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         if checkpoint is None:
