@@ -152,3 +152,28 @@ def test_ds_config_contradiction_at_train(tmp_path):
             tr.train()
     finally:
         tr.close()
+
+
+def test_ds_schedule_factors():
+    """The DeepSpeed schedules the Trainer path uses, against DeepSpeed's formulas (as
+    transcribed in tests/config/test_deepspeed.py): WarmupDecayLR (linear and log warmup,
+    warmup clamped to >= 2) and WarmupCosineLR (cosine phase at it - warm + 1)."""
+    from infinity.integrations.trainer_config import ds_schedule_lambda
+    lr = 2e-4
+    f = ds_schedule_lambda({"type": "WarmupDecayLR", "params": {
+        "warmup_min_lr": 0, "warmup_max_lr": lr, "warmup_num_steps": 7, "total_num_steps": 40,
+        "warmup_type": "linear"}}, lr)
+    for it in range(45):
+        g = it / 7 if it < 7 else max(0.0, (40 - it) / 33)
+        assert f(it) == pytest.approx(g, abs=1e-12)
+    f = ds_schedule_lambda({"type": "WarmupLR", "params": {"warmup_num_steps": 1,
+                                                           "warmup_max_lr": lr}}, lr)
+    assert [f(i) for i in range(3)] == pytest.approx([0.0, math.log(2) / math.log(2), 1.0])
+    f = ds_schedule_lambda({"type": "WarmupCosineLR", "params": {
+        "total_num_steps": 100, "warmup_num_steps": 10, "cos_min_ratio": 0.1,
+        "warmup_type": "linear"}}, lr)
+    for it in range(100):
+        want = it / 10 if it < 10 else 0.1 + 0.9 * (1 + math.cos(math.pi * (it - 10 + 1) / 90)) / 2
+        assert f(it) == pytest.approx(want, abs=1e-12)
+    with pytest.raises(ConfigError, match="OneCycle"):
+        ds_schedule_lambda({"type": "OneCycle", "params": {}}, lr)
