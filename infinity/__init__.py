@@ -5,6 +5,7 @@ Public API (see docs/architecture.md)::
     import infinity
     engine = infinity.initialize(model, config)
     with infinity.Init(config): model = build()
+    with infinity.GatheredParameters(params, modifier_rank=0): edit(params)
     infinity.estimate(...)
 """
 import logging as _logging
@@ -18,6 +19,7 @@ _LAZY = {
     "Engine": ("infinity.engine", "Engine"),
     "InfinityConfig": ("infinity.config", "InfinityConfig"),
     "Init": ("infinity.zero.init", "Init"),
+    "GatheredParameters": ("infinity.zero.gathered", "GatheredParameters"),
     "estimate": ("infinity.estimate", "estimate"),
 }
 

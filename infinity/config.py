@@ -509,7 +509,8 @@ class InfinityConfig:
 
     @classmethod
     def from_deepspeed(cls, ds: Mapping | str | os.PathLike, *,
-                       approximate_schedules: bool = False) -> "InfinityConfig":
+                       approximate_schedules: bool = False, training_args=None,
+                       num_training_steps: int | None = None, model=None) -> "InfinityConfig":
         """Translate a DeepSpeed config (dict or JSON/YAML path).
 
         Keys infinity honours are mapped; tuning-only keys are ignored (one info log
@@ -517,11 +518,17 @@ class InfinityConfig:
         :class:`ConfigError` naming the DeepSpeed key.  ``approximate_schedules=True``
         also translates DeepSpeed's "log" warmup (as linear) and WarmupCosineLR (whose
         cosine phase is one step ahead of infinity's), with a warning.
-        See docs/migrating-from-deepspeed.md.
+        ``training_args`` (Hugging Face ``TrainingArguments``) fills every ``"auto"`` the
+        Hugging Face DeepSpeed integration fills (``num_training_steps`` and ``model`` for
+        the keys that need them) and rejects explicit values contradicting them; without
+        it ``"auto"`` is an error.  See docs/migrating-from-deepspeed.md, docs/trainers.md.
         """
         if isinstance(ds, (str, os.PathLike)):
             ds = _read_file(os.fspath(ds))
-        from infinity.config_deepspeed import deepspeed_to_dict
+        from infinity.config_deepspeed import deepspeed_to_dict, fill_auto
+        if training_args is not None:
+            ds, _ = fill_auto(ds, training_args, num_training_steps=num_training_steps,
+                              model=model)
         d, origin = deepspeed_to_dict(ds, approximate_schedules=approximate_schedules)
         try:
             return cls.from_dict(d)

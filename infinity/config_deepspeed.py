@@ -14,7 +14,8 @@ from infinity.config import (OFFLOAD_HOMES, ConfigError, OptimizerConfig, _float
 
 log = logging.getLogger("infinity.config")
 
-__all__ = ["deepspeed_to_dict", "DS_IGNORED_TOP_KEYS", "DS_IGNORED_ZERO_KEYS",
+__all__ = ["deepspeed_to_dict", "fill_auto", "DS_AUTO_KEYS", "DS_IGNORED_TOP_KEYS",
+           "DS_IGNORED_ZERO_KEYS",
            "DS_IGNORED_OFFLOAD_KEYS", "DS_IGNORED_AIO_KEYS"]
 
 # Keys that only tune DeepSpeed's own buffers/overlap: accepted, ignored, listed in one log.
@@ -56,9 +57,142 @@ def _ds_find_auto(obj: Any, prefix: str = "") -> None:
         for i, v in enumerate(obj):
             _ds_find_auto(v, f"{prefix}[{i}]")
     elif isinstance(obj, str) and obj.strip().lower() == "auto":
-        raise _ds_err(prefix, '"auto" is filled in by the Hugging Face Trainer integration, '
-                              'not by DeepSpeed or infinity; replace it with a concrete value '
-                              '(or delete the key to use the default)')
+        raise _ds_err(prefix, '"auto" is filled in from the Hugging Face TrainingArguments: '
+                              'pass them (InfinityConfig.from_deepspeed(cfg, '
+                              'training_args=args), or use infinity.integrations.transformers.'
+                              'InfinityTrainer), or replace it with a concrete value (or '
+                              'delete the key to use the default)')
+
+
+# Every "auto" the Hugging Face Trainer's DeepSpeed integration fills
+# (transformers.integrations.deepspeed.HfTrainerDeepSpeedConfig.trainer_config_process and
+# trainer_config_finalize), in its order: DeepSpeed key -> (what fills it, checked against
+# TrainingArguments when the value is explicit?)
+DS_AUTO_KEYS = {
+    "train_micro_batch_size_per_gpu": ("per_device_train_batch_size", True),
+    "gradient_accumulation_steps": ("gradient_accumulation_steps", True),
+    "train_batch_size": ("train_batch_size (calculated)", True),
+    "gradient_clipping": ("max_grad_norm", True),
+    "optimizer.params.lr": ("learning_rate", True),
+    "optimizer.params.betas": ("adam_beta1+adam_beta2", True),
+    "optimizer.params.eps": ("adam_epsilon", True),
+    "optimizer.params.weight_decay": ("weight_decay", True),
+    "scheduler.params.warmup_min_lr": ("0 (not a trainer arg)", False),
+    "scheduler.params.warmup_max_lr": ("learning_rate", True),
+    "fp16.enabled": ("fp16|fp16_full_eval", True),
+    "bf16.enabled": ("bf16|bf16_full_eval", True),
+    "zero_optimization.reduce_bucket_size": ("hidden_size*hidden_size", False),
+    "zero_optimization.stage3_prefetch_bucket_size": ("0.9*hidden_size*hidden_size", False),
+    "zero_optimization.stage3_param_persistence_threshold": ("10*hidden_size", False),
+    "scheduler.params.total_num_steps": ("num_training_steps (calculated)", True),
+    "scheduler.params.warmup_num_steps": ("warmup_steps", True),
+}
+
+
+def _hidden_size(model) -> int | None:
+    cfg = getattr(model, "config", None)
+    for c in (cfg, getattr(cfg, "text_config", None)):
+        if c is None:
+            continue
+        if getattr(c, "hidden_size", None):
+            return int(c.hidden_size)
+        if getattr(c, "hidden_sizes", None):
+            return int(max(c.hidden_sizes))
+    return None
+
+
+def _world_size(args) -> int:
+    ws = getattr(args, "world_size", None)
+    if isinstance(ws, int) and ws >= 1:
+        return ws
+    return int(os.environ.get("WORLD_SIZE", "1") or 1)
+
+
+def fill_auto(ds: Mapping, training_args, *, num_training_steps: int | None = None,
+              model=None) -> tuple[dict, list[str]]:
+    """Fill every ``"auto"`` of a DeepSpeed config from Hugging Face ``TrainingArguments``
+    the way ``HfTrainerDeepSpeedConfig`` does, and check the explicit values it checks.
+
+    Returns ``(filled copy, filled keys)``; an explicit value that contradicts
+    ``training_args`` raises :class:`ConfigError` listing every mismatch as
+    ``ds <key>=<value> vs hf <argument>=<value>``.  ``scheduler.params.total_num_steps``
+    needs ``num_training_steps`` (else ``training_args.max_steps`` when > 0); the three
+    hidden-size keys take the model's ``config.hidden_size`` when a model is given (they
+    only tune DeepSpeed's buffers, which infinity ignores either way)."""
+    import copy
+    args = training_args
+    out = copy.deepcopy(dict(ds))
+    filled: list[str] = []
+    mismatches: list[str] = []
+    if num_training_steps is None and getattr(args, "max_steps", -1) and args.max_steps > 0:
+        num_training_steps = int(args.max_steps)
+    hidden = _hidden_size(model) if model is not None else None
+    zero3 = isinstance(out.get("zero_optimization"), Mapping) and \
+        out["zero_optimization"].get("stage") == 3
+    warm = None
+    if num_training_steps is not None and hasattr(args, "get_warmup_steps"):
+        warm = max(1, int(args.get_warmup_steps(num_training_steps)))
+    values = {
+        "train_micro_batch_size_per_gpu": args.per_device_train_batch_size,
+        "gradient_accumulation_steps": args.gradient_accumulation_steps,
+        "train_batch_size": _world_size(args) * args.per_device_train_batch_size
+        * args.gradient_accumulation_steps,
+        "gradient_clipping": args.max_grad_norm,
+        "optimizer.params.lr": args.learning_rate,
+        "optimizer.params.betas": [args.adam_beta1, args.adam_beta2],
+        "optimizer.params.eps": args.adam_epsilon,
+        "optimizer.params.weight_decay": args.weight_decay,
+        "scheduler.params.warmup_min_lr": 0,
+        "scheduler.params.warmup_max_lr": args.learning_rate,
+        "fp16.enabled": bool(args.fp16 or getattr(args, "fp16_full_eval", False)),
+        "bf16.enabled": bool(args.bf16 or getattr(args, "bf16_full_eval", False)),
+        "zero_optimization.reduce_bucket_size": hidden * hidden if hidden else None,
+        "zero_optimization.stage3_prefetch_bucket_size":
+            int(0.9 * hidden * hidden) if hidden and zero3 else None,
+        "zero_optimization.stage3_param_persistence_threshold":
+            10 * hidden if hidden and zero3 else None,
+        "scheduler.params.total_num_steps": num_training_steps,
+        "scheduler.params.warmup_num_steps": warm,
+    }
+    for key, (hf_key, must_match) in DS_AUTO_KEYS.items():
+        *parents, leaf = key.split(".")
+        node = out
+        for p_ in parents:
+            nxt = node.get(p_) if isinstance(node, Mapping) else None
+            if not isinstance(nxt, Mapping):
+                node = None
+                break
+            node[p_] = nxt = dict(nxt)
+            node = nxt
+        if node is None or leaf not in node:
+            continue
+        hf_val = values[key]
+        if isinstance(node[leaf], str) and node[leaf].strip().lower() == "auto":
+            if hf_val is None:
+                if key.startswith("zero_optimization."):
+                    del node[leaf]        # tuning-only: nothing to fill it from, nothing lost
+                    filled.append(key)
+                    continue
+                raise _ds_err(key, f'"auto" needs {hf_key}: pass num_training_steps= (the '
+                                   f'number of optimizer updates) or set max_steps in the '
+                                   f'TrainingArguments')
+            node[leaf] = hf_val
+            filled.append(key)
+            continue
+        if must_match and hf_val is not None and node[leaf] is not None:
+            ds_val = node[leaf]
+            same = ds_val == hf_val or (isinstance(ds_val, (list, tuple)) and
+                                        list(ds_val) == list(hf_val))
+            if not same:
+                mismatches.append(f"- ds {key}={ds_val} vs hf {hf_key}={hf_val}")
+    if mismatches:
+        raise ConfigError("DeepSpeed config values that contradict the TrainingArguments:\n"
+                          + "\n".join(mismatches) + "\nset these DeepSpeed values to \"auto\" "
+                          "(or to the TrainingArguments' values)")
+    if filled:
+        log.info('DeepSpeed "auto" values filled from the TrainingArguments: %s',
+                 ", ".join(filled))
+    return out, filled
 
 
 def _ds_section(ds: Mapping, key: str, prefix: str = "") -> Mapping:

@@ -109,8 +109,11 @@ fi
 STAMP=.setup-stamp
 if [ ! -f "$STAMP" ] || [ pyproject.toml -nt "$STAMP" ] || [ setup.py -nt "$STAMP" ]; then
     progress "installing build tools" "${PIP[@]}" install "setuptools>=64" wheel "pybind11>=2.10" pytest
-    progress "installing infinity and its dependencies (transformers, safetensors, matplotlib, ...)" \
-        "${PIP[@]}" install --no-build-isolation -e . >&2
+    # the test extra (trl, peft, accelerate, datasets for tests/integrations): torch is
+    # already installed above, so the resolver keeps it (never a CUDA wheel on a CPU box)
+    progress "installing infinity and its dependencies (transformers, safetensors, matplotlib; test extra: trl, peft, accelerate, datasets)" \
+        "${PIP[@]}" install --no-build-isolation -e ".[test]" >&2
+    "$VPY" -c "import torch, sys; v = torch.__version__; print('[setup] torch', v, file=sys.stderr)"
     touch "$STAMP"
 fi
 
