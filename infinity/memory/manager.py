@@ -17,7 +17,7 @@ Link timings: an NVMe read is timed from issue to the first moment its completio
 observed (completions are polled at every fetch/wait/release), not to when compute
 happens to wait for it, so the ``nvme_read`` lane shows the device's busy time.
 
-Who calls what: the hooks (``infinity.zero.hooks``) call :meth:`use`/:meth:`done_with`
+Who calls what: the hooks (``infinity.runtime.hooks``) call :meth:`use`/:meth:`done_with`
 through the prefetch coordinator, which calls :meth:`fetch_async` ahead of time.
 """
 from __future__ import annotations
@@ -57,7 +57,8 @@ class _Fetch:
 class MemoryManager:
     def __init__(self, groups: list[GroupRecord], *, device: torch.device,
                  device_budget: int | None, host_pool: BufferPool, swap=None,
-                 accounting: Accounting, timeline=None, device_tier: DeviceTier | None = None):
+                 accounting: Accounting, timeline=None, device_tier: DeviceTier | None = None,
+                 cache: bool = False):
         self.groups = groups
         self.device = device
         self.acct = accounting
@@ -80,6 +81,8 @@ class MemoryManager:
         self.cache_on = False
         self.pinned: set[int] = set()      # gids whose cached copy a running step updates
         self.on_reclaim_blocked = None     # called when only pinned copies could be freed
+        if cache:
+            self.enable_cache()
 
     # ------------------------------------------------------------------ setup
     def place(self, g: GroupRecord, staging: torch.Tensor | None = None) -> None:

@@ -5,8 +5,8 @@ the main thread and without a display). Each lane draws the union of its interva
 (overlapping in-flight requests merge into one bar), step boundaries are vertical
 lines, and the title carries the bottleneck sentence.
 """
+from .lanes import LANES
 from .summary import LANE_LABELS, clip_intervals, merge_intervals
-from .timeline import LANES
 
 LANE_COLORS = {
     "nvme_read": "#1f77b4", "nvme_write": "#aec7e8", "h2d": "#2ca02c", "d2h": "#98df8a",

@@ -5,7 +5,7 @@ One store partition per trainable parameter group (key ``"g<gid>"``).  In fp32 t
 parameter home *is* the fp32 master (``external_master``); in bf16/fp16 the store holds
 an fp32 master and writes the updated low-precision params back to the param home in
 the same pass (``param_out`` for host/device homes, ``param_sink`` for NVMe homes).
-Frozen parameters are in frozen groups (``infinity.zero.groups``) that have no partition.
+Frozen parameters are in frozen groups (``infinity.runtime.groups``) that have no partition.
 
 Per-parameter hyperparameters come from :mod:`infinity.optim.param_groups` (no-decay
 rules, ``optimizer.param_groups``): each step item's segments carry the ``lr`` and
@@ -47,7 +47,8 @@ class _ScheduleTarget(torch.optim.Optimizer):
 
 class EngineOptimizer:
     def __init__(self, model, cfg, groups: list[GroupRecord], names: dict[int, str], *,
-                 store, swap, host_pool, accounting, timeline=None, lr_scheduler=None):
+                 store, swap, host_pool, accounting, timeline=None, lr_scheduler=None,
+                 lazy_grads: bool = False):
         from infinity.optim.param_groups import build_param_groups_for_model
         self.cfg = cfg
         self.store = store
@@ -83,17 +84,17 @@ class EngineOptimizer:
         self.nvme_grads = None              # NvmeGradStore when grads are homed on NVMe
         self.grad_d2h = None                # GradD2H when the device tier is not host memory
         self._slot_index = {id(s): i for g in self.groups for i, s in enumerate(g.slots)}
-        # lazy_grads (set by the engine with the parameter cache): a group's fp32 gradient
+        # lazy_grads (the engine's choice with the parameter cache): a group's fp32 gradient
         # buffer is leased at its first gradient of a window and given back once stepped,
         # so the host pool lends the memory to cached parameter copies in between
-        self.lazy_grads = False
+        self.lazy_grads = bool(lazy_grads)
 
     def alloc_grads(self, home: str = "host") -> None:
         """Lease the fp32 gradient accumulation buffers (after the params were placed, so
         the model's original tensors are already gone); ``home="nvme"``: one extent per
         group instead, assembled in leased staging buffers."""
         if home == "nvme":
-            from infinity.memory.grad_store import NvmeGradStore
+            from infinity.grads.nvme_store import NvmeGradStore
             self.nvme_grads = NvmeGradStore(self.groups, self.swap, self.host_pool, self.acct,
                                             self.timeline)
             return
@@ -157,7 +158,7 @@ class EngineOptimizer:
         device tier's copy stream and are accumulated on the host once each copy is done
         (at most ``max_inflight_bytes`` of pinned staging outstanding)."""
         if not device_tier.zero_copy:
-            from infinity.memory.grad_d2h import GradD2H
+            from infinity.grads.d2h import GradD2H
             self.grad_d2h = GradD2H(device_tier, self.host_pool, self._accumulate_host,
                                     max_inflight_bytes)
 
@@ -291,7 +292,7 @@ class EngineOptimizer:
     def boundary_step(self, done: dict[int, float] | None = None) -> bool:
         """Apply (or skip) one optimizer step over the accumulated gradients.
         ``done``: ``{gid: squared grad norm}`` of groups already stepped (overlapped with
-        backward, :mod:`infinity.engine_overlap`); only the others are stepped here.
+        backward, :mod:`infinity.engine.overlap`); only the others are stepped here.
         Returns True when the update was applied."""
         t0 = time.perf_counter()
         done = done or {}

@@ -5,7 +5,7 @@ last micro-step of an accumulation window, its Adam update (``store.step([item])
 same hyperparameters and step count the boundary step uses) is handed to ONE background
 worker thread while backward continues.  ``engine.step()`` then waits for those updates,
 steps the remaining groups and does the bookkeeping once
-(:meth:`infinity.engine_optimizer.EngineOptimizer.boundary_step` with ``done=``).
+(:meth:`infinity.optim.driver.EngineOptimizer.boundary_step` with ``done=``).
 
 Only when it cannot change results (:func:`eligible`): no ZeRO partitioning, no gradient
 clipping (the clip coefficient needs every group's gradient), fp32 or bf16 (fp16's loss
