@@ -84,7 +84,7 @@ class OverlappedStep:
         if not self.coord.in_pass:
             self.active = False
             return
-        uses = Counter(self.coord.recording)     # this forward's module calls per group
+        uses = Counter(self.coord.recorded_uses())   # this forward's uses per group
         self._single_use = {gid for gid, n in uses.items() if n == 1}
         self._pending = {g.gid: {i for i, s in enumerate(g.slots) if s.trainable}
                          for g in self.opt.groups if g.gid in self._single_use}
@@ -159,16 +159,13 @@ class OverlappedStep:
 
     def _safe(self, g: GroupRecord) -> bool:
         """Nothing reads ``g``'s home or values again in this backward."""
-        c = self.coord
         if not self.mm.paged(g) or g.users or g.saved_refs or g.hold_until_backward_end \
-                or g.prefetched or g.gid in self.mm._inflight \
-                or g.state not in (Location.NVME, Location.HOST):
+                or g.prefetched or self.mm.fetch_pending(g) \
+                or g.state not in (Location.NVME, Location.HOST, Location.CACHED):
             return False                    # still resident or being read: not released
-        if c.divergent:
-            return False                    # the order changed: be conservative
-        if c.trace is not None and g.gid in c.trace[c.cursor:]:
-            return False                    # the trace still needs it (prefetch would read)
-        return True
+        # the order changed (be conservative), or the trace still needs it (prefetch would
+        # read it)
+        return not self.coord.may_use_again(g)
 
     def _submit(self, g: GroupRecord) -> None:
         n = float(torch.linalg.vector_norm(g.grad_buf))

@@ -158,7 +158,7 @@ class MemoryManager:
         (only possible with ``allow_overflow=False``)."""
         if g.state in (Location.DEVICE, Location.READING, Location.TO_DEVICE):
             return True
-        if g.state is Location.HOST and self.dev.zero_copy:
+        if g.state in (Location.HOST, Location.CACHED) and self.dev.zero_copy:
             # the host home (or a cached copy of an NVMe home) is directly usable by CPU
             # compute: no copy, no extra bytes
             g.begin_to_device(g.host_buf)
@@ -180,6 +180,10 @@ class MemoryManager:
             g.begin_read(buf, _Fetch(self.swap.read(g.extent, staging), t0, staging=staging))
         self._inflight[g.gid] = g
         return True
+
+    def fetch_pending(self, g: GroupRecord) -> bool:
+        """Whether a fetch of ``g`` was started and not yet waited for."""
+        return g.gid in self._inflight
 
     def _progress(self) -> None:
         """Non-blocking: stamp completed reads, start the H2D of reads that landed in
@@ -240,7 +244,7 @@ class MemoryManager:
 
     def release(self, g: GroupRecord) -> None:
         """Drop ``g``'s device copy (its home copy stays current)."""
-        if g.home == "device" or g.state is Location.NVME or g.state is Location.HOST:
+        if g.home == "device" or g.state in (Location.NVME, Location.HOST, Location.CACHED):
             return
         if g.state is Location.TO_DEVICE and isinstance(g.pending, _Fetch) \
                 and g.pending.xfer is not None and g.pending.staging is None:
@@ -252,7 +256,7 @@ class MemoryManager:
         buf = g.device_buf
         self._by_storage.pop(buf.untyped_storage().data_ptr(), None)
         cached = g.home == "nvme" and (g.host_buf is buf or self._admit(g, buf))
-        g.release()                       # -> HOST when a cached copy stays, else home
+        g.release()                       # -> CACHED when a cached copy stays, else home
         if g.home == "nvme" and self.on_release is not None:
             if self.on_release(g, None if cached else buf):
                 buf = None                # taken over
@@ -264,7 +268,7 @@ class MemoryManager:
     def enable_cache(self) -> None:
         """Keep released NVMe-homed groups' buffers as clean host copies (write-through:
         the optimizer updates a copy in place and writes it to NVMe in the same pass,
-        ``StepItem.master_buf``).  A cached group is in state HOST and is used in place
+        ``StepItem.master_buf``).  A cached group is in state CACHED and is used in place
         like a host-homed one, so neither forward nor backward reads it from NVMe again.
         The copies live in the host pool, within its budget (``offload.host_memory_gb``):
         one is kept when the pool can hold it, and given back (:meth:`reclaim`) when the
@@ -292,7 +296,7 @@ class MemoryManager:
         """Forget ``g``'s cached copy; its buffer goes to the host pool's free list (or,
         while ``g`` is in use, back to the device tier).  Returns the bytes freed."""
         buf = g.host_buf
-        if g.state is Location.HOST:
+        if g.state is Location.CACHED:
             g.drop_host_copy()
             self.host_pool.give_back(buf)
         elif g.state is Location.DEVICE and self.device_pool.adopt(buf):
@@ -324,14 +328,15 @@ class MemoryManager:
         for g in self.groups:
             if not self.cached(g):
                 continue
-            if g.state is not Location.HOST or g.gid in self.pinned:
+            if g.state is not Location.CACHED or g.gid in self.pinned:
                 raise RuntimeError(f"memory: cannot drop the cached copy of group {g.gid} "
                                    f"({g.name}) in state {g.state.name}; release it first")
             self._evict(g)
         self.host_pool.trim()
 
     def cached(self, g: GroupRecord) -> bool:
-        """Whether NVMe-homed ``g`` holds a clean host copy (the parameter cache)."""
+        """Whether NVMe-homed ``g`` holds a clean host copy (the parameter cache): released
+        (``Location.CACHED``) or in use with that copy as its compute buffer (DEVICE)."""
         return g.home == "nvme" and g.host_buf is not None
 
     @property
@@ -401,7 +406,7 @@ class MemoryManager:
         for g in self.groups:          # cached copies: dropped (never dirty: write-through)
             if self.cached(g):
                 buf = g.host_buf
-                if g.state is Location.HOST:
+                if g.state is Location.CACHED:
                     g.drop_host_copy()
                 else:
                     g.forget_host_copy()
