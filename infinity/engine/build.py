@@ -157,10 +157,8 @@ def assemble(engine, lr_scheduler) -> None:
         engine.opt.alloc_grads("nvme")
     else:
         engine.opt.alloc_grads()
-    dev = getattr(engine.mm, "dev", None)
-    if dev is not None and hasattr(engine.opt, "attach_device"):
-        # separate device memory: grads leave by D2H, staging bounded as planned
-        engine.opt.attach_device(dev, placement.grad_d2h_bytes)
+    # separate device memory: grads leave by D2H, staging bounded as planned
+    engine.opt.attach_device(engine.mm.dev, placement.grad_d2h_bytes)
     engine.coord = PrefetchCoordinator(engine.mm, cfg.prefetch.depth, engine.acct)
     from infinity.engine.overlap import OverlappedStep, eligible
     after = None

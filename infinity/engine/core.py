@@ -121,9 +121,7 @@ class Engine:
         if scale != 1.0:
             loss = loss.float() * scale      # fp32: an fp16 loss times 65536 overflows
         final = (self.micro_steps + 1) % self.gas == 0
-        before_backward = getattr(self.opt, "before_backward", None)
-        if before_backward is not None:
-            before_backward(final)
+        self.opt.before_backward(final)
         ov = self.overlap
         if ov is not None and final and self.overlap_optimizer_step and not retain_graph:
             ov.begin()
@@ -134,9 +132,7 @@ class Engine:
                 if ov is not None:
                     ov.end()
             self.hooks.finish_backward()
-            end_backward = getattr(self.opt, "end_backward", None)
-            if end_backward is not None:
-                end_backward()
+            self.opt.end_backward()
 
     def step(self) -> bool:
         """Call after every micro-batch; applies the optimizer at accumulation boundaries.

@@ -52,9 +52,8 @@ def eligible(engine) -> bool:
     opt = engine.opt
     return (engine.zero is None and float(cfg.gradient_clipping) == 0.0
             and cfg.precision in ("fp32", "bf16")
-            and getattr(opt, "nvme_grads", None) is None
-            and getattr(opt, "grad_d2h", None) is None
-            and bool(getattr(engine.mm.dev, "zero_copy", False)))
+            and opt.nvme_grads is None and opt.grad_d2h is None
+            and bool(engine.mm.dev.zero_copy))
 
 
 class OverlappedStep:
