@@ -1,6 +1,6 @@
 """Where a parameter's gradient goes when autograd produced it: the hooks
 (:mod:`infinity.runtime.hooks`) call one ``on_grad(group, slot, grad)``; it accumulates
-the gradient at its home (:meth:`infinity.optim.driver.EngineOptimizer.accumulate`: host
+the gradient at its home (:meth:`infinity.grads.accumulate.GradAccumulation.accumulate`: host
 buffer, D2H staging or the NVMe home) and then tells an optional listener which slot of
 the group is final (the overlapped step, :mod:`infinity.engine.overlap`)."""
 from __future__ import annotations
