@@ -95,7 +95,8 @@ class Engine:
 
     def forward(self, *args, **kwargs):
         self._check_open()
-        self._drain_overlap()              # a fetch must not read a home being updated
+        self._drain_overlap()              # Note [Overlap safety]: a fetch must not read
+        #                                    a home being updated
         if self.device.type != "cpu":     # inputs follow the parameters (top-level tensors)
             args = tuple(self._to_device(a) for a in args)
             kwargs = {k: self._to_device(v) for k, v in kwargs.items()}

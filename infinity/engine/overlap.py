@@ -41,13 +41,35 @@ from infinity.memory.record import GroupRecord, Location
 
 log = logging.getLogger("infinity.engine")
 
+# Note [Overlap safety]
+# ~~~~~~~~~~~~~~~~~~~~~
+# A group's early Adam step updates its home (and a cached copy) in place on a worker
+# thread while backward goes on.  That is exact only if nothing reads those values until
+# the step ended: (1) the configuration cannot make the update depend on other groups
+# (eligible(): no ZeRO, no clipping, no fp16 loss scale, host gradients, zero-copy
+# device tier); (2) the group is released and nothing can fetch it again in this
+# backward (_safe(): not in use, prefetched, being read or holding saved views, and the
+# prefetch trace does not use it again, PrefetchCoordinator.may_use_again); (3) anything
+# that reads homes outside backward waits for the worker first (Engine._drain_overlap
+# in forward, weights out and checkpoints; OverlappedStep.finish in engine.step()).
+#
+# Note [Master hand-off]
+# ~~~~~~~~~~~~~~~~~~~~~~
+# In fp32 an NVMe-homed group's parameter buffer IS its master, and backward just read
+# it.  MemoryManager.release offers the buffer (on_release) instead of giving it back;
+# the early step passes it as StepItem.master_buf, so the tile pipeline updates it in
+# place and writes the master tiles from it instead of reading them again.  A group with
+# a cached copy needs none: the copy is its master (Note [Cache write-through] in
+# infinity/memory/manager.py).  At most MAX_HANDOFF buffers are held at once.
+
 __all__ = ["OverlappedStep", "eligible", "MAX_HANDOFF"]
 
 MAX_HANDOFF = 3      # released parameter buffers held for their group's step at once
 
 
 def eligible(engine) -> bool:
-    """Whether the engine's configuration allows overlapping the step at all."""
+    """Whether the engine's configuration allows overlapping the step at all (Note
+    [Overlap safety])."""
     cfg = engine.cfg
     opt = engine.opt
     return (engine.zero is None and float(cfg.gradient_clipping) == 0.0
@@ -157,7 +179,8 @@ class OverlappedStep:
         self._submit(g)
 
     def _safe(self, g: GroupRecord) -> bool:
-        """Nothing reads ``g``'s home or values again in this backward."""
+        """Nothing reads ``g``'s home or values again in this backward (Note [Overlap
+        safety])."""
         if not self.mm.paged(g) or g.users or g.saved_refs or g.hold_until_backward_end \
                 or g.prefetched or self.mm.fetch_pending(g) \
                 or g.state not in (Location.NVME, Location.HOST, Location.CACHED):
@@ -169,7 +192,7 @@ class OverlappedStep:
     def _submit(self, g: GroupRecord) -> None:
         n = float(torch.linalg.vector_norm(g.grad_buf))
         buf = self._held.pop(g.gid, None)
-        if buf is not None and self.mm.cached(g):
+        if buf is not None and self.mm.cached(g):   # Note [Master hand-off]
             # released twice in this backward, cached the second time: the cached copy is
             # what the next forward uses, so it must be the one updated
             self.mm.give_back_device(buf)

@@ -257,7 +257,7 @@ class MemoryManager:
         self._by_storage.pop(buf.untyped_storage().data_ptr(), None)
         cached = g.home == "nvme" and (g.host_buf is buf or self._admit(g, buf))
         g.release()                       # -> CACHED when a cached copy stays, else home
-        if g.home == "nvme" and self.on_release is not None:
+        if g.home == "nvme" and self.on_release is not None:   # Note [Master hand-off]
             if self.on_release(g, None if cached else buf):
                 buf = None                # taken over
         if buf is not None and not cached and (g.home == "nvme" or not self.dev.zero_copy):
@@ -265,6 +265,13 @@ class MemoryManager:
         self._progress()
 
     # ------------------------------------------------------------------ parameter cache
+    # Note [Cache write-through]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # A CACHED group's host copy is never dirty: in fp32 the copy is the master, and the
+    # optimizer step updates it in place AND writes its tiles to NVMe in the same pass
+    # (StepItem.master_buf).  So a copy is dropped without a write (reclaim, drop_cache,
+    # close), a checkpoint load drops every copy before rewriting the homes, and a copy
+    # a running overlapped step updates is pinned (never reclaimed until it ended).
     def enable_cache(self) -> None:
         """Keep released NVMe-homed groups' buffers as clean host copies (write-through:
         the optimizer updates a copy in place and writes it to NVMe in the same pass,

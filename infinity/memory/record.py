@@ -57,7 +57,7 @@ class Location(enum.Enum):
     NVME = "nvme"
     READING = "reading"
     HOST = "host"
-    CACHED = "cached"        # NVMe home + a clean host copy (the parameter cache)
+    CACHED = "cached"        # NVMe home + a clean host copy (Note [Cache write-through])
     TO_DEVICE = "to_device"
     DEVICE = "device"
 

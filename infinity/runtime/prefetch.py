@@ -93,7 +93,8 @@ class PrefetchCoordinator:
 
     def may_use_again(self, g: GroupRecord) -> bool:
         """Whether ``g`` may be used again in this micro-step: the order diverged from the
-        trace (anything may come), or the trace uses ``g`` at or after the cursor."""
+        trace (anything may come), or the trace uses ``g`` at or after the cursor (Note
+        [Overlap safety] in infinity/engine/overlap.py)."""
         if self.divergent:
             return True
         return self.trace is not None and self._next_use(g.gid) is not None
