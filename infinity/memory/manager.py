@@ -17,7 +17,7 @@ Link timings: an NVMe read is timed from issue to the first moment its completio
 observed (completions are polled at every fetch/wait/release), not to when compute
 happens to wait for it, so the ``nvme_read`` lane shows the device's busy time.
 
-Who calls what: the hooks (``infinity.zero.hooks``) call :meth:`use`/:meth:`done_with`
+Who calls what: the hooks (``infinity.runtime.hooks``) call :meth:`use`/:meth:`done_with`
 through the prefetch coordinator, which calls :meth:`fetch_async` ahead of time.
 """
 from __future__ import annotations
@@ -57,7 +57,8 @@ class _Fetch:
 class MemoryManager:
     def __init__(self, groups: list[GroupRecord], *, device: torch.device,
                  device_budget: int | None, host_pool: BufferPool, swap=None,
-                 accounting: Accounting, timeline=None, device_tier: DeviceTier | None = None):
+                 accounting: Accounting, timeline=None, device_tier: DeviceTier | None = None,
+                 cache: bool = False):
         self.groups = groups
         self.device = device
         self.acct = accounting
@@ -80,6 +81,8 @@ class MemoryManager:
         self.cache_on = False
         self.pinned: set[int] = set()      # gids whose cached copy a running step updates
         self.on_reclaim_blocked = None     # called when only pinned copies could be freed
+        if cache:
+            self.enable_cache()
 
     # ------------------------------------------------------------------ setup
     def place(self, g: GroupRecord, staging: torch.Tensor | None = None) -> None:
@@ -155,7 +158,7 @@ class MemoryManager:
         (only possible with ``allow_overflow=False``)."""
         if g.state in (Location.DEVICE, Location.READING, Location.TO_DEVICE):
             return True
-        if g.state is Location.HOST and self.dev.zero_copy:
+        if g.state in (Location.HOST, Location.CACHED) and self.dev.zero_copy:
             # the host home (or a cached copy of an NVMe home) is directly usable by CPU
             # compute: no copy, no extra bytes
             g.begin_to_device(g.host_buf)
@@ -177,6 +180,10 @@ class MemoryManager:
             g.begin_read(buf, _Fetch(self.swap.read(g.extent, staging), t0, staging=staging))
         self._inflight[g.gid] = g
         return True
+
+    def fetch_pending(self, g: GroupRecord) -> bool:
+        """Whether a fetch of ``g`` was started and not yet waited for."""
+        return g.gid in self._inflight
 
     def _progress(self) -> None:
         """Non-blocking: stamp completed reads, start the H2D of reads that landed in
@@ -237,7 +244,7 @@ class MemoryManager:
 
     def release(self, g: GroupRecord) -> None:
         """Drop ``g``'s device copy (its home copy stays current)."""
-        if g.home == "device" or g.state is Location.NVME or g.state is Location.HOST:
+        if g.home == "device" or g.state in (Location.NVME, Location.HOST, Location.CACHED):
             return
         if g.state is Location.TO_DEVICE and isinstance(g.pending, _Fetch) \
                 and g.pending.xfer is not None and g.pending.staging is None:
@@ -249,8 +256,8 @@ class MemoryManager:
         buf = g.device_buf
         self._by_storage.pop(buf.untyped_storage().data_ptr(), None)
         cached = g.home == "nvme" and (g.host_buf is buf or self._admit(g, buf))
-        g.release()                       # -> HOST when a cached copy stays, else home
-        if g.home == "nvme" and self.on_release is not None:
+        g.release()                       # -> CACHED when a cached copy stays, else home
+        if g.home == "nvme" and self.on_release is not None:   # Note [Master hand-off]
             if self.on_release(g, None if cached else buf):
                 buf = None                # taken over
         if buf is not None and not cached and (g.home == "nvme" or not self.dev.zero_copy):
@@ -258,10 +265,17 @@ class MemoryManager:
         self._progress()
 
     # ------------------------------------------------------------------ parameter cache
+    # Note [Cache write-through]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # A CACHED group's host copy is never dirty: in fp32 the copy is the master, and the
+    # optimizer step updates it in place AND writes its tiles to NVMe in the same pass
+    # (StepItem.master_buf).  So a copy is dropped without a write (reclaim, drop_cache,
+    # close), a checkpoint load drops every copy before rewriting the homes, and a copy
+    # a running overlapped step updates is pinned (never reclaimed until it ended).
     def enable_cache(self) -> None:
         """Keep released NVMe-homed groups' buffers as clean host copies (write-through:
         the optimizer updates a copy in place and writes it to NVMe in the same pass,
-        ``StepItem.master_buf``).  A cached group is in state HOST and is used in place
+        ``StepItem.master_buf``).  A cached group is in state CACHED and is used in place
         like a host-homed one, so neither forward nor backward reads it from NVMe again.
         The copies live in the host pool, within its budget (``offload.host_memory_gb``):
         one is kept when the pool can hold it, and given back (:meth:`reclaim`) when the
@@ -289,7 +303,7 @@ class MemoryManager:
         """Forget ``g``'s cached copy; its buffer goes to the host pool's free list (or,
         while ``g`` is in use, back to the device tier).  Returns the bytes freed."""
         buf = g.host_buf
-        if g.state is Location.HOST:
+        if g.state is Location.CACHED:
             g.drop_host_copy()
             self.host_pool.give_back(buf)
         elif g.state is Location.DEVICE and self.device_pool.adopt(buf):
@@ -321,14 +335,15 @@ class MemoryManager:
         for g in self.groups:
             if not self.cached(g):
                 continue
-            if g.state is not Location.HOST or g.gid in self.pinned:
+            if g.state is not Location.CACHED or g.gid in self.pinned:
                 raise RuntimeError(f"memory: cannot drop the cached copy of group {g.gid} "
                                    f"({g.name}) in state {g.state.name}; release it first")
             self._evict(g)
         self.host_pool.trim()
 
     def cached(self, g: GroupRecord) -> bool:
-        """Whether NVMe-homed ``g`` holds a clean host copy (the parameter cache)."""
+        """Whether NVMe-homed ``g`` holds a clean host copy (the parameter cache): released
+        (``Location.CACHED``) or in use with that copy as its compute buffer (DEVICE)."""
         return g.home == "nvme" and g.host_buf is not None
 
     @property
@@ -398,7 +413,7 @@ class MemoryManager:
         for g in self.groups:          # cached copies: dropped (never dirty: write-through)
             if self.cached(g):
                 buf = g.host_buf
-                if g.state is Location.HOST:
+                if g.state is Location.CACHED:
                     g.drop_host_copy()
                 else:
                     g.forget_host_copy()

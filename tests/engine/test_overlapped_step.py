@@ -1,4 +1,4 @@
-"""The optimizer step overlapped with backward (infinity.engine_overlap).
+"""The optimizer step overlapped with backward (infinity.engine.overlap).
 
 fp32 parity against plain PyTorch + torch.optim.AdamW (10 steps, accumulation 2, no
 clipping: the case where groups are stepped during backward), bf16 bit-identical to the
@@ -127,7 +127,7 @@ def test_master_handoff_bit_identical_and_saves_reads(harness, swap_dir):
 
 
 def test_master_handoff_bounded_and_returned(harness, swap_dir, monkeypatch):
-    import infinity.engine_overlap as eo
+    import infinity.engine.overlap as eo
     monkeypatch.setattr(eo, "MAX_HANDOFF", 1)
     torch.manual_seed(0)
     model = harness.MLPStack()
