@@ -21,6 +21,7 @@ _LAZY = {
     "Init": ("infinity.zero.init", "Init"),
     "GatheredParameters": ("infinity.zero.gathered", "GatheredParameters"),
     "estimate": ("infinity.estimate", "estimate"),
+    "NonFiniteGradientError": ("infinity.engine.phase", "NonFiniteGradientError"),
 }
 
 

@@ -10,7 +10,8 @@ import logging
 import os
 from typing import Any, Mapping
 
-from infinity.config import (OFFLOAD_HOMES, ConfigError, OptimizerConfig, _float, _fmt, _int)
+from infinity.config_sections import (OFFLOAD_HOMES, ConfigError, OptimizerConfig, _float, _fmt,
+                                      _int)
 
 log = logging.getLogger("infinity.config")
 

@@ -37,7 +37,7 @@ import time
 
 # (precision, params home, optimizer home, gradient accumulation steps, offload.host_memory_gb)
 # The last two run under a host cap too small for the fp32 gradients: the engine homes them
-# on NVMe (infinity/memory/grad_store.py) and the estimator must predict that by itself.
+# on NVMe (infinity/grads/nvme_store.py) and the estimator must predict that by itself.
 CONFIGS = [
     ("fp32", "none", "none", 1, None),
     ("fp32", "cpu", "cpu", 1, None),

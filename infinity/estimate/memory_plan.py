@@ -309,7 +309,7 @@ def grad_spill_decision(pl, machine, knobs, shard):
     * one process (``infinity/engine.py``): after computing its placement plan with the
       gradients in host memory, if ``offload.host_memory_gb`` is set, the plan's host
       total exceeds it and an NVMe swap space exists (params or optimizer on NVMe), the
-      gradients get an NVMe home (``infinity/memory/grad_store.py``). The host total is
+      gradients get an NVMe home (``infinity/grads/nvme_store.py``). The host total is
       the estimator's pinned + pageable (the device tier is checked on its own). Without
       ``offload.host_memory_gb`` the engine does not page them, it refuses to start when
       the host is short: the estimator assumes the cap is set to the RAM left after the

@@ -17,7 +17,7 @@ Link timings: an NVMe read is timed from issue to the first moment its completio
 observed (completions are polled at every fetch/wait/release), not to when compute
 happens to wait for it, so the ``nvme_read`` lane shows the device's busy time.
 
-Who calls what: the hooks (``infinity.zero.hooks``) call :meth:`use`/:meth:`done_with`
+Who calls what: the hooks (``infinity.runtime.hooks``) call :meth:`use`/:meth:`done_with`
 through the prefetch coordinator, which calls :meth:`fetch_async` ahead of time.
 """
 from __future__ import annotations
@@ -57,7 +57,8 @@ class _Fetch:
 class MemoryManager:
     def __init__(self, groups: list[GroupRecord], *, device: torch.device,
                  device_budget: int | None, host_pool: BufferPool, swap=None,
-                 accounting: Accounting, timeline=None, device_tier: DeviceTier | None = None):
+                 accounting: Accounting, timeline=None, device_tier: DeviceTier | None = None,
+                 cache: bool = False):
         self.groups = groups
         self.device = device
         self.acct = accounting
@@ -84,6 +85,9 @@ class MemoryManager:
         # home (overlapped step): a fetch of that group waits for it first
         self.home_busy: dict = {}
         self._failed: dict[int, BaseException] = {}   # gid -> error of its abandoned fetch
+        self.abandoning = False          # inside abandon_all (lenient returns, see _give_back)
+        if cache:
+            self.enable_cache()
 
     # ------------------------------------------------------------------ setup
     def place(self, g: GroupRecord, staging: torch.Tensor | None = None) -> None:
@@ -163,7 +167,7 @@ class MemoryManager:
         if wait is not None:
             wait()                                # a running step still writes its home
         self._failed.pop(g.gid, None)
-        if g.state is Location.HOST and self.dev.zero_copy:
+        if g.state in (Location.HOST, Location.CACHED) and self.dev.zero_copy:
             # the host home (or a cached copy of an NVMe home) is directly usable by CPU
             # compute: no copy, no extra bytes
             g.begin_to_device(g.host_buf)
@@ -194,6 +198,10 @@ class MemoryManager:
         self._inflight[g.gid] = g
         return True
 
+    def fetch_pending(self, g: GroupRecord) -> bool:
+        """Whether a fetch of ``g`` was started and not yet waited for."""
+        return g.gid in self._inflight
+
     def _progress(self) -> None:
         """Non-blocking: stamp completed reads, start the H2D of reads that landed in
         staging, give back staging whose H2D completed."""
@@ -220,11 +228,11 @@ class MemoryManager:
             if f.xfer is not None:
                 f.xfer.wait_host()
             if f.staging is not None:
-                self.host_pool.give_back(f.staging)
+                self._give_back(self.host_pool, f.staging)
                 f.staging = None
         buf = g.abort_fetch()
         if buf is not None:
-            self.dev.give_back(buf)
+            self._give_back(self.dev, buf)
         if err is not None:
             self._failed[g.gid] = err
 
@@ -297,7 +305,10 @@ class MemoryManager:
 
     def release(self, g: GroupRecord) -> None:
         """Drop ``g``'s device copy (its home copy stays current)."""
-        if g.home == "device" or g.state is Location.NVME or g.state is Location.HOST:
+        if g.home == "device" or g.state in (Location.NVME, Location.HOST, Location.CACHED):
+            return
+        if g.state is Location.DEVICE and g.device_buf is None:
+            g.set_home_state()            # an interrupt landed inside an earlier release
             return
         if g.state is Location.TO_DEVICE and isinstance(g.pending, _Fetch) \
                 and g.pending.xfer is not None and g.pending.staging is None:
@@ -309,16 +320,16 @@ class MemoryManager:
         buf = g.device_buf
         self._by_storage.pop(buf.untyped_storage().data_ptr(), None)
         cached = g.home == "nvme" and (g.host_buf is buf or self._admit(g, buf))
-        g.release()                       # -> HOST when a cached copy stays, else home
-        if g.home == "nvme" and self.on_release is not None:
+        g.release()                       # -> CACHED when a cached copy stays, else home
+        if g.home == "nvme" and self.on_release is not None:   # Note [Master hand-off]
             if self.on_release(g, None if cached else buf):
                 buf = None                # taken over
         if buf is not None and not cached and (g.home == "nvme" or not self.dev.zero_copy):
-            self.dev.give_back(buf)       # CUDA: the next copy into it waits for compute
+            self._give_back(self.dev, buf)       # CUDA: the next copy into it waits for compute
         self._progress()
 
     def abandon_all(self) -> None:
-        """After a failed forward/backward (Note [window abort] in infinity.engine_phase):
+        """After a failed forward/backward (Note [window abort] in infinity.engine.phase):
         every in-flight fetch finished or abandoned, every paged group released to its
         home, nothing leaked.  The hooks' counters must have been reset first."""
         fetching = {g.gid: g for g in self.groups
@@ -345,15 +356,22 @@ class MemoryManager:
         """Forget the cached copies of ``gids`` (a rolled-back step updated them in place:
         their NVMe home holds the committed values)."""
         for g in self.groups:
-            if g.gid in gids and self.cached(g) and g.state is Location.HOST:
+            if g.gid in gids and self.cached(g) and g.state is Location.CACHED:
                 self.pinned.discard(g.gid)
                 self._evict(g)
 
     # ------------------------------------------------------------------ parameter cache
+    # Note [Cache write-through]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # A CACHED group's host copy is never dirty: in fp32 the copy is the master, and the
+    # optimizer step updates it in place AND writes its tiles to NVMe in the same pass
+    # (StepItem.master_buf).  So a copy is dropped without a write (reclaim, drop_cache,
+    # close), a checkpoint load drops every copy before rewriting the homes, and a copy
+    # a running overlapped step updates is pinned (never reclaimed until it ended).
     def enable_cache(self) -> None:
         """Keep released NVMe-homed groups' buffers as clean host copies (write-through:
         the optimizer updates a copy in place and writes it to NVMe in the same pass,
-        ``StepItem.master_buf``).  A cached group is in state HOST and is used in place
+        ``StepItem.master_buf``).  A cached group is in state CACHED and is used in place
         like a host-homed one, so neither forward nor backward reads it from NVMe again.
         The copies live in the host pool, within its budget (``offload.host_memory_gb``):
         one is kept when the pool can hold it, and given back (:meth:`reclaim`) when the
@@ -381,7 +399,7 @@ class MemoryManager:
         """Forget ``g``'s cached copy; its buffer goes to the host pool's free list (or,
         while ``g`` is in use, back to the device tier).  Returns the bytes freed."""
         buf = g.host_buf
-        if g.state is Location.HOST:
+        if g.state is Location.CACHED:
             g.drop_host_copy()
             self.host_pool.give_back(buf)
         elif g.state is Location.DEVICE and self.device_pool.adopt(buf):
@@ -413,14 +431,15 @@ class MemoryManager:
         for g in self.groups:
             if not self.cached(g):
                 continue
-            if g.state is not Location.HOST or g.gid in self.pinned:
+            if g.state is not Location.CACHED or g.gid in self.pinned:
                 raise RuntimeError(f"memory: cannot drop the cached copy of group {g.gid} "
                                    f"({g.name}) in state {g.state.name}; release it first")
             self._evict(g)
         self.host_pool.trim()
 
     def cached(self, g: GroupRecord) -> bool:
-        """Whether NVMe-homed ``g`` holds a clean host copy (the parameter cache)."""
+        """Whether NVMe-homed ``g`` holds a clean host copy (the parameter cache): released
+        (``Location.CACHED``) or in use with that copy as its compute buffer (DEVICE)."""
         return g.home == "nvme" and g.host_buf is not None
 
     @property
@@ -428,9 +447,20 @@ class MemoryManager:
         """Host bytes the cached copies hold."""
         return sum(leased_size(g.host_buf) for g in self.groups if self.cached(g))
 
+    def _give_back(self, owner, buf: torch.Tensor) -> None:
+        """Give ``buf`` back to ``owner`` (a pool or the device tier).  While a failed window
+        is being abandoned (Note [window abort]) an interrupt may have landed between a
+        buffer's return and its owner forgetting it: the pool, which knows what is on
+        lease, decides, so nothing is returned twice."""
+        pool = getattr(owner, "pool", owner)
+        if self.abandoning and not pool.is_leased(buf):
+            log.debug("memory: a buffer was already back in its pool (interrupted return)")
+            return
+        owner.give_back(buf)
+
     def give_back_device(self, buf: torch.Tensor) -> None:
         """Return a device buffer :attr:`on_release` took over."""
-        self.dev.give_back(buf)
+        self._give_back(self.dev, buf)
 
     # ------------------------------------------------------------------ host updates
     def mirrored(self) -> list[GroupRecord]:
@@ -490,7 +520,7 @@ class MemoryManager:
         for g in self.groups:          # cached copies: dropped (never dirty: write-through)
             if self.cached(g):
                 buf = g.host_buf
-                if g.state is Location.HOST:
+                if g.state is Location.CACHED:
                     g.drop_host_copy()
                 else:
                     g.forget_host_copy()

@@ -13,13 +13,17 @@ States (``Location``)::
     NVME --begin_read--> READING --finish_read--> DEVICE      (NVMe home, read straight
                                                                into the compute buffer)
     HOST --begin_to_device--> TO_DEVICE --finish_to_device--> DEVICE   (host home)
+    CACHED --begin_to_device--> TO_DEVICE     (NVMe home with a clean host copy: used like
+                                               a host home, not read from NVMe)
     READING --read_landed--> TO_DEVICE          (CUDA: the NVMe read landed in pinned host
                                                  staging, the H2D copy is in flight)
-    DEVICE --release--> NVME | HOST                              (home copy is current;
-                                 an NVMe-homed group keeping a clean cached copy -> HOST)
-    HOST --drop_host_copy--> NVME        (an NVMe-homed group forgets its cached host copy)
+    DEVICE --release--> NVME | HOST | CACHED                     (home copy is current;
+                                 an NVMe-homed group keeping a clean host copy -> CACHED)
+    CACHED --drop_host_copy--> NVME     (an NVMe-homed group forgets its cached host copy)
     DEVICE --forget_host_copy--> DEVICE  (in use: its buffer stops being a cached copy)
-    HOST/DEVICE --begin_write--> WRITING --finish_write--> NVME (spilling a host copy)
+
+Nothing is ever written back on release: parameters do not change during
+forward/backward and the optimizer updates the home (and a cached copy) in place.
 
 Transitions only happen through the methods below; each checks its precondition and
 raises :class:`StateError` naming the group and the actual state.
@@ -64,10 +68,9 @@ class Location(enum.Enum):
     NVME = "nvme"
     READING = "reading"
     HOST = "host"
+    CACHED = "cached"        # NVMe home + a clean host copy (Note [Cache write-through])
     TO_DEVICE = "to_device"
     DEVICE = "device"
-    TO_HOST = "to_host"
-    WRITING = "writing"
 
 
 class StateError(RuntimeError):
@@ -98,9 +101,10 @@ class GroupRecord:
     state: Location = Location.DEVICE
     # storage
     device_buf: torch.Tensor | None = None   # flat, padded_numel, compute dtype, when fetched
-    host_buf: torch.Tensor | None = None     # flat home copy when home == "cpu"
+    host_buf: torch.Tensor | None = None     # flat home copy when home == "cpu"; the
+    #                                          cached copy of an NVMe home (CACHED)
     extent: object | None = None             # SwapSpace extent when home == "nvme"
-    pending: object | None = None            # in-flight I/O handle (READING/WRITING)
+    pending: object | None = None            # in-flight fetch (READING/TO_DEVICE)
     # bookkeeping used by the hooks
     users: int = 0                    # modules currently executing with this group
     saved_refs: int = 0               # autograd saved tensors that reference the buffer
@@ -112,7 +116,7 @@ class GroupRecord:
     # ------------------------------------------------------------------ derived
     @property
     def nbytes(self) -> int:
-        return self.padded_numel * torch.empty((), dtype=self.dtype).element_size()
+        return self.padded_numel * self.dtype.itemsize
 
     @property
     def trainable(self) -> bool:
@@ -152,8 +156,9 @@ class GroupRecord:
         self.state = Location.TO_DEVICE
 
     def begin_to_device(self, buf: torch.Tensor, handle=None) -> None:
-        """HOST -> TO_DEVICE: a host-to-device copy into ``buf`` is in flight (or done)."""
-        self._need(Location.HOST, op="begin a host-to-device copy")
+        """HOST or CACHED -> TO_DEVICE: a host-to-device copy into ``buf`` is in flight
+        (or done)."""
+        self._need(Location.HOST, Location.CACHED, op="begin a host-to-device copy")
         self.device_buf = buf
         self.pending = handle
         self.state = Location.TO_DEVICE
@@ -166,7 +171,8 @@ class GroupRecord:
         self._point_params()
 
     def release(self) -> torch.Tensor | None:
-        """DEVICE -> home (NVME or HOST). Returns the device buffer to give back to its pool.
+        """DEVICE -> home (NVME or HOST), or CACHED. Returns the device buffer to give back
+        to its pool.
 
         Parameters never change during forward/backward, so the home copy is current and
         nothing is written back (the optimizer updates the home directly).
@@ -178,9 +184,11 @@ class GroupRecord:
         buf, self.device_buf = self.device_buf, None
         for s in self.slots:
             s.param.data = placeholder(self.dtype, s.shape, s.param.device)
-        # an NVMe-homed group whose buffer stays as a clean cached copy is in HOST
-        self.state = Location.NVME if self.home == "nvme" and self.host_buf is None \
-            else Location.HOST
+        # an NVMe-homed group whose buffer stays as a clean host copy is CACHED
+        if self.home == "nvme":
+            self.state = Location.NVME if self.host_buf is None else Location.CACHED
+        else:
+            self.state = Location.HOST
         self.prefetched = False
         self.hold_until_backward_end = False
         return buf
@@ -194,18 +202,17 @@ class GroupRecord:
         self.pending = None
         for s in self.slots:
             s.param.data = placeholder(self.dtype, s.shape, s.param.device)
-        self.state = Location.NVME if self.home == "nvme" and self.host_buf is None \
-            else Location.HOST
+        self.state = self._home_state()
         self.prefetched = False
         return None if buf is self.host_buf else buf
 
     def drop_host_copy(self) -> None:
-        """HOST -> NVME: an NVMe-homed group forgets its cached host copy (the NVMe home
+        """CACHED -> NVME: an NVMe-homed group forgets its cached host copy (the NVMe home
         is current: the copy was written through)."""
         if self.home != "nvme":
             raise StateError(f"group {self.gid} ({self.name}): only an NVMe-homed group has a "
                              f"cached host copy to drop (home {self.home!r})")
-        self._need(Location.HOST, op="drop its cached host copy")
+        self._need(Location.CACHED, op="drop its cached host copy")
         self.host_buf = None
         self.state = Location.NVME
 
@@ -218,17 +225,6 @@ class GroupRecord:
         self._need(Location.DEVICE, op="forget its cached host copy")
         self.host_buf = None
 
-    def begin_write(self, handle) -> None:
-        """HOST/DEVICE -> WRITING (spilling a copy to NVMe)."""
-        self._need(Location.HOST, Location.DEVICE, op="begin an NVMe write")
-        self.pending = handle
-        self.state = Location.WRITING
-
-    def finish_write(self) -> None:
-        self._need(Location.WRITING, op="finish an NVMe write")
-        self.pending = None
-        self.state = Location.NVME
-
     def make_resident(self, buf: torch.Tensor) -> None:
         """Initial placement of a device-homed group (always DEVICE afterwards)."""
         if self.home != "device":
@@ -239,13 +235,20 @@ class GroupRecord:
         self._point_params()
 
     def set_home_state(self) -> None:
-        """Initial state after the home copy has been written (params empty until fetched)."""
-        self.state = Location.NVME if self.home == "nvme" and self.host_buf is None \
-            else Location.HOST
+        """Initial state after the home copy has been written (params empty until fetched);
+        also where an interrupted release ends up (Note [window abort])."""
+        self.state = self._home_state()
         for s in self.slots:
             s.param.data = placeholder(self.dtype, s.shape, s.param.device)
 
     # ------------------------------------------------------------------ helpers
+    def _home_state(self) -> Location:
+        """The state of a group that is not fetched: at its home, or (NVMe home with a
+        clean host copy) cached."""
+        if self.home == "nvme":
+            return Location.NVME if self.host_buf is None else Location.CACHED
+        return Location.HOST
+
     def _point_params(self) -> None:
         buf = self.device_buf
         for s in self.slots:

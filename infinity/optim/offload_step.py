@@ -61,7 +61,8 @@ class StepItem:
     values of an extent-backed master (e.g. the parameter buffer fetched for backward):
     the step updates it in place and writes the master tiles from it, instead of
     reading them from NVMe into the ring (saves the master's read).  It must stay
-    untouched by others until ``step`` returns.
+    untouched by others until ``step`` returns (Note [Master hand-off] in
+    infinity/engine/overlap.py, Note [Cache write-through] in infinity/memory/manager.py).
     """
     key: str
     grad: Any

@@ -6,7 +6,7 @@ metadata), "X" complete events with ``ts``/``dur`` in microseconds relative to t
 start of the profile window, bytes and GB/s in ``args``, and step boundaries as
 global instant events.
 """
-from .timeline import LANES
+from .lanes import LANES
 
 
 def trace_dict(timeline):

@@ -6,8 +6,8 @@ the main thread and without a display). Each lane draws the union of its interva
 lines, and the title carries the bottleneck sentence. Step labels that would overlap
 (many short steps) are thinned: each step keeps its line, every label stays legible.
 """
+from .lanes import LANES
 from .summary import LANE_LABELS, clip_intervals, merge_intervals
-from .timeline import LANES
 
 LANE_COLORS = {
     "nvme_read": "#1f77b4", "nvme_write": "#aec7e8", "h2d": "#2ca02c", "d2h": "#98df8a",

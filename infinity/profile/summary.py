@@ -23,7 +23,7 @@ import json
 import logging
 import os
 
-from .timeline import COMPUTE_LANES, LANES, LINK_LANES, WAIT_LANE
+from .lanes import COMPUTE_LANES, LANES, LINK_LANES, WAIT_LANE
 
 log = logging.getLogger("infinity.profile")
 

@@ -14,13 +14,11 @@ import logging
 import threading
 import time
 
+from .lanes import COMPUTE_LANES, LANES, LINK_LANES, WAIT_LANE  # noqa: F401 (re-exported)
+
 log = logging.getLogger("infinity.profile")
 
-#: Every lane a timeline accepts, in display order (links first, then compute, then waits).
-LINK_LANES = ("nvme_read", "nvme_write", "h2d", "d2h", "allgather", "reduce_scatter")
-COMPUTE_LANES = ("forward", "backward", "optimizer")
-WAIT_LANE = "wait"
-LANES = LINK_LANES + COMPUTE_LANES + (WAIT_LANE,)
+#: Every lane a timeline accepts (infinity.profile.lanes), in display order.
 _LANE_SET = frozenset(LANES)
 
 #: Upper bound on recorded events; beyond it events are counted as dropped, not stored,

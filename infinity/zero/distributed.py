@@ -61,7 +61,7 @@ class ZeroSetup:
         shards are *spilled to NVMe* when the optimizer lives on NVMe, the stage partitions
         gradients (2, 3) and the shards would take more than half of the host budget
         (``offload.host_memory_gb``, else available RAM).  (At world size 1 the engine's
-        own NVMe gradient home, ``infinity.memory.grad_store``, does this.)"""
+        own NVMe gradient home, ``infinity.grads.nvme_store``, does this.)"""
         zero.spill = grad_spill_needed(cfg, groups, zero.world_size, zero.stage)
         return zero
 
@@ -160,7 +160,7 @@ def gathered_state_dict(engine) -> dict[str, torch.Tensor]:
     all ranks group by group.  Collective: call it on every rank."""
     zero = getattr(engine, "zero", None)
     res: dict[str, torch.Tensor] = {}
-    for g in engine.plan.groups:
+    for g in engine.grouping.groups:
         if zero is None:
             lo, hi = 0, g.padded_numel
             full = _shard_values_single(engine, g)
@@ -188,7 +188,7 @@ def read_param_gathered(engine, p: torch.nn.Parameter) -> torch.Tensor:
     rank's shard of its group.  Collective: every rank reads the same parameters in the
     same order (``engine.state_dict()`` iterates in model order on every rank)."""
     zero = engine.zero
-    g = engine.plan.param_group[id(p)]
+    g = engine.grouping.param_group[id(p)]
     slot = next(s for s in g.slots if s.param is p)
     lo, hi = zero.part.range(g.padded_numel)
     mine = _shard_values(engine, g, lo, hi)

@@ -338,10 +338,7 @@ def load_safetensors(model: nn.Module, files, *, strict: bool = True, resolve=No
 
 # ---------------------------------------------------------------------- the context
 def _build_groups():
-    try:                                   # after the engine restructure
-        from infinity.runtime.groups import build_groups
-    except ImportError:
-        from infinity.zero.groups import build_groups
+    from infinity.runtime.groups import build_groups
     return build_groups
 
 

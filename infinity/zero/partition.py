@@ -1,6 +1,6 @@
 """Which part of each flat parameter group a data-parallel rank owns.
 
-Every flat group is padded (by :func:`infinity.zero.groups.build_groups` with
+Every flat group is padded (by :func:`infinity.runtime.groups.build_groups` with
 ``world_size``) to a multiple of ``world_size`` x the 4096-byte alignment unit, so each
 rank owns one equal, contiguous, 4096-byte aligned shard ``[lo, hi)`` of it::
 

@@ -36,7 +36,7 @@ import time
 
 import torch
 
-from infinity.engine_optimizer import EngineOptimizer
+from infinity.optim.driver import EngineOptimizer
 from infinity.memory.record import GroupRecord, ParamSlot
 from infinity.zero.comm import Comm, CommHandle
 from infinity.zero.partition import Partition, clip_segments

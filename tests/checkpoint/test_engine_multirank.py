@@ -199,7 +199,7 @@ def test_load_failing_on_one_rank_fails_every_rank_unchanged(world):
 def test_corruption_seen_by_one_rank_fails_every_rank_unchanged(world):
     """Ranks hash disjoint shares of the files (here: one file, rank 0's share); the
     corruption found by one rank fails the load everywhere before anything changed."""
-    from infinity.checkpoint.engine_state import hash_share
+    from infinity.engine.checkpoint_state import hash_share
     with CheckpointReader(world["dirs"]["bad1"]) as r:
         files = r.manifest["files"]
     shares = [hash_share(files, k, 2) for k in range(2)]
@@ -210,7 +210,7 @@ def test_corruption_seen_by_one_rank_fails_every_rank_unchanged(world):
 
 
 def test_hash_share_balances_and_covers_every_file():
-    from infinity.checkpoint.engine_state import hash_share
+    from infinity.engine.checkpoint_state import hash_share
     files = {f"rank{i % 3}-{i:05d}.safetensors": {"size": s}
              for i, s in enumerate([10, 500, 7, 7, 300, 200, 1])}
     shares = [hash_share(files, k, 3) for k in range(3)]

@@ -9,7 +9,7 @@ from torch import nn
 infinity = pytest.importorskip("infinity.engine")
 
 from infinity.checkpoint import CheckpointReader, export_model  # noqa: E402
-from infinity.checkpoint.engine_state import (load_engine_checkpoint,  # noqa: E402
+from infinity.engine.checkpoint_state import (load_engine_checkpoint,  # noqa: E402
                                               save_engine_checkpoint)
 from infinity.checkpoint.export import load_exported  # noqa: E402
 
@@ -32,7 +32,7 @@ _model, _data, _cfg, _train = rc.model, rc.data, rc.config, rc.train
 def _state(engine):
     """fp32 masters + Adam states as the engine holds them (params may be paged out, so
     model.parameters() is not a valid view between steps for offloaded homes)."""
-    from infinity.checkpoint.engine_state import EngineCheckpoint
+    from infinity.engine.checkpoint_state import EngineCheckpoint
     return {n: t.clone() for n, t in EngineCheckpoint(engine).checkpoint_tensors()}
 
 

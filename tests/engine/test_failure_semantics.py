@@ -12,7 +12,7 @@ from torch import nn
 import torch.nn.functional as F
 
 import infinity
-from infinity.engine_phase import NonFiniteGradientError
+from infinity import NonFiniteGradientError
 
 
 class Boom(torch.autograd.Function):
@@ -68,7 +68,7 @@ def _batches(n, seed=1):
 
 
 def _state(engine):
-    from infinity.checkpoint.engine_state import EngineCheckpoint
+    from infinity.engine.checkpoint_state import EngineCheckpoint
     return {n: t.clone() for n, t in EngineCheckpoint(engine).checkpoint_tensors()}
 
 
@@ -293,6 +293,8 @@ def test_random_interrupts_keep_the_reference_trajectory(tmp_path, trial):
         den = sum(float(b[n].double().pow(2).sum()) for n in a)
         return math.sqrt(num / den) < 1e-5
 
+    import faulthandler
+    faulthandler.dump_traceback_later(300, exit=True)   # a deadlock fails, never hangs CI
     old = signal.signal(signal.SIGALRM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     interrupts = 0
     where = []
@@ -318,6 +320,7 @@ def test_random_interrupts_keep_the_reference_trajectory(tmp_path, trial):
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
+        faulthandler.cancel_dump_traceback_later()
     assert close(weights_final := {n: p for n, p in traj[-1].items()}, traj[-1]) and weights_final
 
 

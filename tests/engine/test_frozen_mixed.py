@@ -7,7 +7,7 @@ from torch import nn
 import torch.nn.functional as F
 
 import infinity
-from infinity.zero.groups import build_groups
+from infinity.runtime.groups import build_groups
 
 
 def _bitfit_model():
@@ -60,7 +60,7 @@ def test_bitfit_nvme_parity_and_no_frozen_state_or_writes(harness, swap_dir):
     cfg = {"offload": {"params": "nvme", "optimizer": "nvme", "nvme_paths": [swap_dir]},
            "optimizer": {"lr": 1e-2, "weight_decay": 0.1, "no_decay": []}}
     with infinity.initialize(model, cfg) as eng:
-        groups = eng.plan.groups
+        groups = eng.grouping.groups
         train_g = [g for g in groups if g.trainable]
         frozen_g = [g for g in groups if not g.trainable]
         assert len(train_g) == 3 and len(frozen_g) == 3

@@ -1,4 +1,4 @@
-"""The optimizer step overlapped with backward (infinity.engine_overlap).
+"""The optimizer step overlapped with backward (infinity.engine.overlap).
 
 fp32 parity against plain PyTorch + torch.optim.AdamW (10 steps, accumulation 2, no
 clipping: the case where groups are stepped during backward), bf16 bit-identical to the
@@ -103,7 +103,7 @@ def test_worker_error_surfaces_at_step(harness, swap_dir):
         assert eng.step() is False                      # first micro-step: no update
         b = batches[1]
         eng.backward(harness.loss_of("mlp", eng(b[0]), b))
-        from infinity.checkpoint.engine_state import EngineCheckpoint
+        from infinity.engine.checkpoint_state import EngineCheckpoint
         before = {n: t.clone() for n, t in EngineCheckpoint(eng).checkpoint_tensors()}
         with pytest.raises(OSError, match="simulated ENOSPC") as ei:
             eng.step()                                   # the worker's own error, unchanged
@@ -138,7 +138,7 @@ def test_master_handoff_bit_identical_and_saves_reads(harness, swap_dir):
 
 
 def test_master_handoff_bounded_and_returned(harness, swap_dir, monkeypatch):
-    import infinity.engine_overlap as eo
+    import infinity.engine.overlap as eo
     monkeypatch.setattr(eo, "MAX_HANDOFF", 1)
     torch.manual_seed(0)
     model = harness.MLPStack()

@@ -21,7 +21,7 @@ from infinity.engine import Engine
 from infinity.memory.accounting import Accounting
 from infinity.memory.device import (SimulatedDevice, choose_device, default_device_budget,
                                     make_device)
-from infinity.memory.grad_d2h import GradD2H
+from infinity.grads.d2h import GradD2H
 from infinity.memory.plan import PlacementPlan
 from infinity.memory.pool import BufferPool
 from infinity.memory.record import GroupRecord, Location, ParamSlot
@@ -168,7 +168,7 @@ def _cfg(params, precision, swap_dir):
 
 
 def _use_simulated(monkeypatch, devs, delay=2, cls=SimulatedDevice):
-    import infinity.engine as eng_mod
+    import infinity.engine.build as eng_mod
 
     def factory(device, budget, acct):
         dev = cls(budget, acct, delay=delay)

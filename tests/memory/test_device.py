@@ -294,7 +294,7 @@ def test_nvme_read_is_timed_to_its_completion_not_to_the_wait():
                                               ("nvme", "bf16")])
 def test_engine_trains_identically_through_the_simulated_device(swap_dir, monkeypatch,
                                                                  params, precision):
-    import infinity.engine as eng_mod
+    import infinity.engine.build as eng_mod
 
     def build(seed):
         torch.manual_seed(seed)
@@ -343,8 +343,8 @@ def test_engine_trains_identically_through_the_simulated_device(swap_dir, monkey
 def test_engine_grad_d2h_consumed_before_its_event_is_caught(swap_dir, monkeypatch):
     """Bug variant: accumulate gradients from the staging buffer without waiting for the
     D2H event; the simulated device leaves the staging stale, so training diverges."""
-    import infinity.engine as eng_mod
-    from infinity.memory.grad_d2h import GradD2H
+    import infinity.engine.build as eng_mod
+    from infinity.grads.d2h import GradD2H
 
     def eager_poll(self):
         while self._queue:

@@ -35,7 +35,7 @@ def test_nvme_cycle_points_params_at_the_buffer_and_back():
     ("finish_read", (), Location.NVME),
     ("release", (), Location.NVME),
     ("begin_to_device", (torch.zeros(4),), Location.NVME),
-    ("finish_write", (), Location.NVME),
+    ("drop_host_copy", (), Location.NVME),
 ])
 def test_wrong_state_raises_with_actual_state(op, args, state):
     g, _, _ = _group("nvme")
@@ -53,7 +53,7 @@ def test_double_read_rejected():
         g.begin_read(torch.zeros(1024), None)
 
 
-def test_host_cycle_and_write_states():
+def test_host_cycle():
     g, p, _ = _group("cpu")
     g.set_home_state()
     assert g.state is Location.HOST
@@ -64,10 +64,28 @@ def test_host_cycle_and_write_states():
     g.finish_to_device()
     g.release()
     assert g.state is Location.HOST
-    g.begin_write(None)
-    assert g.state is Location.WRITING
-    g.finish_write()
-    assert g.state is Location.NVME
+
+
+def test_cached_cycle():
+    """An NVMe-homed group released with a clean host copy is CACHED: used again like a
+    host home, or forgets the copy and is back at NVME."""
+    g, p, _ = _group("nvme")
+    g.set_home_state()
+    buf = torch.zeros(1024)
+    g.begin_read(buf, None)
+    g.finish_read()
+    g.host_buf = buf                      # the manager kept the buffer as a cached copy
+    assert g.release() is buf and g.state is Location.CACHED
+    assert torch.isnan(p).all()
+    g.begin_to_device(buf)
+    g.finish_to_device()
+    assert g.state is Location.DEVICE and p.data_ptr() == buf.data_ptr()
+    g.release()
+    assert g.state is Location.CACHED
+    g.drop_host_copy()
+    assert g.state is Location.NVME and g.host_buf is None
+    with pytest.raises(StateError, match="NVME"):
+        g.drop_host_copy()
 
 
 def test_device_home_is_never_released():

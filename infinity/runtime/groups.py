@@ -19,7 +19,7 @@ from torch import nn
 from infinity.memory.pool import round_up
 from infinity.memory.record import GroupRecord, ParamSlot
 
-__all__ = ["GroupPlan", "build_groups"]
+__all__ = ["Grouping", "build_groups"]
 
 # each parameter starts at a multiple of this many bytes inside its group
 _PARAM_ALIGN_BYTES = 64
@@ -28,7 +28,7 @@ _GROUP_ALIGN_BYTES = 4096
 
 
 @dataclass
-class GroupPlan:
+class Grouping:
     groups: list[GroupRecord]
     module_groups: dict[nn.Module, list[GroupRecord]]   # groups each module uses
     param_group: dict[int, GroupRecord]                 # id(param) -> group
@@ -36,7 +36,7 @@ class GroupPlan:
 
 
 def build_groups(model: nn.Module, dtype: torch.dtype, home: str, *,
-                 world_size: int = 1) -> GroupPlan:
+                 world_size: int = 1) -> Grouping:
     esize = torch.empty((), dtype=dtype).element_size()
     palign = max(1, _PARAM_ALIGN_BYTES // esize)
     galign = max(1, _GROUP_ALIGN_BYTES // esize) * world_size
@@ -79,4 +79,4 @@ def build_groups(model: nn.Module, dtype: torch.dtype, home: str, *,
         used[:0] = own
         if used:
             module_groups[mod] = used
-    return GroupPlan(groups, module_groups, param_group, names)
+    return Grouping(groups, module_groups, param_group, names)

@@ -24,8 +24,8 @@ from torch import nn
 
 from infinity.memory.manager import MemoryManager
 from infinity.memory.record import GroupRecord, Location
-from infinity.zero.groups import GroupPlan
-from infinity.zero.prefetch import PrefetchCoordinator
+from infinity.runtime.groups import Grouping
+from infinity.runtime.prefetch import PrefetchCoordinator
 
 log = logging.getLogger("infinity.zero")
 
@@ -62,10 +62,10 @@ class _SavedRef:
 
 
 class ParamHooks:
-    def __init__(self, model: nn.Module, plan: GroupPlan, manager: MemoryManager,
+    def __init__(self, model: nn.Module, grouping: Grouping, manager: MemoryManager,
                  coordinator: PrefetchCoordinator, on_grad):
         self.model = model
-        self.plan = plan
+        self.grouping = grouping
         self.mm = manager
         self.coord = coordinator
         self.on_grad = on_grad            # callable(group, slot, grad tensor)
@@ -87,11 +87,11 @@ class ParamHooks:
         root = self.model
         self.handles.append(root.register_forward_pre_hook(self._root_pre, prepend=True))
         self.handles.append(root.register_forward_hook(self._root_post, always_call=True))
-        for mod, groups in self.plan.module_groups.items():
+        for mod, groups in self.grouping.module_groups.items():
             self.handles.append(mod.register_forward_pre_hook(self._make_pre(groups)))
             self.handles.append(mod.register_forward_hook(self._make_post(groups),
                                                           always_call=True))
-        for g in self.plan.groups:
+        for g in self.grouping.groups:
             for i, s in enumerate(g.slots):
                 self._slot_of[id(s.param)] = (g, i)
                 if s.trainable:
@@ -100,12 +100,12 @@ class ParamHooks:
     def add_external(self, module: nn.Module, g: GroupRecord) -> None:
         """Make ``module``'s forward fetch group ``g`` too (a parameter used outside the
         module that owns it, e.g. ``F.linear(h, self.embed.weight)`` in a parent)."""
-        groups = self.plan.module_groups.get(module)
+        groups = self.grouping.module_groups.get(module)
         if groups is not None and any(x.users for x in groups):
             raise RuntimeError("register_external_parameter: the module is executing; "
                                "register before forward")
         if groups is None:
-            groups = self.plan.module_groups[module] = [g]
+            groups = self.grouping.module_groups[module] = [g]
             self.handles.append(module.register_forward_pre_hook(self._make_pre(groups)))
             self.handles.append(module.register_forward_hook(self._make_post(groups),
                                                              always_call=True))
@@ -120,7 +120,7 @@ class ParamHooks:
             self._saved_ctx.pop().__exit__(None, None, None)
 
     def reset(self) -> None:
-        """After a failed forward/backward (Note [window abort] in infinity.engine_phase):
+        """After a failed forward/backward (Note [window abort] in infinity.engine.phase):
         forget every module that was executing (a ``KeyboardInterrupt`` skips the post
         hooks), leave the saved-tensor hooks, make saved references of the failed window
         inert, and end the prefetch pass.  The caller releases the groups."""
@@ -136,7 +136,7 @@ class ParamHooks:
         self._fwd_t0.clear()
         self._bw_span.clear()
         self.epoch += 1
-        for g in self.plan.groups:
+        for g in self.grouping.groups:
             for sl in g.slots:            # a gradient the interrupted hook did not take
                 sl.param.grad = None      # would be added to the next backward's
             g.users = 0

@@ -5,7 +5,7 @@ last micro-step of an accumulation window, its Adam update (``store.step([item])
 same hyperparameters and step count the boundary step uses) is handed to ONE background
 worker thread while backward continues.  ``engine.step()`` then waits for those updates,
 steps the remaining groups and does the bookkeeping once
-(:meth:`infinity.engine_optimizer.EngineOptimizer.boundary_step` with ``done=``).
+(:meth:`infinity.optim.driver.EngineOptimizer.boundary_step` with ``done=``).
 
 Only when it cannot change results (:func:`eligible`): no ZeRO partitioning, no gradient
 clipping (the clip coefficient needs every group's gradient), fp32 or bf16 (fp16's loss
@@ -41,6 +41,27 @@ from infinity.memory.record import GroupRecord, Location
 
 log = logging.getLogger("infinity.engine")
 
+# Note [Overlap safety]
+# ~~~~~~~~~~~~~~~~~~~~~
+# A group's early Adam step updates its home (and a cached copy) in place on a worker
+# thread while backward goes on.  That is exact only if nothing reads those values until
+# the step ended: (1) the configuration cannot make the update depend on other groups
+# (eligible(): no ZeRO, no clipping, no fp16 loss scale, host gradients, zero-copy
+# device tier); (2) the group is released and nothing can fetch it again in this
+# backward (_safe(): not in use, prefetched, being read or holding saved views, and the
+# prefetch trace does not use it again, PrefetchCoordinator.may_use_again); (3) anything
+# that reads homes outside backward waits for the worker first (Engine._drain_overlap
+# in forward, weights out and checkpoints; OverlappedStep.finish in engine.step()).
+#
+# Note [Master hand-off]
+# ~~~~~~~~~~~~~~~~~~~~~~
+# In fp32 an NVMe-homed group's parameter buffer IS its master, and backward just read
+# it.  MemoryManager.release offers the buffer (on_release) instead of giving it back;
+# the early step passes it as StepItem.master_buf, so the tile pipeline updates it in
+# place and writes the master tiles from it instead of reading them again.  A group with
+# a cached copy needs none: the copy is its master (Note [Cache write-through] in
+# infinity/memory/manager.py).  At most MAX_HANDOFF buffers are held at once.
+
 __all__ = ["OverlappedStep", "eligible", "MAX_HANDOFF"]
 
 MAX_HANDOFF = 3      # released parameter buffers held for their group's step at once
@@ -48,25 +69,29 @@ MAX_HANDOFF = 3      # released parameter buffers held for their group's step at
 
 def _wait_quietly(fut: Future) -> None:
     """Wait for a group step before its home is read (its error surfaces at step())."""
-    from concurrent.futures import wait
-    wait([fut])              # its error is reported by OverlappedStep.wait; a signal propagates
+    # (not concurrent.futures.wait: a KeyboardInterrupt raised inside it, on the main
+    # thread, can leave the future's lock held, and the window's abort then deadlocks)
+    try:
+        fut.result()
+    except Exception:  # noqa: BLE001 - reported by OverlappedStep.wait; a signal propagates
+        pass
 
 
 def eligible(engine) -> bool:
-    """Whether the engine's configuration allows overlapping the step at all."""
+    """Whether the engine's configuration allows overlapping the step at all (Note
+    [Overlap safety])."""
     cfg = engine.cfg
     opt = engine.opt
     return (engine.zero is None and float(cfg.gradient_clipping) == 0.0
             and cfg.precision in ("fp32", "bf16")
-            and getattr(opt, "nvme_grads", None) is None
-            and getattr(opt, "grad_d2h", None) is None
-            and bool(getattr(engine.mm.dev, "zero_copy", False)))
+            and opt.nvme_grads is None and opt.grad_d2h is None
+            and bool(engine.mm.dev.zero_copy))
 
 
 class OverlappedStep:
     _undo_planned = 0
 
-    def __init__(self, opt, mm, coord, accounting):
+    def __init__(self, opt, mm, coord, accounting, *, undo_budget: int | None = None):
         self.opt = opt
         self.mm = mm
         self.coord = coord
@@ -85,7 +110,7 @@ class OverlappedStep:
         # the window's transaction (Note [commit point]): early steps write shadows and
         # undo copies; the engine commits or rolls back at the boundary
         self.txn = None
-        self.undo_budget: int | None = None   # host bytes of undo copies allowed (None: any)
+        self.undo_budget = undo_budget   # host bytes of undo copies allowed (None: any)
         mm.on_release = self.on_release
         mm.on_reclaim_blocked = self.wait
 
@@ -98,7 +123,7 @@ class OverlappedStep:
         if not self.coord.in_pass:
             self.active = False
             return
-        uses = Counter(self.coord.recording)     # this forward's module calls per group
+        uses = Counter(self.coord.recorded_uses())   # this forward's uses per group
         self._single_use = {gid for gid, n in uses.items() if n == 1}
         self._pending = {g.gid: {i for i, s in enumerate(g.slots) if s.trainable}
                          for g in self.opt.groups if g.gid in self._single_use}
@@ -176,21 +201,19 @@ class OverlappedStep:
         self._submit(g)
 
     def _safe(self, g: GroupRecord) -> bool:
-        """Nothing reads ``g``'s home or values again in this backward."""
-        c = self.coord
+        """Nothing reads ``g``'s home or values again in this backward (Note [Overlap
+        safety])."""
         if not self.mm.paged(g) or g.users or g.saved_refs or g.hold_until_backward_end \
-                or g.prefetched or g.gid in self.mm._inflight \
-                or g.state not in (Location.NVME, Location.HOST):
+                or g.prefetched or self.mm.fetch_pending(g) \
+                or g.state not in (Location.NVME, Location.HOST, Location.CACHED):
             return False                    # still resident or being read: not released
-        if c.divergent:
-            return False                    # the order changed: be conservative
-        if c.trace is not None and g.gid in c.trace[c.cursor:]:
-            return False                    # the trace still needs it (prefetch would read)
-        return True
+        # the order changed (be conservative), or the trace still needs it (prefetch would
+        # read it)
+        return not self.coord.may_use_again(g)
 
     def _submit(self, g: GroupRecord) -> None:
         buf = self._held.pop(g.gid, None)
-        if buf is not None and self.mm.cached(g):
+        if buf is not None and self.mm.cached(g):   # Note [Master hand-off]
             # released twice in this backward, cached the second time: the cached copy is
             # what the next forward uses, so it must be the one updated
             self.mm.give_back_device(buf)

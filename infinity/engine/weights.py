@@ -62,7 +62,7 @@ class StreamedStateDict(Mapping):
 
 
 def _slot_of(engine, p) -> tuple[GroupRecord, ParamSlot]:
-    g = engine.plan.param_group[id(p)]
+    g = engine.grouping.param_group[id(p)]
     for s in g.slots:
         if s.param is p:
             return g, s

@@ -39,10 +39,10 @@ import logging
 
 import torch
 
-from .errors import CheckpointError
-from .reader import CheckpointReader
-from .rng import parse_rng_state, rng_state_to_json
-from .writer import Piece
+from infinity.checkpoint.errors import CheckpointError
+from infinity.checkpoint.reader import CheckpointReader
+from infinity.checkpoint.rng import parse_rng_state, rng_state_to_json
+from infinity.checkpoint.writer import Piece
 
 log = logging.getLogger("infinity.checkpoint")
 
@@ -182,7 +182,8 @@ class EngineCheckpoint:
         """Drop cached device copies of paged groups (they would be stale after a load)."""
         from infinity.memory.record import Location
         for g in self.groups:
-            if g.home != "device" and g.state not in (Location.NVME, Location.HOST):
+            if g.home != "device" and g.state not in (Location.NVME, Location.HOST,
+                                                      Location.CACHED):
                 self.e.mm.release(g)
         self.e.mm.drop_cache()          # clean copies of NVMe homes about to be rewritten
 
@@ -361,7 +362,7 @@ def save_engine_checkpoint(engine, directory, tag=None, **kw):
     """Checkpoint writes show on the engine's timeline ("nvme_write" lane, "ckpt:<name>");
     they are not added to its link accounting (that counts swap traffic per step).
     Collective at world size > 1: every rank calls it (see ``save_checkpoint``)."""
-    from .api import save_checkpoint
+    from infinity.checkpoint.api import save_checkpoint
     kw.setdefault("timeline", getattr(engine, "timeline", None))
     return save_checkpoint(EngineCheckpoint(engine), directory, tag, **kw)
 
@@ -371,7 +372,7 @@ def load_engine_checkpoint(engine, directory, tag=None, **kw):
     the checkpoint and agree before any changes state, so a damaged or incompatible
     checkpoint (or ranks resolving ``latest`` differently) fails every rank with the
     engine unchanged."""
-    from .api import load_checkpoint
+    from infinity.checkpoint.api import load_checkpoint
     ec = EngineCheckpoint(engine)
     if ec.world == 1:
         return load_checkpoint(ec, directory, tag, **kw)
@@ -380,7 +381,7 @@ def load_engine_checkpoint(engine, directory, tag=None, **kw):
 
 def _agree(ok, fingerprint=0):
     """All-reduce: (every rank ok, every rank has the same fingerprint)."""
-    from .api import _dist_device
+    from infinity.checkpoint.api import _dist_device
     import torch.distributed as dist
     t = torch.tensor([1 if ok else 0, fingerprint, -fingerprint], dtype=torch.int64,
                      device=_dist_device())
@@ -404,7 +405,7 @@ def hash_share(files, rank, world):
 
 
 def _load_collective(ec, directory, tag=None, *, strict=True):
-    from .api import wait_pending
+    from infinity.checkpoint.api import wait_pending
     wait_pending(raise_errors=False)
     r, err, fp = None, None, 0
     try:

@@ -1,11 +1,12 @@
-"""The engine's optimizer side: gradient accumulation buffers, clipping, loss scaling,
-LR schedule and the Adam step over the optimizer state store.
+"""The step driver: the accumulation boundary, clipping, loss scaling, LR schedule and
+the Adam step over the optimizer state store.  The fp32 gradient buffers it steps from
+are the gradient floor's (:class:`infinity.grads.accumulate.GradAccumulation`, mixed in).
 
 One store partition per trainable parameter group (key ``"g<gid>"``).  In fp32 the
 parameter home *is* the fp32 master (``external_master``); in bf16/fp16 the store holds
 an fp32 master and writes the updated low-precision params back to the param home in
 the same pass (``param_out`` for host/device homes, ``param_sink`` for NVMe homes).
-Frozen parameters are in frozen groups (``infinity.zero.groups``) that have no partition.
+Frozen parameters are in frozen groups (``infinity.runtime.groups``) that have no partition.
 
 Per-parameter hyperparameters come from :mod:`infinity.optim.param_groups` (no-decay
 rules, ``optimizer.param_groups``): each step item's segments carry the ``lr`` and
@@ -20,7 +21,8 @@ import time
 
 import torch
 
-from infinity.memory.record import GroupRecord, ParamSlot
+from infinity.grads.accumulate import GradAccumulation
+from infinity.memory.record import GroupRecord
 from infinity.optim.loss_scaler import DynamicLossScaler, StaticLossScaler
 
 log = logging.getLogger("infinity.engine")
@@ -45,9 +47,10 @@ class _ScheduleTarget(torch.optim.Optimizer):
         return None
 
 
-class EngineOptimizer:
+class EngineOptimizer(GradAccumulation):
     def __init__(self, model, cfg, groups: list[GroupRecord], names: dict[int, str], *,
-                 store, swap, host_pool, accounting, timeline=None, lr_scheduler=None):
+                 store, swap, host_pool, accounting, timeline=None, lr_scheduler=None,
+                 lazy_grads: bool = False):
         from infinity.optim.param_groups import build_param_groups_for_model
         self.cfg = cfg
         self.store = store
@@ -80,55 +83,7 @@ class EngineOptimizer:
         self.last_step_seconds = 0.0
         self.nonfinite_steps = 0     # updates skipped for an inf/NaN gradient norm (fp32, bf16)
         self.host_pool = host_pool
-        self._written: set[int] = set()     # id(slot) with a gradient since the last step
-        self.nvme_grads = None              # NvmeGradStore when grads are homed on NVMe
-        self.grad_d2h = None                # GradD2H when the device tier is not host memory
-        self._slot_index = {id(s): i for g in self.groups for i, s in enumerate(g.slots)}
-        # lazy_grads (set by the engine with the parameter cache): a group's fp32 gradient
-        # buffer is leased at its first gradient of a window and given back once stepped,
-        # so the host pool lends the memory to cached parameter copies in between
-        self.lazy_grads = False
-
-    def alloc_grads(self, home: str = "host") -> None:
-        """Lease the fp32 gradient accumulation buffers (after the params were placed, so
-        the model's original tensors are already gone); ``home="nvme"``: one extent per
-        group instead, assembled in leased staging buffers."""
-        if home == "nvme":
-            from infinity.memory.grad_store import NvmeGradStore
-            self.nvme_grads = NvmeGradStore(self.groups, self.swap, self.host_pool, self.acct,
-                                            self.timeline)
-            return
-        if self.lazy_grads:
-            return
-        for g in self.groups:
-            g.grad_buf = self.host_pool.lease(g.padded_numel * 4, torch.float32)
-            g.grad_buf.zero_()
-
-    def _grad_buf(self, g: GroupRecord) -> torch.Tensor:
-        """``g``'s gradient buffer, leased now if it has none (lazy_grads): what no slot
-        writes (alignment gaps, the tail) is zeroed; slots are written (first gradient:
-        copied) or zeroed at the boundary."""
-        buf = g.grad_buf
-        if buf is not None:
-            return buf
-        buf = self.host_pool.lease(g.padded_numel * 4, torch.float32)
-        pos = 0
-        for s in g.slots:
-            if s.offset > pos:
-                buf[pos:s.offset].zero_()
-            pos = s.offset + s.numel
-        if pos < g.padded_numel:
-            buf[pos:].zero_()
-        g.grad_buf = buf
-        return buf
-
-    def release_grad(self, g: GroupRecord) -> None:
-        """``g`` was stepped: with lazy_grads its gradient buffer goes back to the pool."""
-        if self.lazy_grads and g.grad_buf is not None:
-            buf, g.grad_buf = g.grad_buf, None
-            for s in g.slots:
-                self._written.discard(id(s))
-            self.host_pool.give_back(buf)
+        self._init_grads(lazy_grads)
 
     # ------------------------------------------------------------------ registration
     def register(self, g: GroupRecord, init_fp32: torch.Tensor | None) -> None:
@@ -152,35 +107,7 @@ class EngineOptimizer:
     def key(g: GroupRecord) -> str:
         return f"g{g.gid}"
 
-    # ------------------------------------------------------------------ gradients
-    def attach_device(self, device_tier, max_inflight_bytes: int | None = None) -> None:
-        """Gradients computed in separate device memory leave it by D2H copies on the
-        device tier's copy stream and are accumulated on the host once each copy is done
-        (at most ``max_inflight_bytes`` of pinned staging outstanding)."""
-        if not device_tier.zero_copy:
-            from infinity.memory.grad_d2h import GradD2H
-            self.grad_d2h = GradD2H(device_tier, self.host_pool, self._accumulate_host,
-                                    max_inflight_bytes)
-
-    def accumulate(self, g: GroupRecord, slot: ParamSlot, grad: torch.Tensor) -> None:
-        if self.grad_d2h is not None:
-            self.grad_d2h.push(g, slot, grad)
-            return
-        self._accumulate_host(g, slot, grad)
-
-    def _accumulate_host(self, g: GroupRecord, slot: ParamSlot, grad: torch.Tensor) -> None:
-        """First gradient of a slot since the last step: copy (no zeroing pass needed);
-        later micro-steps: add, in fp32."""
-        if self.nvme_grads is not None:
-            self.nvme_grads.accumulate(g, self._slot_index[id(slot)], grad)
-            return
-        dst = self._grad_buf(g)[slot.offset:slot.offset + slot.numel]
-        if id(slot) in self._written:
-            dst.add_(grad.reshape(-1))
-        else:
-            dst.copy_(grad.reshape(-1))
-            self._written.add(id(slot))
-
+    # ------------------------------------------------------------------ window
     def abandon_window(self) -> None:
         """A step failed part-way (an overlapped group step raised): drop this window's
         gradients so a caller that goes on does not add the next window onto them."""
@@ -188,46 +115,11 @@ class EngineOptimizer:
             self.release_grad(g)
         self.zero_grad()
 
-    def before_backward(self, final_micro: bool) -> None:
-        if self.nvme_grads is not None:
-            self.nvme_grads.final_micro = final_micro
-
-    def end_backward(self) -> None:
-        if self.grad_d2h is not None:
-            self.grad_d2h.drain()
-        if self.nvme_grads is not None:
-            self.nvme_grads.end_backward()
-
-    def _zero_unwritten(self, skip=()) -> None:
-        """Slots that got no gradient in this window hold stale values: zero them
-        (``skip``: groups already stepped during backward)."""
-        if self.nvme_grads is not None:
-            return
-        for g in self.groups:
-            if g.gid in skip:
-                continue
-            for s in g.slots:
-                if s.trainable and id(s) not in self._written:
-                    self._grad_buf(g)[s.offset:s.offset + s.numel].zero_()
-
     def zero_grad(self) -> None:
         self._written.clear()
         self._hp = None
         if self.nvme_grads is not None:
             self.nvme_grads.reset()
-
-    def grad_norm(self, skip: dict[int, float] | None = None) -> float:
-        """``skip``: ``{gid: squared norm}`` already computed (groups stepped early)."""
-        if self.nvme_grads is not None:
-            return math.sqrt(self.nvme_grads.finish_window())
-        skip = skip or {}
-        total = sum(skip.values())
-        for g in self.groups:
-            if g.gid in skip:
-                continue
-            n = float(torch.linalg.vector_norm(g.grad_buf))
-            total += n * n
-        return math.sqrt(total)
 
     # ------------------------------------------------------------------ lr
     def lr_for_group(self, i: int) -> float:
@@ -293,12 +185,12 @@ class EngineOptimizer:
                       shield=None, on_commit=None, on_rollback=None) -> bool:
         """Apply (or skip) one optimizer step over the accumulated gradients.
         ``done``: ``{gid: squared grad norm}`` of groups already stepped (overlapped with
-        backward, :mod:`infinity.engine_overlap`) into ``txn``; only the others are stepped
+        backward, :mod:`infinity.engine.overlap`) into ``txn``; only the others are stepped
         here.  With ``txn`` (Note [commit point] in infinity.optim.offload_step) the
         update is all-or-nothing: the remaining groups are stepped into it, then
         committed — or, when the step is skipped (fp16 overflow, non-finite gradients),
         rolled back.  ``shield(fn)`` runs the state-changing part (Note [window abort] in
-        infinity.engine_phase); ``on_commit(moved_extents)`` / ``on_rollback(keys)`` let
+        infinity.engine.phase); ``on_commit(moved_extents)`` / ``on_rollback(keys)`` let
         the engine follow.  Returns True when the update was applied."""
         t0 = time.perf_counter()
         done = done or {}

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from .pool import ALIGN, round_up
+from infinity.memory.pool import ALIGN, round_up
 
 __all__ = ["GradD2H"]
 

@@ -1,9 +1,12 @@
 """``infinity.initialize(model, config) -> Engine``: forward, backward, step, stats, close.
 
-The engine wires together the parameter groups (``infinity.zero.groups``), the tiered
-memory manager (``infinity.memory``), the hooks and trace-based prefetch
-(``infinity.zero``) and the optimizer side (``infinity.engine_optimizer``).  Weights out
-(``state_dict``/``save_pretrained``) live in ``infinity.engine_weights``.
+The engine's parts are built by :func:`infinity.engine.build.assemble` (groups and
+hooks from :mod:`infinity.runtime`, the tiered memory manager from :mod:`infinity.memory`,
+the gradient route from :mod:`infinity.grads`, the step driver from
+:mod:`infinity.optim.driver`, their ZeRO counterparts from :mod:`infinity.zero`).  Weights
+out (``state_dict``/``save_pretrained``) live in :mod:`infinity.engine.weights`,
+checkpoints in :mod:`infinity.engine.checkpoint_state`, the step overlapped with backward
+in :mod:`infinity.engine.overlap`.
 """
 from __future__ import annotations
 
@@ -12,23 +15,17 @@ import torch
 from torch import nn
 
 from infinity.config import InfinityConfig
-from infinity.engine_optimizer import EngineOptimizer
-from infinity.engine_phase import NonFiniteGradientError, Phase, PhaseError, run_shielded
+from infinity.engine.build import assemble
+from infinity.engine.phase import NonFiniteGradientError, Phase, PhaseError, run_shielded
 from infinity.memory.accounting import Accounting
-from infinity.memory.device import choose_device, default_device_budget, make_device
-from infinity.memory.manager import MemoryManager
-from infinity.memory.plan import PlacementPlan, nvme_dirs_ok, remove_if_empty
-from infinity.memory.pool import BufferPool
-from infinity.zero.groups import build_groups
-from infinity.zero.hooks import ParamHooks
-from infinity.zero.prefetch import PrefetchCoordinator
+from infinity.memory.device import choose_device
+from infinity.memory.plan import remove_if_empty
 
 log = logging.getLogger("infinity.engine")
 
 __all__ = ["Engine", "initialize"]
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-_PARAM_HOME = {"none": "device", "cpu": "cpu", "nvme": "nvme"}
 
 
 def initialize(model: nn.Module, config=None, *, lr_scheduler=None, timeline=None) -> "Engine":
@@ -79,7 +76,7 @@ class Engine:
         self.mm = self.opt = self.hooks = self.zero = None
         self.overlap = None
         # overlap each group's optimizer update with backward where that cannot change
-        # results (infinity.engine_overlap); set False to always step at the boundary
+        # results (infinity.engine.overlap); set False to always step at the boundary
         self.overlap_optimizer_step = True
         # Note [commit point]: updates are transactions (all-or-nothing); False restores
         # the in-place updates for A/B benchmarks only (tools/bench_e2e.py --no-commit-point)
@@ -89,7 +86,7 @@ class Engine:
         self.device = self._choose_device(model)
         self._move_buffers(model)
         try:
-            self._setup(lr_scheduler)
+            assemble(self, lr_scheduler)
         except BaseException:
             self.close()
             raise
@@ -117,154 +114,6 @@ class Engine:
         if isinstance(x, torch.Tensor) and x.device != self.device:
             return x.to(self.device, non_blocking=x.is_pinned())
         return x
-
-    def _device_budget(self, model: nn.Module) -> int | None:
-        on_dev = sum(p.numel() * p.element_size() for p in model.parameters()
-                     if p.device == self.device)
-        return default_device_budget(self.device, self.cfg.device_memory_bytes, on_dev)
-
-    # ------------------------------------------------------------------ setup
-    def _setup(self, lr_scheduler) -> None:
-        cfg, model = self.cfg, self.module
-        # ZeRO across ranks (None at world size 1): partitioned memory manager + optimizer
-        from infinity.zero.distributed import ZeroSetup
-        self.zero = ZeroSetup.from_config(cfg, accounting=self.acct, timeline=self.timeline)
-        ws = self.zero.world_size if self.zero else 1
-        rank = self.zero.rank if self.zero else 0
-        param_home = _PARAM_HOME[cfg.offload.params]
-        for p in model.parameters():
-            self._orig_dtypes.setdefault(id(p), p.dtype)
-        # the device tier (budget: device_memory_gb, on CUDA default free memory) is made
-        # before the plan: a separate device memory adds copies and host staging to it
-        self.device_budget = device_budget = self._device_budget(model)
-        self._dev_tier = make_device(self.device, device_budget, self.acct)
-        separate = not self._dev_tier.zero_copy
-        gp = build_groups(model, self.dtype, param_home, world_size=ws)
-        self.plan = gp
-        if not gp.groups:
-            raise ValueError(f"initialize: {type(model).__name__} has no parameters")
-        # low-precision compute: floating buffers follow the compute dtype (as module.to())
-        if self.dtype != torch.float32:
-            for mod in model.modules():
-                for k, b in mod._buffers.items():
-                    if b is not None and b.is_floating_point():
-                        mod._buffers[k] = b.to(self.dtype)
-        needs_nvme = param_home == "nvme" or cfg.offload.optimizer == "nvme"
-        if needs_nvme:
-            from infinity.io import AioEngine, SwapSpace
-            self._created_dirs = nvme_dirs_ok(cfg.offload.nvme_paths)
-            a = cfg.aio
-            self.aio = AioEngine(a.block_size, a.queue_depth, a.threads, a.engine)
-            self.swap = SwapSpace(cfg.offload.nvme_paths, self.aio, rank=rank,
-                                   accounting=self.acct)
-        from infinity.optim.offload_step import DEFAULT_TILE_NUMEL, OptimizerStateStore
-        largest_trainable = max((g.padded_numel // ws for g in gp.groups if g.trainable),
-                                default=1)
-        tile = min(DEFAULT_TILE_NUMEL, largest_trainable)
-        if cfg.host_memory_bytes is not None:
-            # keep the optimizer's tile ring (~3 slots x 4 fp32 tensors) within ~15 % of the cap
-            tile = max(65536, min(tile, int(cfg.host_memory_bytes * 0.15) // 48))
-        sink = self.dtype if (self.dtype != torch.float32 and param_home == "nvme") else None
-        self.store = OptimizerStateStore(cfg.offload.optimizer, swap=self.swap,
-                                         tile_numel=tile, accounting=self.acct,
-                                         timeline=self.timeline, sink_dtype=sink)
-        placement = PlacementPlan(cfg.precision, param_home, cfg.offload.optimizer,
-                                  cfg.prefetch.depth, gp.groups, cfg.host_memory_bytes,
-                                  device_budget,
-                                  optimizer_ring_bytes=self.store.host_bytes(),
-                                  separate_device=separate)
-        placement.compute(self.gas)
-        if cfg.host_memory_bytes is not None and placement.host_total > cfg.host_memory_bytes \
-                and self.swap is not None and self.zero is None:
-            placement.grad_home = "nvme"      # the cap cannot hold the fp32 grads: NVMe home
-            placement.compute(self.gas)
-        if self.zero is not None:             # per-rank shares; spill grad shards if needed
-            from infinity.zero.distributed import partition_placement
-            self.zero = ZeroSetup.with_grad_spill(self.zero, cfg, gp.groups)
-            partition_placement(placement, self.zero)
-        placement.check()
-        if cfg.precision == "fp32" and param_home == "nvme" and self.zero is None \
-                and not separate and device_budget is None \
-                and cfg.host_memory_bytes is not None \
-                and cfg.host_memory_bytes > placement.host_total \
-                and placement.grad_home == "host":
-            # the cap's headroom keeps clean copies of NVMe params (write-through: in fp32
-            # the param is the master the optimizer updates in place)
-            placement.param_cache_budget = cfg.host_memory_bytes - placement.host_total
-            placement.compute(self.gas)
-            placement.check()
-        self.placement = placement
-        # Note [commit point]: host undo copies of a window's updated host states fit in
-        # what the cap leaves (no cap: any)
-        self.undo_budget = None if cfg.host_memory_bytes is None else \
-            max(0, cfg.host_memory_bytes - placement.host_total)
-        if self.swap is not None and placement.nvme_total:
-            self.swap.reserve(placement.nvme_total)
-        log.info("%s", placement.describe())
-        host_cap = cfg.host_memory_bytes
-        pool_budget = None
-        if host_cap is not None:
-            store_host = sum(v for k, v in placement.host.items() if k.startswith("optimizer"))
-            pool_budget = host_cap - store_host
-        self.host_pool = BufferPool("host", pool_budget, self.acct)
-        mm_kw = dict(device=self.device, device_budget=device_budget,
-                     host_pool=self.host_pool, swap=self.swap, accounting=self.acct,
-                     timeline=self.timeline, device_tier=self._dev_tier)
-        opt_kw = dict(store=self.store, swap=self.swap, host_pool=self.host_pool,
-                      accounting=self.acct, timeline=self.timeline, lr_scheduler=lr_scheduler)
-        if self.zero is None:
-            self.mm = MemoryManager(gp.groups, **mm_kw)
-            self.opt = EngineOptimizer(model, cfg, gp.groups, gp.names, **opt_kw)
-            if placement.param_cache_budget:
-                self.mm.enable_cache()
-                self.opt.lazy_grads = True    # gradient buffers only while they hold one
-        else:
-            self.mm = self.zero.memory_manager(gp.groups, **mm_kw)
-            self.opt = self.zero.optimizer(model, cfg, gp.groups, gp.names, **opt_kw)
-        self._dev_tier = None                 # owned (and closed) by the manager now
-        staging = None
-        paged_nvme = [g for g in gp.groups if g.home == "nvme"]
-        if paged_nvme:
-            staging = self.host_pool.lease(max(g.nbytes for g in paged_nvme), torch.uint8)
-        from infinity.zero.init import adopting   # params built under infinity.Init
-        for g in gp.groups:
-            with adopting(g.slots):
-                init = None
-                if g.trainable and self.dtype != torch.float32:
-                    init = torch.zeros(g.padded_numel, dtype=torch.float32)
-                    with torch.no_grad():
-                        for s in g.slots:
-                            init[s.offset:s.offset + s.numel].copy_(
-                                s.param.detach().reshape(-1))
-                self.mm.place(g, staging)
-                if g.trainable:
-                    self.opt.register(g, init)
-                del init
-        if staging is not None:
-            self.host_pool.give_back(staging)
-            self.host_pool.trim()
-        if placement.grad_home == "nvme":
-            self.opt.alloc_grads("nvme")
-        else:
-            self.opt.alloc_grads()
-        dev = getattr(self.mm, "dev", None)
-        if dev is not None and hasattr(self.opt, "attach_device"):
-            # separate device memory: grads leave by D2H, staging bounded as planned
-            self.opt.attach_device(dev, placement.grad_d2h_bytes)
-        self.coord = PrefetchCoordinator(self.mm, cfg.prefetch.depth, self.acct)
-        from infinity.engine_overlap import OverlappedStep, eligible
-        on_grad = self.opt.accumulate
-        if eligible(self):
-            self.overlap = OverlappedStep(self.opt, self.mm, self.coord, self.acct)
-            self.overlap.undo_budget = self.undo_budget
-            accumulate, overlap = self.opt.accumulate, self.overlap
-            slot_index = {id(s): i for g in gp.groups for i, s in enumerate(g.slots)}
-
-            def on_grad(g, slot, grad):
-                accumulate(g, slot, grad)
-                overlap.grad_arrived(g, slot_index[id(slot)])
-        self.hooks = ParamHooks(model, gp, self.mm, self.coord, on_grad)
-        self.hooks.install()
 
     # ------------------------------------------------------------------ training API
     def __call__(self, *args, **kwargs):
@@ -335,15 +184,19 @@ class Engine:
                          f"engine is unusable: reload a checkpoint")
 
     def _rollback_window(self) -> None:
-        if self.overlap is not None:
-            self.overlap.abandon()
-        txn, self._txn = self._txn, None
-        if txn is not None:
-            keys = set(txn.keys)
-            self.store.rollback(txn)
-            self._after_rollback(keys)
-        self.opt.abandon_window()
-        self.mm.abandon_all()
+        self.mm.abandoning = True          # buffers in flight between owners: see _give_back
+        try:
+            if self.overlap is not None:
+                self.overlap.abandon()
+            txn, self._txn = self._txn, None
+            if txn is not None:
+                keys = set(txn.keys)
+                self.store.rollback(txn)
+                self._after_rollback(keys)
+            self.opt.abandon_window()
+            self.mm.abandon_all()
+        finally:
+            self.mm.abandoning = False
         self.micro_steps = self.opt.boundaries * self.gas
         self._has_grads = False
         self.phase = Phase.IDLE
@@ -443,9 +296,7 @@ class Engine:
         final = (self.micro_steps + 1) % self.gas == 0
         self.phase = Phase.BACKWARD
         try:
-            before_backward = getattr(self.opt, "before_backward", None)
-            if before_backward is not None:
-                before_backward(final)
+            self.opt.before_backward(final)
             if final:
                 self._txn = self._new_txn() if self.commit_point and \
                     (self.swap is not None or self.overlap is not None) else None
@@ -459,9 +310,7 @@ class Engine:
                     if ov is not None:
                         ov.end()
                 self.hooks.finish_backward()
-                end_backward = getattr(self.opt, "end_backward", None)
-                if end_backward is not None:
-                    end_backward()
+                self.opt.end_backward()
             self._has_grads = True
             self.phase = Phase.IDLE
         except BaseException as e:
@@ -549,7 +398,7 @@ class Engine:
         (like DeepSpeed's ``register_external_parameter``); otherwise ``param`` is released
         (a NaN placeholder) while ``module`` runs."""
         self._enter("register_external_parameter")
-        g = self.plan.param_group.get(id(param))
+        g = self.grouping.param_group.get(id(param))
         if g is None:
             raise KeyError("register_external_parameter: that parameter is not part of the "
                            "model given to initialize")
@@ -610,13 +459,13 @@ class Engine:
 
     # ------------------------------------------------------------------ weights out
     def state_dict(self):
-        from infinity.engine_weights import StreamedStateDict
+        from infinity.engine.weights import StreamedStateDict
         self._enter("state_dict")
         self._drop_open_window("state_dict")
         return StreamedStateDict(self)
 
     def save_pretrained(self, directory, *, max_shard_bytes: int = 2 * 10 ** 9) -> list[str]:
-        from infinity.engine_weights import save_pretrained
+        from infinity.engine.weights import save_pretrained
         self._enter("save_pretrained")
         self._drop_open_window("save_pretrained")
         return save_pretrained(self, directory, max_shard_bytes=max_shard_bytes)
@@ -626,7 +475,7 @@ class Engine:
         """Atomic sharded checkpoint ``directory/<tag>`` (default ``step-<N>``); see
         ``infinity.checkpoint.save_checkpoint`` for ``kw`` (async_, shard_bytes, ...).
         At world size > 1 every rank calls it and writes its own shard."""
-        from infinity.checkpoint.engine_state import save_engine_checkpoint
+        from infinity.engine.checkpoint_state import save_engine_checkpoint
         self._enter("save_checkpoint")
         self._drop_open_window("save_checkpoint")
         return save_engine_checkpoint(self, directory, tag, **kw)
@@ -635,7 +484,7 @@ class Engine:
         """Verify then load ``directory/<tag>`` (default: ``latest``); returns its meta.
         Any world size or offload configuration may have written it; at world size > 1
         every rank calls it."""
-        from infinity.checkpoint.engine_state import load_engine_checkpoint
+        from infinity.engine.checkpoint_state import load_engine_checkpoint
         self._enter("load_checkpoint")
         self._drop_open_window("load_checkpoint")
         return load_engine_checkpoint(self, directory, tag, **kw)
@@ -686,5 +535,5 @@ class Engine:
     def __repr__(self) -> str:
         c = self.cfg
         return (f"Engine(precision={c.precision}, params={c.offload.params}, "
-                f"optimizer={c.offload.optimizer}, groups={len(self.plan.groups)}, "
+                f"optimizer={c.offload.optimizer}, groups={len(self.grouping.groups)}, "
                 f"closed={self._closed})")

@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from .record import GroupRecord
+from infinity.memory.record import GroupRecord
 
 log = logging.getLogger("infinity.memory")
 

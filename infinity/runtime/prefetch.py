@@ -7,10 +7,15 @@ repeats collapse.  While the live order matches the recorded trace the coordinat
 ``depth`` upcoming groups in flight (bounded by the device budget); the first mismatch
 makes the rest of that micro-step fetch on demand (one DEBUG line) and the new order
 becomes the trace for the next micro-step.
+
+Per-use bookkeeping is O(1) in the trace's length: the trace keeps each group's traced
+positions, so "when is this group used next" is a bisection, never a scan of the rest of
+the trace.
 """
 from __future__ import annotations
 
 import logging
+from bisect import bisect_left
 
 from infinity.memory.manager import MemoryManager
 from infinity.memory.record import GroupRecord, Location
@@ -26,6 +31,7 @@ class PrefetchCoordinator:
         self.depth = int(depth)
         self.acct = accounting
         self.trace: list[int] | None = None
+        self._positions: dict[int, list[int]] = {}   # gid -> its positions in the trace
         self.recording: list[int] = []
         self._last_event = None
         self.cursor = 0
@@ -58,7 +64,7 @@ class PrefetchCoordinator:
             if self.trace is not None and not self.divergent:
                 log.debug("prefetch: micro-step used %d of %d traced groups; re-recording",
                           self.cursor, len(self.trace))
-            self.trace = list(self.recording)
+            self._set_trace(list(self.recording))
         for g in self.mm.groups:
             if g.prefetched and g.users == 0:
                 self.mm.release(g)
@@ -75,6 +81,35 @@ class PrefetchCoordinator:
         self.divergent = False
         for g in self.mm.groups:
             g.prefetched = False
+
+    def _set_trace(self, trace: list[int]) -> None:
+        self.trace = trace
+        positions: dict[int, list[int]] = {}
+        for i, gid in enumerate(trace):
+            positions.setdefault(gid, []).append(i)
+        self._positions = positions
+
+    def _next_use(self, gid: int) -> int | None:
+        """Position of the next traced use of ``gid`` at or after the cursor (None: no
+        further use in the trace)."""
+        pos = self._positions.get(gid)
+        if not pos:
+            return None
+        k = bisect_left(pos, self.cursor)
+        return pos[k] if k < len(pos) else None
+
+    # ------------------------------------------------------------------ queries
+    def recorded_uses(self) -> list[int]:
+        """The group ids used so far in this micro-step, in order (read only)."""
+        return self.recording
+
+    def may_use_again(self, g: GroupRecord) -> bool:
+        """Whether ``g`` may be used again in this micro-step: the order diverged from the
+        trace (anything may come), or the trace uses ``g`` at or after the cursor (Note
+        [Overlap safety] in infinity/engine/overlap.py)."""
+        if self.divergent:
+            return True
+        return self.trace is not None and self._next_use(g.gid) is not None
 
     # ------------------------------------------------------------------ uses
     def use(self, g: GroupRecord, *, track: bool = True, kind: str = "module") -> None:
@@ -100,10 +135,11 @@ class PrefetchCoordinator:
     def release(self, g: GroupRecord) -> None:
         """Release ``g`` unless the trace needs it again within the prefetch window, in
         which case it stays resident as if prefetched (no re-read)."""
-        if self.in_pass and not self.divergent and self.trace is not None and self.depth > 0 \
-                and g.gid in self.trace[self.cursor:self.cursor + self.depth]:
-            g.prefetched = True
-            return
+        if self.in_pass and not self.divergent and self.trace is not None and self.depth > 0:
+            nxt = self._next_use(g.gid)
+            if nxt is not None and nxt < self.cursor + self.depth:
+                g.prefetched = True
+                return
         self.mm.release(g)
 
     def _advance(self, g: GroupRecord, kind: str) -> None:
@@ -124,12 +160,9 @@ class PrefetchCoordinator:
     def _prefetch_ahead(self) -> None:
         if self.trace is None or self.depth <= 0:
             return
-        seen = 0
-        for gid in self.trace[self.cursor:]:
-            if seen >= self.depth:
-                break
-            seen += 1
-            g = self._by_gid[gid]
+        trace = self.trace
+        for i in range(self.cursor, min(len(trace), self.cursor + self.depth)):
+            g = self._by_gid[trace[i]]
             if not self.mm.paged(g) or g.state in (Location.DEVICE, Location.READING,
                                                    Location.TO_DEVICE):
                 continue
@@ -140,14 +173,9 @@ class PrefetchCoordinator:
     def _evict_for(self, g: GroupRecord) -> None:
         """Free device budget for ``g`` by dropping prefetched-but-unused groups, the one
         needed furthest in the future first."""
-        trace = self.trace or []
-        upcoming = trace[self.cursor:] if not self.divergent else []
-
         def next_use(c: GroupRecord) -> int:
-            try:
-                return upcoming.index(c.gid)
-            except ValueError:
-                return 1 << 30
+            nxt = None if self.divergent or self.trace is None else self._next_use(c.gid)
+            return 1 << 30 if nxt is None else nxt - self.cursor
         cands = [c for c in self.mm.groups if c.prefetched and c.users == 0 and c is not g]
         for c in sorted(cands, key=next_use, reverse=True):
             self.mm.release(c)

@@ -1,0 +1,361 @@
+"""The sections of the typed configuration (``offload``, ``prefetch``, ``aio``,
+``optimizer``, ``scheduler``, ``fp16``) and the value checkers they share, below both
+:mod:`infinity.config` (:class:`InfinityConfig`, loading) and
+:mod:`infinity.config_deepspeed` (the DeepSpeed translation), so neither imports the other
+for them.  Every name here is re-exported by :mod:`infinity.config`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+ZERO_STAGES = (1, 2, 3)
+OFFLOAD_HOMES = ("none", "cpu", "nvme")
+AIO_ENGINES = ("auto", "uring", "posix")
+OPTIMIZER_TYPES = ("adamw", "adam")
+SCHEDULER_TYPES = ("constant", "linear", "cosine")
+GB = 10**9
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, unknown, of the wrong type or out of range."""
+
+
+# --------------------------------------------------------------------------------------
+# value checkers: each takes the dotted key, returns the normalised value or raises
+# --------------------------------------------------------------------------------------
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, str):
+        return json.dumps(value)
+    return repr(value)
+
+
+def _choice(key: str, value: Any, choices: tuple, *, lower: bool = True) -> Any:
+    if lower and isinstance(value, str):
+        value = value.strip().lower()
+    if value not in choices or isinstance(value, bool):
+        opts = ", ".join(_fmt(c) for c in choices)
+        hint = ""
+        if isinstance(value, str):
+            close = difflib.get_close_matches(value, [str(c) for c in choices], n=1)
+            if close:
+                hint = f" (did you mean {_fmt(close[0])}?)"
+        raise ConfigError(f"{key}: expected one of {opts}, got {_fmt(value)}{hint}")
+    return value
+
+
+def _int(key: str, value: Any, *, lo: int | None = None, hi: int | None = None,
+         what: str = "", example: int | None = None) -> int:
+    """``example``: the value the hint suggests (the default; else the lower bound if > 0,
+    else 1) -- never a value that silently turns a feature off, such as a depth of 0."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        if example is None:
+            example = lo if lo else 1
+        raise ConfigError(f"{key}: expected an integer, got {_fmt(value)} "
+                          f"({type(value).__name__}); write a plain number such as {example}")
+    if isinstance(value, float):
+        if not math.isfinite(value) or not value.is_integer():
+            raise ConfigError(f"{key}: expected an integer, got {_fmt(value)}; "
+                              f"use a whole number")
+        value = int(value)
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        rng = what or (f"in [{lo}, {hi}]" if lo is not None and hi is not None
+                       else f">= {lo}" if lo is not None else f"<= {hi}")
+        raise ConfigError(f"{key}: expected an integer {rng}, got {_fmt(value)}")
+    return value
+
+
+def _float(key: str, value: Any, *, lo: float | None = None, lo_open: bool = False,
+           hi: float | None = None, hi_open: bool = False, what: str = "") -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{key}: expected a number, got {_fmt(value)} "
+                          f"({type(value).__name__}); write it without quotes, e.g. 1e-3")
+    value = float(value)
+    bad = not math.isfinite(value)
+    if lo is not None:
+        bad |= value <= lo if lo_open else value < lo
+    if hi is not None:
+        bad |= value >= hi if hi_open else value > hi
+    if bad:
+        if not what:
+            parts = []
+            if lo is not None:
+                parts.append(f"{'>' if lo_open else '>='} {lo:g}")
+            if hi is not None:
+                parts.append(f"{'<' if hi_open else '<='} {hi:g}")
+            what = " and ".join(parts) if parts else "finite"
+        raise ConfigError(f"{key}: expected a number {what}, got {_fmt(value)}")
+    return value
+
+
+def _opt_positive_float(key: str, value: Any) -> float | None:
+    if value is None:
+        return None
+    return _float(key, value, lo=0.0, lo_open=True,
+                  what="> 0 (or null to size it automatically)")
+
+
+def _str_list(key: str, value: Any, *, allow_str: bool, allow_empty: bool) -> list[str]:
+    if isinstance(value, (str, os.PathLike)) and allow_str:
+        value = [value]
+    if not isinstance(value, (list, tuple)):
+        raise ConfigError(f"{key}: expected a list of strings, got {_fmt(value)} "
+                          f"({type(value).__name__})")
+    out = []
+    for i, v in enumerate(value):
+        if isinstance(v, os.PathLike):
+            v = os.fspath(v)
+        if not isinstance(v, str) or not v:
+            raise ConfigError(f"{key}[{i}]: expected a non-empty string, got {_fmt(v)}")
+        out.append(v)
+    if not out and not allow_empty:
+        raise ConfigError(f"{key}: expected at least one entry, got an empty list")
+    return out
+
+
+def _check_unknown(prefix: str, d: Mapping, known: list[str]) -> None:
+    for k in d:
+        if k not in known:
+            where = f"{prefix}{k}"
+            close = difflib.get_close_matches(str(k), known, n=1, cutoff=0.5)
+            hint = (f"did you mean {prefix}{close[0]!s}?" if close
+                    else f"valid keys here: {', '.join(prefix + x for x in known)}")
+            raise ConfigError(f"{where}: unknown key; {hint}")
+
+
+def _section(cls, prefix: str, value: Any):
+    """Turn a dict (or an instance) into a validated section dataclass."""
+    if isinstance(value, cls):
+        return value  # already validated by its __post_init__ / validate()
+    if value is None:
+        return cls()
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{prefix.rstrip('.')}: expected a mapping (dict) of keys, got "
+                          f"{_fmt(value)} ({type(value).__name__})")
+    names = [f.name for f in dataclasses.fields(cls)]
+    _check_unknown(prefix, value, names)
+    return cls(**dict(value))
+
+
+# --------------------------------------------------------------------------------------
+# sections
+# --------------------------------------------------------------------------------------
+
+@dataclass
+class OffloadConfig:
+    """Home tier of each kind of state and the host/device budgets."""
+    params: str = "none"
+    optimizer: str = "none"
+    nvme_paths: list[str] = field(default_factory=lambda: ["./infinity-swap"])
+    host_memory_gb: float | None = None
+    device_memory_gb: float | None = None
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> None:
+        p = "offload."
+        self.params = _choice(p + "params", self.params, OFFLOAD_HOMES)
+        self.optimizer = _choice(p + "optimizer", self.optimizer, OFFLOAD_HOMES)
+        self.nvme_paths = _str_list(p + "nvme_paths", self.nvme_paths,
+                                    allow_str=True, allow_empty=False)
+        self.host_memory_gb = _opt_positive_float(p + "host_memory_gb", self.host_memory_gb)
+        self.device_memory_gb = _opt_positive_float(p + "device_memory_gb",
+                                                    self.device_memory_gb)
+
+
+@dataclass
+class PrefetchConfig:
+    """How many parameter groups to fetch ahead of compute."""
+    depth: int = 2
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> None:
+        self.depth = _int("prefetch.depth", self.depth, lo=0, example=PrefetchConfig.depth)
+
+
+MAX_AIO_BLOCK = 1 << 30          # the I/O engine's own bound (infinity.io.AioEngine)
+MAX_ACCUMULATION_STEPS = 1 << 20
+NONFINITE_POLICIES = ("skip", "raise")
+
+
+def max_aio_threads() -> int:
+    """``aio.threads`` upper bound: 4 per CPU this process may run on, and the engine's 256."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        n = os.cpu_count() or 1
+    return min(256, 4 * max(1, n))
+
+
+@dataclass
+class AioConfig:
+    """Asynchronous I/O engine settings (see infinity.io.AioEngine)."""
+    engine: str = "auto"
+    block_size: int = 1048576
+    queue_depth: int = 32
+    threads: int = 1
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> None:
+        p = "aio."
+        self.engine = _choice(p + "engine", self.engine, AIO_ENGINES)
+        bs = _int(p + "block_size", self.block_size, lo=4096, hi=MAX_AIO_BLOCK,
+                  what=f"that is a power of two >= 4096 and <= {MAX_AIO_BLOCK} (1 GiB)",
+                  example=AioConfig.block_size)
+        if bs & (bs - 1):
+            lower = 1 << (bs.bit_length() - 1)
+            raise ConfigError(f"{p}block_size: expected a power of two >= 4096, got {bs}; "
+                              f"use {lower} or {lower * 2}")
+        self.block_size = bs
+        self.queue_depth = _int(p + "queue_depth", self.queue_depth, lo=1, hi=1024,
+                                example=AioConfig.queue_depth)
+        hi = max_aio_threads()
+        self.threads = _int(p + "threads", self.threads, lo=1, hi=hi,
+                            what=f">= 1 and <= {hi} (4 per CPU this process may use, at most 256)")
+
+
+PARAM_GROUP_KEYS = ("params", "lr", "weight_decay", "betas", "eps")
+
+
+def _betas(key: str, b: Any) -> tuple[float, float]:
+    if not isinstance(b, (list, tuple)) or len(b) != 2:
+        raise ConfigError(f"{key}: expected a list of two numbers in [0, 1), "
+                          f"e.g. [0.9, 0.999], got {_fmt(b)}")
+    return (_float(key + "[0]", b[0], lo=0.0, hi=1.0, hi_open=True),
+            _float(key + "[1]", b[1], lo=0.0, hi=1.0, hi_open=True))
+
+
+def _param_groups(key: str, value: Any) -> list[dict]:
+    """``optimizer.param_groups``: a list of ``{"params": [patterns], "lr", "weight_decay",
+    "betas", "eps"}`` (all but ``params`` optional); returns normalised copies holding only
+    the keys that were given (``betas`` as a list)."""
+    if value is None:
+        return []
+    if not isinstance(value, (list, tuple)):
+        raise ConfigError(f"{key}: expected a list of groups such as "
+                          f'[{{"params": ["*lora_*"], "lr": 1e-3}}], got {_fmt(value)} '
+                          f"({type(value).__name__})")
+    out = []
+    for i, g in enumerate(value):
+        k = f"{key}[{i}]"
+        if not isinstance(g, Mapping):
+            raise ConfigError(f"{k}: expected a mapping with a \"params\" list of name "
+                              f"patterns, got {_fmt(g)} ({type(g).__name__})")
+        _check_unknown(k + ".", g, list(PARAM_GROUP_KEYS))
+        if "params" not in g:
+            raise ConfigError(f"{k}.params: missing; list the name patterns of the parameters "
+                              f"in this group, e.g. [\"*lora_*\"]")
+        d: dict = {"params": _str_list(k + ".params", g["params"], allow_str=True,
+                                       allow_empty=False)}
+        if "lr" in g:
+            d["lr"] = _float(k + ".lr", g["lr"], lo=0.0)
+        if "weight_decay" in g:
+            d["weight_decay"] = _float(k + ".weight_decay", g["weight_decay"], lo=0.0)
+        if "betas" in g:
+            d["betas"] = list(_betas(k + ".betas", g["betas"]))
+        if "eps" in g:
+            d["eps"] = _float(k + ".eps", g["eps"], lo=0.0, lo_open=True)
+        out.append(d)
+    return out
+
+
+@dataclass
+class OptimizerConfig:
+    """Adam/AdamW hyperparameters, the no-decay name patterns and per-group overrides."""
+    type: str = "adamw"
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    no_decay: list[str] = field(default_factory=lambda: ["bias", "norm"])
+    param_groups: list[dict] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> None:
+        p = "optimizer."
+        self.type = _choice(p + "type", self.type, OPTIMIZER_TYPES)
+        self.lr = _float(p + "lr", self.lr, lo=0.0)
+        self.betas = _betas(p + "betas", self.betas)
+        self.eps = _float(p + "eps", self.eps, lo=0.0, lo_open=True)
+        self.weight_decay = _float(p + "weight_decay", self.weight_decay, lo=0.0)
+        self.no_decay = _str_list(p + "no_decay", self.no_decay,
+                                  allow_str=False, allow_empty=True)
+        self.param_groups = _param_groups(p + "param_groups", self.param_groups)
+
+
+@dataclass
+class SchedulerConfig:
+    """Learning-rate schedule (see infinity.optim.schedule)."""
+    type: str = "constant"
+    warmup_steps: int = 0
+    total_steps: int | None = None
+    min_lr: float = 0.0
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> None:
+        p = "scheduler."
+        self.type = _choice(p + "type", self.type, SCHEDULER_TYPES)
+        self.warmup_steps = _int(p + "warmup_steps", self.warmup_steps, lo=0)
+        if self.total_steps is not None:
+            self.total_steps = _int(p + "total_steps", self.total_steps, lo=1)
+        self.min_lr = _float(p + "min_lr", self.min_lr, lo=0.0)
+        if self.type in ("linear", "cosine"):
+            if self.total_steps is None:
+                raise ConfigError(
+                    f"{p}total_steps: required for scheduler.type {_fmt(self.type)} (the step "
+                    f"at which the lr reaches min_lr); set it to the number of optimizer "
+                    f"updates of the run, or use scheduler.type \"constant\"")
+            if self.total_steps <= self.warmup_steps:
+                raise ConfigError(
+                    f"{p}total_steps: must be greater than scheduler.warmup_steps "
+                    f"({self.warmup_steps}) for a {self.type} schedule, got {self.total_steps}; "
+                    f"increase total_steps or reduce warmup_steps")
+
+
+@dataclass
+class LossScaleConfig:
+    """Dynamic loss scaling for precision "fp16" (an addition to DESIGN §3.5).
+
+    The scale starts at ``initial_scale``; on an overflow (inf/nan gradient) the
+    step is skipped and the scale multiplied by ``backoff_factor`` (never below
+    ``min_scale``); after ``growth_interval`` clean steps it is multiplied by
+    ``growth_factor``.
+    """
+    initial_scale: float = 65536.0
+    growth_interval: int = 1000
+    backoff_factor: float = 0.5
+    growth_factor: float = 2.0
+    min_scale: float = 1.0
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> None:
+        p = "fp16."
+        self.initial_scale = _float(p + "initial_scale", self.initial_scale,
+                                    lo=0.0, lo_open=True)
+        self.growth_interval = _int(p + "growth_interval", self.growth_interval, lo=1)
+        self.backoff_factor = _float(p + "backoff_factor", self.backoff_factor,
+                                     lo=0.0, lo_open=True, hi=1.0, hi_open=True)
+        self.growth_factor = _float(p + "growth_factor", self.growth_factor,
+                                    lo=1.0, lo_open=True)
+        self.min_scale = _float(p + "min_scale", self.min_scale, lo=0.0, lo_open=True)
+        if self.min_scale > self.initial_scale:
+            raise ConfigError(f"fp16.min_scale: must be <= fp16.initial_scale "
+                              f"({self.initial_scale:g}), got {self.min_scale:g}")

@@ -1,0 +1,175 @@
+"""The engine's assembly: from a model and a config to the parts that move one shard
+along the data path, in that order — ZeRO setup, device tier, groups
+(:mod:`infinity.runtime.groups`), NVMe swap, optimizer state store, placement plan
+(:class:`infinity.memory.plan.PlacementPlan`), host pool, memory manager and step driver
+(:mod:`infinity.optim.driver`, or the partitioned pair of :mod:`infinity.zero`), the
+gradient route (:mod:`infinity.grads`), prefetch and hooks (:mod:`infinity.runtime`) and
+the overlapped step (:mod:`infinity.engine.overlap`).
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from infinity.grads.route import grad_sink
+from infinity.memory.device import default_device_budget, make_device
+from infinity.memory.manager import MemoryManager
+from infinity.memory.plan import PlacementPlan, nvme_dirs_ok
+from infinity.memory.pool import BufferPool
+from infinity.optim.driver import EngineOptimizer
+from infinity.runtime.groups import build_groups
+from infinity.runtime.hooks import ParamHooks
+from infinity.runtime.prefetch import PrefetchCoordinator
+
+log = logging.getLogger("infinity.engine")
+
+__all__ = ["assemble", "device_budget_for"]
+
+_PARAM_HOME = {"none": "device", "cpu": "cpu", "nvme": "nvme"}
+
+
+def device_budget_for(device: torch.device, cfg, model) -> int | None:
+    """The device tier's budget: ``device_memory_gb``, else (CUDA) the free memory."""
+    on_dev = sum(p.numel() * p.element_size() for p in model.parameters()
+                 if p.device == device)
+    return default_device_budget(device, cfg.device_memory_bytes, on_dev)
+
+
+def assemble(engine, lr_scheduler) -> None:
+    """Build ``engine``'s parts in dependency order, each attribute set as soon as it
+    exists (so ``engine.close()`` frees whatever a failure part-way left built)."""
+    cfg, model = engine.cfg, engine.module
+    # ZeRO across ranks (None at world size 1): partitioned memory manager + optimizer
+    from infinity.zero.distributed import ZeroSetup
+    engine.zero = ZeroSetup.from_config(cfg, accounting=engine.acct, timeline=engine.timeline)
+    ws = engine.zero.world_size if engine.zero else 1
+    rank = engine.zero.rank if engine.zero else 0
+    param_home = _PARAM_HOME[cfg.offload.params]
+    for p in model.parameters():
+        engine._orig_dtypes.setdefault(id(p), p.dtype)
+    # the device tier (budget: device_memory_gb, on CUDA default free memory) is made
+    # before the plan: a separate device memory adds copies and host staging to it
+    engine.device_budget = device_budget = device_budget_for(engine.device, cfg, model)
+    engine._dev_tier = make_device(engine.device, device_budget, engine.acct)
+    separate = not engine._dev_tier.zero_copy
+    gp = build_groups(model, engine.dtype, param_home, world_size=ws)
+    engine.grouping = gp
+    if not gp.groups:
+        raise ValueError(f"initialize: {type(model).__name__} has no parameters")
+    # low-precision compute: floating buffers follow the compute dtype (as module.to())
+    if engine.dtype != torch.float32:
+        for mod in model.modules():
+            for k, b in mod._buffers.items():
+                if b is not None and b.is_floating_point():
+                    mod._buffers[k] = b.to(engine.dtype)
+    needs_nvme = param_home == "nvme" or cfg.offload.optimizer == "nvme"
+    if needs_nvme:
+        from infinity.io import AioEngine, SwapSpace
+        engine._created_dirs = nvme_dirs_ok(cfg.offload.nvme_paths)
+        a = cfg.aio
+        engine.aio = AioEngine(a.block_size, a.queue_depth, a.threads, a.engine)
+        engine.swap = SwapSpace(cfg.offload.nvme_paths, engine.aio, rank=rank,
+                               accounting=engine.acct)
+    from infinity.optim.offload_step import DEFAULT_TILE_NUMEL, OptimizerStateStore
+    largest_trainable = max((g.padded_numel // ws for g in gp.groups if g.trainable),
+                            default=1)
+    tile = min(DEFAULT_TILE_NUMEL, largest_trainable)
+    if cfg.host_memory_bytes is not None:
+        # keep the optimizer's tile ring (~3 slots x 4 fp32 tensors) within ~15 % of the cap
+        tile = max(65536, min(tile, int(cfg.host_memory_bytes * 0.15) // 48))
+    sink = engine.dtype if (engine.dtype != torch.float32 and param_home == "nvme") else None
+    engine.store = OptimizerStateStore(cfg.offload.optimizer, swap=engine.swap,
+                                     tile_numel=tile, accounting=engine.acct,
+                                     timeline=engine.timeline, sink_dtype=sink)
+    placement = PlacementPlan(cfg.precision, param_home, cfg.offload.optimizer,
+                              cfg.prefetch.depth, gp.groups, cfg.host_memory_bytes,
+                              device_budget,
+                              optimizer_ring_bytes=engine.store.host_bytes(),
+                              separate_device=separate)
+    placement.compute(engine.gas)
+    if cfg.host_memory_bytes is not None and placement.host_total > cfg.host_memory_bytes \
+            and engine.swap is not None and engine.zero is None:
+        placement.grad_home = "nvme"      # the cap cannot hold the fp32 grads: NVMe home
+        placement.compute(engine.gas)
+    if engine.zero is not None:             # per-rank shares; spill grad shards if needed
+        from infinity.zero.distributed import partition_placement
+        engine.zero = ZeroSetup.with_grad_spill(engine.zero, cfg, gp.groups)
+        partition_placement(placement, engine.zero)
+    placement.check()
+    if cfg.precision == "fp32" and param_home == "nvme" and engine.zero is None \
+            and not separate and device_budget is None \
+            and cfg.host_memory_bytes is not None \
+            and cfg.host_memory_bytes > placement.host_total \
+            and placement.grad_home == "host":
+        # the cap's headroom keeps clean copies of NVMe params (write-through: in fp32
+        # the param is the master the optimizer updates in place)
+        placement.param_cache_budget = cfg.host_memory_bytes - placement.host_total
+        placement.compute(engine.gas)
+        placement.check()
+    engine.placement = placement
+    # Note [commit point]: host undo copies of a window's updated host states fit in what
+    # the cap leaves (no cap: any)
+    engine.undo_budget = None if cfg.host_memory_bytes is None else \
+        max(0, cfg.host_memory_bytes - placement.host_total)
+    if engine.swap is not None and placement.nvme_total:
+        engine.swap.reserve(placement.nvme_total)
+    log.info("%s", placement.describe())
+    host_cap = cfg.host_memory_bytes
+    pool_budget = None
+    if host_cap is not None:
+        store_host = sum(v for k, v in placement.host.items() if k.startswith("optimizer"))
+        pool_budget = host_cap - store_host
+    engine.host_pool = BufferPool("host", pool_budget, engine.acct)
+    mm_kw = dict(device=engine.device, device_budget=device_budget,
+                 host_pool=engine.host_pool, swap=engine.swap, accounting=engine.acct,
+                 timeline=engine.timeline, device_tier=engine._dev_tier)
+    opt_kw = dict(store=engine.store, swap=engine.swap, host_pool=engine.host_pool,
+                  accounting=engine.acct, timeline=engine.timeline, lr_scheduler=lr_scheduler)
+    if engine.zero is None:
+        cache = bool(placement.param_cache_budget)
+        engine.mm = MemoryManager(gp.groups, cache=cache, **mm_kw)
+        # with the cache, gradient buffers are leased only while they hold one
+        engine.opt = EngineOptimizer(model, cfg, gp.groups, gp.names, lazy_grads=cache,
+                                     **opt_kw)
+    else:
+        engine.mm = engine.zero.memory_manager(gp.groups, **mm_kw)
+        engine.opt = engine.zero.optimizer(model, cfg, gp.groups, gp.names, **opt_kw)
+    engine._dev_tier = None                 # owned (and closed) by the manager now
+    staging = None
+    paged_nvme = [g for g in gp.groups if g.home == "nvme"]
+    if paged_nvme:
+        staging = engine.host_pool.lease(max(g.nbytes for g in paged_nvme), torch.uint8)
+    from infinity.zero.init import adopting   # params built under infinity.Init
+    for g in gp.groups:
+        with adopting(g.slots):
+            init = None
+            if g.trainable and engine.dtype != torch.float32:
+                init = torch.zeros(g.padded_numel, dtype=torch.float32)
+                with torch.no_grad():
+                    for s in g.slots:
+                        init[s.offset:s.offset + s.numel].copy_(
+                            s.param.detach().reshape(-1))
+            engine.mm.place(g, staging)
+            if g.trainable:
+                engine.opt.register(g, init)
+            del init
+    if staging is not None:
+        engine.host_pool.give_back(staging)
+        engine.host_pool.trim()
+    if placement.grad_home == "nvme":
+        engine.opt.alloc_grads("nvme")
+    else:
+        engine.opt.alloc_grads()
+    # separate device memory: grads leave by D2H, staging bounded as planned
+    engine.opt.attach_device(engine.mm.dev, placement.grad_d2h_bytes)
+    engine.coord = PrefetchCoordinator(engine.mm, cfg.prefetch.depth, engine.acct)
+    from infinity.engine.overlap import OverlappedStep, eligible
+    after = None
+    if eligible(engine):
+        engine.overlap = OverlappedStep(engine.opt, engine.mm, engine.coord, engine.acct,
+                                        undo_budget=engine.undo_budget)
+        after = engine.overlap.grad_arrived
+    on_grad = grad_sink(engine.opt.accumulate, gp.groups, after=after)
+    engine.hooks = ParamHooks(model, gp, engine.mm, engine.coord, on_grad)
+    engine.hooks.install()

@@ -1,0 +1,142 @@
+"""Gradient accumulation: each parameter's gradient, once it left the device, is copied
+(first micro-step of a window) or added in fp32 into its group's host buffer — leased up
+front, or lazily while the parameter cache lends the host pool out — or goes through
+:class:`~infinity.grads.d2h.GradD2H` (separate device memory) or to the NVMe gradient
+home (:class:`~infinity.grads.nvme_store.NvmeGradStore`); at the boundary the global norm
+is taken over whatever holds them.
+
+:class:`GradAccumulation` is the gradient half of the step driver
+(:class:`infinity.optim.driver.EngineOptimizer` mixes it in and calls
+:meth:`GradAccumulation._init_grads` from its constructor; the partitioned optimizer of
+:mod:`infinity.zero` overrides the parts that reduce across ranks).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from infinity.memory.record import GroupRecord, ParamSlot
+
+__all__ = ["GradAccumulation"]
+
+
+class GradAccumulation:
+    """Uses the step driver's ``groups`` (trainable), ``host_pool``, ``swap``, ``acct`` and
+    ``timeline``."""
+
+    def _init_grads(self, lazy_grads: bool) -> None:
+        """The gradient state (after ``groups``, ``host_pool``, ``swap``, ``acct`` and
+        ``timeline`` were set by the step driver's constructor)."""
+        self._written: set[int] = set()     # id(slot) with a gradient since the last step
+        self.nvme_grads = None              # NvmeGradStore when grads are homed on NVMe
+        self.grad_d2h = None                # GradD2H when the device tier is not host memory
+        self._slot_index = {id(s): i for g in self.groups for i, s in enumerate(g.slots)}
+        # lazy_grads (the engine's choice with the parameter cache): a group's fp32 gradient
+        # buffer is leased at its first gradient of a window and given back once stepped,
+        # so the host pool lends the memory to cached parameter copies in between
+        self.lazy_grads = bool(lazy_grads)
+
+    def alloc_grads(self, home: str = "host") -> None:
+        """Lease the fp32 gradient accumulation buffers (after the params were placed, so
+        the model's original tensors are already gone); ``home="nvme"``: one extent per
+        group instead, assembled in leased staging buffers."""
+        if home == "nvme":
+            from infinity.grads.nvme_store import NvmeGradStore
+            self.nvme_grads = NvmeGradStore(self.groups, self.swap, self.host_pool, self.acct,
+                                            self.timeline)
+            return
+        if self.lazy_grads:
+            return
+        for g in self.groups:
+            g.grad_buf = self.host_pool.lease(g.padded_numel * 4, torch.float32)
+            g.grad_buf.zero_()
+
+    def _grad_buf(self, g: GroupRecord) -> torch.Tensor:
+        """``g``'s gradient buffer, leased now if it has none (lazy_grads): what no slot
+        writes (alignment gaps, the tail) is zeroed; slots are written (first gradient:
+        copied) or zeroed at the boundary."""
+        buf = g.grad_buf
+        if buf is not None:
+            return buf
+        buf = self.host_pool.lease(g.padded_numel * 4, torch.float32)
+        pos = 0
+        for s in g.slots:
+            if s.offset > pos:
+                buf[pos:s.offset].zero_()
+            pos = s.offset + s.numel
+        if pos < g.padded_numel:
+            buf[pos:].zero_()
+        g.grad_buf = buf
+        return buf
+
+    def release_grad(self, g: GroupRecord) -> None:
+        """``g`` was stepped: with lazy_grads its gradient buffer goes back to the pool."""
+        if self.lazy_grads and g.grad_buf is not None:
+            buf, g.grad_buf = g.grad_buf, None
+            for s in g.slots:
+                self._written.discard(id(s))
+            self.host_pool.give_back(buf)
+
+    def attach_device(self, device_tier, max_inflight_bytes: int | None = None) -> None:
+        """Gradients computed in separate device memory leave it by D2H copies on the
+        device tier's copy stream and are accumulated on the host once each copy is done
+        (at most ``max_inflight_bytes`` of pinned staging outstanding)."""
+        if not device_tier.zero_copy:
+            from infinity.grads.d2h import GradD2H
+            self.grad_d2h = GradD2H(device_tier, self.host_pool, self._accumulate_host,
+                                    max_inflight_bytes)
+
+    def accumulate(self, g: GroupRecord, slot: ParamSlot, grad: torch.Tensor) -> None:
+        if self.grad_d2h is not None:
+            self.grad_d2h.push(g, slot, grad)
+            return
+        self._accumulate_host(g, slot, grad)
+
+    def _accumulate_host(self, g: GroupRecord, slot: ParamSlot, grad: torch.Tensor) -> None:
+        """First gradient of a slot since the last step: copy (no zeroing pass needed);
+        later micro-steps: add, in fp32."""
+        if self.nvme_grads is not None:
+            self.nvme_grads.accumulate(g, self._slot_index[id(slot)], grad)
+            return
+        dst = self._grad_buf(g)[slot.offset:slot.offset + slot.numel]
+        if id(slot) in self._written:
+            dst.add_(grad.reshape(-1))
+        else:
+            dst.copy_(grad.reshape(-1))
+            self._written.add(id(slot))
+
+    def before_backward(self, final_micro: bool) -> None:
+        if self.nvme_grads is not None:
+            self.nvme_grads.final_micro = final_micro
+
+    def end_backward(self) -> None:
+        if self.grad_d2h is not None:
+            self.grad_d2h.drain()
+        if self.nvme_grads is not None:
+            self.nvme_grads.end_backward()
+
+    def _zero_unwritten(self, skip=()) -> None:
+        """Slots that got no gradient in this window hold stale values: zero them
+        (``skip``: groups already stepped during backward)."""
+        if self.nvme_grads is not None:
+            return
+        for g in self.groups:
+            if g.gid in skip:
+                continue
+            for s in g.slots:
+                if s.trainable and id(s) not in self._written:
+                    self._grad_buf(g)[s.offset:s.offset + s.numel].zero_()
+
+    def grad_norm(self, skip: dict[int, float] | None = None) -> float:
+        """``skip``: ``{gid: squared norm}`` already computed (groups stepped early)."""
+        if self.nvme_grads is not None:
+            return math.sqrt(self.nvme_grads.finish_window())
+        skip = skip or {}
+        total = sum(skip.values())
+        for g in self.groups:
+            if g.gid in skip:
+                continue
+            n = float(torch.linalg.vector_norm(g.grad_buf))
+            total += n * n
+        return math.sqrt(total)

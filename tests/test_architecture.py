@@ -1,0 +1,179 @@
+"""The house stays drawn as docs/architecture.md draws it: folders in data-path order,
+imports pointing down only, no import cycle, no file over 800 lines.
+
+Every package and top-level module of ``infinity/`` has a rank below.  An import (at
+module level or inside a function; parsed with ``ast``, nothing is imported) from a
+module of rank r may only reach a module of rank <= r (the same rank: inside one
+package).  A package or
+module that does not exist (yet) is simply not checked; one that exists without a rank
+fails the test, so a new floor is placed on purpose.
+"""
+from __future__ import annotations
+
+import ast
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1] / "infinity"
+MAX_LINES = 800
+
+#: the floors, lowest first (rank = position).  Read top to bottom it is the data path
+#: (io -> memory -> runtime -> grads -> optim), then what builds on it.
+FLOORS = [
+    "__init__",          # the package root only re-exports, lazily (importlib strings)
+    "procutil",
+    "fsmode",            # directories created with explicit modes (any umask)
+    "config_sections",   # the config's sections and value checkers
+    "config_deepspeed",  # DeepSpeed config -> infinity config dict
+    "config",            # InfinityConfig (from_deepspeed calls the translation)
+    "io",                # NVMe tier
+    "memory",            # host and device tiers, records, placement plan
+    "runtime",           # grouping, hooks, trace prefetch (every world size)
+    "grads",             # gradients leaving the device, the NVMe gradient home
+    "optim",             # kernels, the NVMe optimizer step, the step driver
+    "zero",              # partitioning across ranks, Init
+    "checkpoint",
+    "profile",
+    "estimate",
+    "data",
+    "engine",            # initialize, Engine, its assembly
+    "finetune",
+    "integrations",      # Hugging Face Trainer / TRL
+    "cli",
+    "__main__",
+]
+RANKS = {name: i for i, name in enumerate(FLOORS)}
+
+
+def _modules() -> dict[str, Path]:
+    """Dotted module name -> file, for every ``.py`` under infinity/."""
+    out = {}
+    for p in sorted(ROOT.rglob("*.py")):
+        rel = p.relative_to(ROOT.parent).with_suffix("")
+        parts = list(rel.parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = p
+    return out
+
+
+MODULES = _modules()
+
+
+def _floor(mod: str) -> str:
+    parts = mod.split(".")
+    if len(parts) == 1:
+        return "__init__"
+    return parts[1]
+
+
+def _resolve(name: str) -> str | None:
+    """The longest existing module ``name`` or a prefix of it names (``a.b.c`` where
+    ``c`` is a function of ``a.b`` -> ``a.b``)."""
+    parts = name.split(".")
+    while parts:
+        cand = ".".join(parts)
+        if cand in MODULES:
+            return cand
+        parts.pop()
+    return None
+
+
+def _imports(mod: str, path: Path) -> set[str]:
+    """Every ``infinity`` module ``mod`` imports, wherever the import statement is."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    pkg = mod.split(".") if path.name == "__init__.py" else mod.split(".")[:-1]
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = pkg[:len(pkg) - (node.level - 1)]
+                base_name = ".".join(base + ([node.module] if node.module else []))
+            else:
+                base_name = node.module or ""
+            # `from pkg import sub` names the submodule when there is one, else pkg itself
+            names = [f"{base_name}.{a.name}" for a in node.names]
+        else:
+            continue
+        for n in names:
+            if n == "infinity" or not n.startswith("infinity."):
+                continue          # the root re-exports lazily; outside modules don't count
+            target = _resolve(n)
+            if target is not None and target != mod:
+                found.add(target)
+    return found
+
+
+GRAPH = {m: _imports(m, p) for m, p in MODULES.items()}
+
+
+def test_every_floor_has_a_rank():
+    missing = sorted({_floor(m) for m in MODULES} - set(RANKS))
+    assert not missing, (f"give these infinity/ packages or modules a rank in "
+                         f"tests/test_architecture.py: {missing}")
+
+
+def test_imports_point_down():
+    bad = []
+    for mod, targets in GRAPH.items():
+        r = RANKS.get(_floor(mod))
+        if r is None:
+            continue                     # reported by test_every_floor_has_a_rank
+        for t in targets:
+            rt = RANKS.get(_floor(t))
+            if rt is not None and rt > r:
+                bad.append(f"{mod} (rank {r}) imports {t} (rank {rt})")
+    assert not bad, "imports that point up:\n  " + "\n  ".join(sorted(bad))
+
+
+def test_no_import_cycle():
+    # Tarjan's strongly connected components over module -> imported module
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+    counter = [0]
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on_stack.add(v)
+        for w in GRAPH.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                cycles.append(sorted(comp))
+
+    for v in sorted(GRAPH):
+        if v not in index:
+            visit(v)
+    assert not cycles, "import cycles:\n  " + "\n  ".join(" <-> ".join(c) for c in cycles)
+
+
+@pytest.mark.parametrize("mod", sorted(MODULES))
+def test_file_size(mod):
+    n = len(MODULES[mod].read_text().splitlines())
+    assert n <= MAX_LINES, f"{MODULES[mod]} has {n} lines (> {MAX_LINES}): split the concept"
+
+
+def test_the_graph_is_not_empty():
+    """The checks above found the code (a wrong ROOT would pass them vacuously)."""
+    assert "infinity.engine.core" in MODULES or "infinity.engine" in MODULES
+    assert sum(len(t) for t in GRAPH.values()) > 50
