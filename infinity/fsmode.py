@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["makedirs", "PUBLIC_DIR_MODE", "PRIVATE_DIR_MODE"]
+__all__ = ["makedirs", "existing_ancestor", "PUBLIC_DIR_MODE", "PRIVATE_DIR_MODE"]
 
 PUBLIC_DIR_MODE = 0o755
 PRIVATE_DIR_MODE = 0o700
@@ -38,3 +38,15 @@ def makedirs(path, mode: int = PUBLIC_DIR_MODE, *, parents_mode: int | None = No
                 raise NotADirectoryError(20, f"{d} exists and is not a directory", d) from None
             continue
         os.chmod(d, m)
+
+
+def existing_ancestor(path) -> str:
+    """``path`` itself if it exists, else its nearest existing ancestor (what a free-space
+    or O_DIRECT check can look at before the directory is created)."""
+    p = os.path.abspath(os.fspath(path))
+    while not os.path.exists(p):
+        parent = os.path.dirname(p)
+        if parent == p:
+            break
+        p = parent
+    return p

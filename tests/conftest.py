@@ -1,5 +1,6 @@
 """Shared fixtures. Area-specific fixtures live in tests/<area>/conftest.py."""
 import os
+import subprocess
 
 import pytest
 import torch
@@ -17,6 +18,26 @@ def swap_dir(tmp_path):
     d = tmp_path / "swap"
     yield str(d)
     # Tests assert themselves that nothing is left behind; this is just hygiene.
+
+
+@pytest.fixture
+def mount_tmpfs(tmp_path):
+    """``mount_tmpfs("16m")`` -> a fresh tmpfs of that size (root only: skips otherwise),
+    unmounted after the test; for full-disk and free-space cases."""
+    mounted = []
+
+    def mount(size: str):
+        mnt = tmp_path / f"tmpfs{len(mounted)}"
+        mnt.mkdir()
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)],
+                           capture_output=True, text=True)
+        if r.returncode:
+            pytest.skip(f"cannot mount tmpfs here: {r.stderr.strip()}")
+        mounted.append(mnt)
+        return mnt
+    yield mount
+    for mnt in mounted:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
 
 
 def pytest_report_header(config):

@@ -9,6 +9,7 @@ import torch
 
 from .. import _aio
 from .engine import uring_status
+from infinity.fsmode import existing_ancestor
 
 
 def format_bytes(n):
@@ -38,19 +39,9 @@ def _uring_check():
                   "io_uring_* syscalls in seccomp) or accept the slower POSIX engine (engine='posix')")
 
 
-def _existing_ancestor(path):
-    p = os.path.abspath(path)
-    while not os.path.exists(p):
-        parent = os.path.dirname(p)
-        if parent == p:
-            break
-        p = parent
-    return p
-
-
 def _odirect_check(path):
     """Opens a temporary file with O_DIRECT where the swap files would go and round-trips a block."""
-    base = path if os.path.isdir(path) else _existing_ancestor(path)
+    base = path if os.path.isdir(path) else existing_ancestor(path)
     name = "O_DIRECT"
     if not os.path.isdir(base) or not os.access(base, os.W_OK):
         return _check(name, False, f"{base} is not a writable directory (needed for {path})",
@@ -88,7 +79,7 @@ def _odirect_check(path):
 def _free_space_check(path, need=None, need_what=""):
     """Free space at ``path`` against ``need`` bytes (``need_what`` says whose need it is);
     without ``need`` the free space is only reported."""
-    base = _existing_ancestor(path)
+    base = existing_ancestor(path)
     try:
         usage = shutil.disk_usage(base)
     except OSError as e:

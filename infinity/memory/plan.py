@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from .pool import ALIGN, round_up
 from .record import GroupRecord
-from infinity.fsmode import makedirs
+from infinity.fsmode import existing_ancestor, makedirs
 
 log = logging.getLogger("infinity.memory")
 
@@ -257,16 +257,6 @@ def _mb(n: int | float) -> str:
     return f"{n / 10 ** 3:.1f} kB"
 
 
-def _existing(path: str) -> str:
-    p = os.path.abspath(path)
-    while not os.path.exists(p):
-        parent = os.path.dirname(p)
-        if parent == p:
-            break
-        p = parent
-    return p
-
-
 class NvmeSpaceError(OSError):
     """The NVMe paths do not have the free space a plan needs (raised before writing)."""
 
@@ -281,7 +271,7 @@ def check_nvme_free(paths: list[str], need: int, *, what: str, parts: dict | Non
         return
     per_fs: dict[int, list] = {}
     for p in paths:
-        base = _existing(p)
+        base = existing_ancestor(p)
         try:
             st = os.statvfs(base)
             dev = os.stat(base).st_dev

@@ -10,17 +10,8 @@ from infinity.checkpoint import CheckpointError, CheckpointReader, load_checkpoi
 
 
 @pytest.fixture
-def small_fs(tmp_path):
-    d = tmp_path / "small"
-    d.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(d)],
-                       capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
-    try:
-        yield d
-    finally:
-        subprocess.run(["umount", "-l", str(d)], check=False)
+def small_fs(mount_tmpfs):
+    return mount_tmpfs("3m")
 
 
 def test_disk_full_keeps_previous_checkpoint(small_fs, dict_state):

@@ -13,15 +13,8 @@ pytest.importorskip("infinity.engine", reason="the offload engine is not in this
 
 
 @pytest.fixture
-def tmpfs16(tmp_path):
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mnt)],
-                       capture_output=True, text=True)
-    if r.returncode:
-        pytest.skip(f"cannot mount tmpfs here: {r.stderr.strip()}")
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+def tmpfs16(mount_tmpfs):
+    return mount_tmpfs("16m")
 
 
 def _files(root):

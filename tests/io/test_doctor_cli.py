@@ -125,15 +125,8 @@ def test_doctor_transparent_huge_pages_modes(tmp_path):
 
 
 @pytest.fixture
-def small_tmpfs(tmp_path):
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mnt)],
-                       capture_output=True, text=True)
-    if r.returncode:
-        pytest.skip(f"cannot mount tmpfs here: {r.stderr.strip()}")
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+def small_tmpfs(mount_tmpfs):
+    return mount_tmpfs("16m")
 
 
 def _doctor(args, capsys):
