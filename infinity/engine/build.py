@@ -8,6 +8,8 @@ the overlapped step (:mod:`infinity.engine.overlap`).
 """
 from __future__ import annotations
 
+import contextlib
+
 import logging
 
 import torch
@@ -136,26 +138,25 @@ def assemble(engine, lr_scheduler) -> None:
         engine.mm = engine.zero.memory_manager(gp.groups, **mm_kw)
         engine.opt = engine.zero.optimizer(model, cfg, gp.groups, gp.names, **opt_kw)
     engine._dev_tier = None                 # owned (and closed) by the manager now
-    staging = None
     paged_nvme = [g for g in gp.groups if g.home == "nvme"]
-    if paged_nvme:
-        staging = engine.host_pool.lease(max(g.nbytes for g in paged_nvme), torch.uint8)
     from infinity.zero.init import adopting   # params built under infinity.Init
-    for g in gp.groups:
-        with adopting(g.slots):
-            init = None
-            if g.trainable and engine.dtype != torch.float32:
-                init = torch.zeros(g.padded_numel, dtype=torch.float32)
-                with torch.no_grad():
-                    for s in g.slots:
-                        init[s.offset:s.offset + s.numel].copy_(
-                            s.param.detach().reshape(-1))
-            engine.mm.place(g, staging)
-            if g.trainable:
-                engine.opt.register(g, init)
-            del init
-    if staging is not None:
-        engine.host_pool.give_back(staging)
+    with contextlib.ExitStack() as scope:
+        staging = scope.enter_context(engine.host_pool.scoped(
+            max(g.nbytes for g in paged_nvme), torch.uint8)) if paged_nvme else None
+        for g in gp.groups:
+            with adopting(g.slots):
+                init = None
+                if g.trainable and engine.dtype != torch.float32:
+                    init = torch.zeros(g.padded_numel, dtype=torch.float32)
+                    with torch.no_grad():
+                        for s in g.slots:
+                            init[s.offset:s.offset + s.numel].copy_(
+                                s.param.detach().reshape(-1))
+                engine.mm.place(g, staging)
+                if g.trainable:
+                    engine.opt.register(g, init)
+                del init
+    if paged_nvme:
         engine.host_pool.trim()
     if placement.grad_home == "nvme":
         engine.opt.alloc_grads("nvme")

@@ -21,7 +21,7 @@ Every other group waits for the boundary as before.
 Master hand-off (fp32, NVMe-homed params): the fp32 parameter buffer IS the master, and
 backward just read it from NVMe.  When such a group is released during the boundary
 backward while its early step is still to come, the manager hands the buffer over
-(:attr:`MemoryManager.on_release`) instead of taking it back; the worker's Adam then
+(:meth:`on_release`, the manager's listener) instead of taking it back; the worker's Adam then
 updates it in place and writes the master tiles from it (``StepItem.master_buf``), so the
 master is not read from NVMe a second time (one parameter-size read less per step).  At
 most :data:`MAX_HANDOFF` buffers are held at once (held + being stepped); beyond that, or
@@ -111,8 +111,7 @@ class OverlappedStep:
         # undo copies; the engine commits or rolls back at the boundary
         self.txn = None
         self.undo_budget = undo_budget   # host bytes of undo copies allowed (None: any)
-        mm.on_release = self.on_release
-        mm.on_reclaim_blocked = self.wait
+        mm.attach_listener(self)          # on_release, reclaim_blocked
 
     # ------------------------------------------------------------------ backward
     def begin(self, txn) -> None:
@@ -142,6 +141,11 @@ class OverlappedStep:
             if self.mm.device_pool.is_leased(buf):
                 self.mm.give_back_device(buf)
         self._reap()
+
+    def reclaim_blocked(self) -> None:
+        """The host pool needs memory only cached copies a running step updates hold: wait
+        for those steps (the manager's listener protocol)."""
+        self.wait()
 
     def on_release(self, g: GroupRecord, buf: torch.Tensor | None) -> bool:
         """The manager released NVMe-homed ``g`` (``buf`` None: it stayed cached); take
@@ -322,8 +326,7 @@ class OverlappedStep:
         finally:
             self._futures = []
             self.end()
-            self.mm.on_release = None
-            self.mm.on_reclaim_blocked = None
+            self.mm.detach_listener(self)
             if self._pool is not None:
                 self._pool.shutdown(wait=True)
                 self._pool = None

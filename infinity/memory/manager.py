@@ -22,6 +22,7 @@ through the prefetch coordinator, which calls :meth:`fetch_async` ahead of time.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 
@@ -72,15 +73,16 @@ class MemoryManager:
         self._by_storage: dict[int, GroupRecord] = {}
         self._overflow_warned = False
         self.closed = False
-        # called as on_release(g, buf) when an NVMe-homed group is released (buf None
-        # when it stayed cached); returning True takes the buffer over (give it back with
-        # give_back_device): the overlapped step uses a just-released fp32 buffer as master
-        self.on_release = None
+        # the overlapped step (infinity.engine.overlap) listens, attached with
+        # attach_listener: on_release(g, buf) when an NVMe-homed group is released (buf None
+        # when it stayed cached; returning True takes the buffer over, give it back with
+        # give_back_device: Note [Master hand-off]) and reclaim_blocked() when only copies a
+        # running step updates could be freed
+        self._listener = None
         # parameter cache (see enable_cache): NVMe-homed groups that keep a clean host
         # copy between uses, in host-pool memory nothing else needs at the moment
         self.cache_on = False
         self.pinned: set[int] = set()      # gids whose cached copy a running step updates
-        self.on_reclaim_blocked = None     # called when only pinned copies could be freed
         # gid -> callable waiting for a running optimizer step that writes the group's
         # home (overlapped step): a fetch of that group waits for it first
         self.home_busy: dict = {}
@@ -116,14 +118,13 @@ class MemoryManager:
             if self.swap is None:
                 raise RuntimeError("memory: NVMe home requested but no swap space was opened")
             g.extent = self.swap.allocate(g.nbytes)
-            buf = staging.view(g.dtype)[: g.padded_numel] if staging is not None else \
-                self.host_pool.lease(g.nbytes, g.dtype)
-            self._fill(g, buf)
-            t0 = time.perf_counter()
-            self.swap.write(g.extent, buf).wait()
-            self._link("nvme_write", g.nbytes, t0)
-            if staging is None:
-                self.host_pool.give_back(buf)
+            with contextlib.ExitStack() as scope:
+                buf = staging.view(g.dtype)[: g.padded_numel] if staging is not None else \
+                    scope.enter_context(self.host_pool.scoped(g.nbytes, g.dtype))
+                self._fill(g, buf)
+                t0 = time.perf_counter()
+                self.swap.write(g.extent, buf).wait()
+                self._link("nvme_write", g.nbytes, t0)
             g.set_home_state()
             return
         raise ValueError(f"memory: unknown home {g.home!r}")
@@ -321,8 +322,8 @@ class MemoryManager:
         self._by_storage.pop(buf.untyped_storage().data_ptr(), None)
         cached = g.home == "nvme" and (g.host_buf is buf or self._admit(g, buf))
         g.release()                       # -> CACHED when a cached copy stays, else home
-        if g.home == "nvme" and self.on_release is not None:   # Note [Master hand-off]
-            if self.on_release(g, None if cached else buf):
+        if g.home == "nvme" and self._listener is not None:   # Note [Master hand-off]
+            if self._listener.on_release(g, None if cached else buf):
                 buf = None                # taken over
         if buf is not None and not cached and (g.home == "nvme" or not self.dev.zero_copy):
             self._give_back(self.dev, buf)       # CUDA: the next copy into it waits for compute
@@ -384,7 +385,7 @@ class MemoryManager:
             raise ValueError("memory: the parameter cache needs a host budget "
                              "(offload.host_memory_gb)")
         self.cache_on = True
-        self.host_pool.reclaim = self.reclaim
+        self.host_pool.set_reclaimer(self.reclaim)
 
     def _admit(self, g: GroupRecord, buf: torch.Tensor) -> bool:
         """Cache ``g``'s just-released buffer when the host pool can hold it."""
@@ -414,16 +415,16 @@ class MemoryManager:
         """The host pool needs ``need`` bytes: evict cached copies, the group latest in
         module order first (backward, where gradients need memory, reaches it last and
         forward uses it last).  Copies a running optimizer step updates are skipped; if
-        they are all that is left, :attr:`on_reclaim_blocked` waits for those steps."""
+        they are all that is left, the listener's ``reclaim_blocked()`` waits for those steps."""
         for attempt in range(2):
             for g in reversed(self.groups):
                 if need <= 0:
                     return
                 if self.cached(g) and g.gid not in self.pinned:
                     need -= self._evict(g)
-            if need <= 0 or attempt or self.on_reclaim_blocked is None or not self.pinned:
+            if need <= 0 or attempt or self._listener is None or not self.pinned:
                 return
-            self.on_reclaim_blocked()
+            self._listener.reclaim_blocked()
 
     def drop_cache(self) -> None:
         """Forget every cached copy (before anything writes the NVMe homes directly, e.g.
@@ -458,8 +459,18 @@ class MemoryManager:
             return
         owner.give_back(buf)
 
+    def attach_listener(self, listener) -> None:
+        """The one release listener (see ``__init__``); detach_listener removes it."""
+        if self._listener is not None and listener is not self._listener:
+            raise RuntimeError("memory: a release listener is already attached")
+        self._listener = listener
+
+    def detach_listener(self, listener) -> None:
+        if self._listener is listener:
+            self._listener = None
+
     def give_back_device(self, buf: torch.Tensor) -> None:
-        """Return a device buffer :attr:`on_release` took over."""
+        """Return a device buffer the listener's ``on_release`` took over."""
         self._give_back(self.dev, buf)
 
     # ------------------------------------------------------------------ host updates
@@ -526,5 +537,5 @@ class MemoryManager:
                     g.forget_host_copy()
                 self.host_pool.give_back(buf)
         self.pinned.clear()
-        self.host_pool.reclaim = None
+        self.host_pool.set_reclaimer(None)
         self.dev.close()

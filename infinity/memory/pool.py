@@ -8,6 +8,7 @@ to 4096), so a pool serving a handful of group sizes reuses them exactly.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
@@ -63,8 +64,16 @@ class BufferPool:
         # one this pool never leased) is refused instead of being handed to two owners
         self._out: dict[int, int] = {}
         # reclaim(nbytes): asked to give leased buffers back (give_back) when a lease would
-        # exceed the budget (the parameter cache lends its copies, MemoryManager.reclaim)
-        self.reclaim = None
+        # exceed the budget (the parameter cache lends its copies, MemoryManager.reclaim);
+        # set with set_reclaimer
+        self._reclaim = None
+
+    def set_reclaimer(self, fn) -> None:
+        """``fn(nbytes)`` gives leased buffers back when a lease would exceed the budget (the
+        one borrower whose buffers are reclaimable: the parameter cache).  None detaches."""
+        if fn is not None and self._reclaim is not None and fn != self._reclaim:
+            raise RuntimeError(f"{self.tier} tier pool: a reclaimer is already attached")
+        self._reclaim = fn
 
     def can_lease(self, nbytes: int) -> bool:
         size = round_up(nbytes, ALIGN)
@@ -85,8 +94,8 @@ class BufferPool:
             if self.budget is not None and self.allocated + size > self.budget:
                 self._trim(self.allocated + size - self.budget)
             if self.budget is not None and self.allocated + size > self.budget \
-                    and self.reclaim is not None:
-                self.reclaim(self.allocated + size - self.budget)
+                    and self._reclaim is not None:
+                self._reclaim(self.allocated + size - self.budget)
                 lst = self._free.get(size)
                 if lst:                   # a reclaimed buffer of this size: reuse it
                     return self._hand_out(lst.pop(), size, nbytes, dtype)
@@ -105,6 +114,16 @@ class BufferPool:
         self._out[raw.data_ptr()] = size
         esize = torch.empty((), dtype=dtype).element_size()
         return raw.view(dtype)[: nbytes // esize]
+
+    @contextlib.contextmanager
+    def scoped(self, nbytes: int, dtype: torch.dtype):
+        """``with pool.scoped(n, dtype) as buf:`` a lease given back when the block ends,
+        however it ends (a scratch or staging buffer that lives in one scope)."""
+        buf = self.lease(nbytes, dtype)
+        try:
+            yield buf
+        finally:
+            self.give_back(buf)
 
     def is_leased(self, buf: torch.Tensor) -> bool:
         """Whether ``buf`` is out on lease from this pool."""

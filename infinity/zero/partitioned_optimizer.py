@@ -173,10 +173,9 @@ class PartitionedOptimizer(EngineOptimizer):
             return
         ext = self._grad_ext[g.gid]
         if self._grad_valid[g.gid]:       # accumulation: add what earlier micro-steps left
-            tmp = self.host_pool.lease(summed.numel() * 4, torch.float32)
-            self.swap.read(ext, tmp).wait()
-            summed.add_(tmp)
-            self.host_pool.give_back(tmp)
+            with self.host_pool.scoped(summed.numel() * 4, torch.float32) as tmp:
+                self.swap.read(ext, tmp).wait()
+                summed.add_(tmp)
         n = float(torch.linalg.vector_norm(summed))
         self._grad_sq[g.gid] = n * n
         self._grad_valid[g.gid] = True

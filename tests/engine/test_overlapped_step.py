@@ -152,7 +152,7 @@ def test_master_handoff_bounded_and_returned(harness, swap_dir, monkeypatch):
             took = real(g, buf)
             seen.append(len(ov._held) + ov._handed_off())
             return took
-        eng.mm.on_release = spy
+        ov.on_release = spy                  # the manager calls its listener's method
         harness.engine_run(eng, "mlp", batches)
         assert max(seen) <= 1
         assert not ov._held and not ov._stepping

@@ -52,3 +52,20 @@ def test_double_return_and_foreign_buffers_are_refused():
     for t in (b, c, d):
         pool.give_back(t)
     assert pool.leased == 0
+
+
+def test_scoped_lease_is_returned_however_the_block_ends_and_one_reclaimer():
+    pool = BufferPool("host", 1 << 20, Accounting())
+    with pool.scoped(8192, torch.float32) as buf:
+        assert pool.is_leased(buf) and pool.leased == 8192
+    assert pool.leased == 0
+    with pytest.raises(RuntimeError, match="boom"):
+        with pool.scoped(4096, torch.uint8) as buf:
+            raise RuntimeError("boom")
+    assert pool.leased == 0 and not pool.is_leased(buf)
+    first = lambda n: None  # noqa: E731
+    pool.set_reclaimer(first)
+    with pytest.raises(RuntimeError, match="already attached"):
+        pool.set_reclaimer(lambda n: None)
+    pool.set_reclaimer(None)
+    pool.set_reclaimer(first)
