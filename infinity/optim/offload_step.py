@@ -198,6 +198,7 @@ class OptimizerStateStore:
         self._closed = False
         self._host_state_bytes = 0
         self._spare: Dict[int, Any] = {}   # id(backing) -> its shadow extent (Note [commit point])
+        self._spare_lock = threading.Lock()   # prepare() vs commit/rollback, not vs step()
         self._slots = self._alloc_ring()
         self._ring_bytes = sum(b.numel() * b.element_size() for s in self._slots for b in s.bufs.values())
         if self._ring_bytes and accounting is not None:
@@ -338,8 +339,10 @@ class OptimizerStateStore:
     def prepare(self, txn: StepTxn, key: str) -> None:
         """Give every extent-backed state tensor of ``key`` its shadow in ``txn`` (allocated
         once, then reused window after window).  Call on the thread that owns the swap
-        accounting (the engine's main thread), before ``step(..., txn=txn)``."""
-        with self._lock:
+        accounting (the engine's main thread), before ``step(..., txn=txn)``.  It does not
+        wait for a running step (the overlapped step prepares group k+1 while group k's
+        step runs): it touches only the spare shadows and ``txn``'s entries for ``key``."""
+        with self._spare_lock:
             part = self._part(key)
             for b in part.backing.values():
                 if b.extent is None or id(b) in txn.writes:
@@ -366,7 +369,7 @@ class OptimizerStateStore:
         Returns ``{old extent: new extent}`` so owners of external extent masters can
         follow.  O(number of tensors); no I/O."""
         moved = {}
-        with self._lock:
+        with self._lock, self._spare_lock:
             for b, shadow, tiles in txn.writes.values():
                 if not tiles:                       # prepared but never stepped: keep as spare
                     self._spare[id(b)] = shadow
@@ -387,7 +390,7 @@ class OptimizerStateStore:
     def rollback(self, txn: StepTxn) -> None:
         """Forget ``txn``'s writes: host tensors get their undo copies back, shadows are
         kept as spares (their contents are garbage, overwritten before any commit)."""
-        with self._lock:
+        with self._lock, self._spare_lock:
             for view, saved in reversed(txn.undo):
                 view.copy_(saved)
             for b, shadow, _ in txn.writes.values():
