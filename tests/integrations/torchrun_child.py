@@ -34,10 +34,6 @@ def main():
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except BaseException:
-        import traceback
-        traceback.print_exc()
-        sys.stderr.flush()
-        os._exit(3)
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "zero"))
+    from zero_harness import child_entry  # noqa: E402 (prints the traceback, exits 3 at once)
+    child_entry(main)
