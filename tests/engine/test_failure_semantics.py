@@ -393,3 +393,51 @@ def test_failed_read_is_raised_once_for_its_group_and_nothing_leaks(tmp_path):
         assert all(g.state.name in ("NVME", "HOST", "CACHED") for g in e.mm.groups)
         _train(e, _batches(2, seed=6))
         assert e.global_steps == 3
+
+
+def test_step_from_inside_forward_is_refused_and_counts_nothing(tmp_path):
+    """``micro_steps`` was counted before the busy check: a step() refused while modules
+    execute still advanced the window.  Now the phase check refuses it first."""
+    from infinity.engine.phase import PhaseError
+    torch.manual_seed(0)
+    m = Net()
+    with infinity.initialize(m, _cfg(str(tmp_path / "s"), "cpu", "cpu", accum=2)) as e:
+        _train(e, _batches(1))
+        assert e.micro_steps == 1
+        errors = []
+
+        def hook(mod, args):
+            try:
+                e.step()
+            except PhaseError as err:
+                errors.append(err)
+        h = m.l1.register_forward_pre_hook(hook)
+        x, y = _batches(1, seed=3)[0]
+        e.backward(F.mse_loss(e(x).float(), y))
+        h.remove()
+        assert errors and "forward" in str(errors[0]) and e.micro_steps == 1
+        assert e.step() is True and e.global_steps == 1
+
+
+def test_a_failing_release_from_a_dropped_saved_tensor_is_logged(tmp_path, caplog):
+    """``_SavedRef.__del__`` swallowed any exception from the release silently."""
+    import gc
+    import logging
+    torch.manual_seed(0)
+    m = Net()
+    with infinity.initialize(m, _cfg(str(tmp_path / "s"), "nvme", "nvme")) as e:
+        x, y = _batches(1)[0]
+        loss = F.mse_loss(e(x).float(), y)
+        real = e.hooks._ref_dropped
+
+        def failing(g):
+            raise RuntimeError("simulated release failure")
+        e.hooks._ref_dropped = failing
+        with caplog.at_level(logging.WARNING, logger="infinity"):
+            del loss
+            gc.collect()
+        e.hooks._ref_dropped = real
+        assert any("simulated release failure" in r.getMessage() for r in caplog.records)
+        e.hooks.finish_backward()          # what the next backward's end does
+        _train(e, _batches(1, seed=5))
+        assert e.global_steps == 1
