@@ -241,7 +241,15 @@ class EngineCheckpoint:
                             "the config scheduler)")
         cfg = _jsonable(dataclasses.asdict(e.cfg)) if dataclasses.is_dataclass(e.cfg) else None
         rng = rng_state_to_json()
+        from infinity.checkpoint.export import model_meta
+        try:       # a Hugging Face model's config: `infinity export` writes config.json from it
+            described = model_meta(e.module)
+        except Exception as err:  # noqa: BLE001 - a model config that cannot be described
+            log.warning("checkpoint: the model's config is not recorded (%s); export writes "
+                        "weights only", err)
+            described = {}
         return {
+            **described,
             "step": int(opt.step_count),
             "boundaries": int(opt.boundaries),
             "micro_step": int(e.micro_steps),

@@ -194,8 +194,10 @@ def test_export_from_engine_checkpoint_loads_in_transformers(tmp_path):
         with torch.no_grad():
             ref = e(input_ids=ids).logits.clone()
     export_model(tmp_path / "ck", tmp_path / "out")
-    cfg.save_pretrained(tmp_path / "out")
-    m2 = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "out").eval()
+    # engine.save_checkpoint records the model's config itself: export wrote config.json,
+    # so AutoModelForCausalLM loads the directory as is (no config saved by hand)
+    m2 = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert type(m2).__name__ == "GPT2LMHeadModel" and m2.config.n_embd == 16
     with torch.no_grad():
         got = m2(input_ids=ids).logits
     assert torch.equal(got, ref)
