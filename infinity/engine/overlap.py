@@ -69,12 +69,10 @@ MAX_HANDOFF = 3      # released parameter buffers held for their group's step at
 
 def _wait_quietly(fut: Future) -> None:
     """Wait for a group step before its home is read (its error surfaces at step())."""
-    # (not concurrent.futures.wait: a KeyboardInterrupt raised inside it, on the main
-    # thread, can leave the future's lock held, and the window's abort then deadlocks)
-    try:
-        fut.result()
-    except Exception:  # noqa: BLE001 - reported by OverlappedStep.wait; a signal propagates
-        pass
+    # (not concurrent.futures.wait or Future.result: a KeyboardInterrupt raised inside
+    # them, on the main thread, can leave a lock held or half-released; see wait_done)
+    from infinity.engine.phase import wait_done
+    wait_done(fut)
 
 
 def eligible(engine) -> bool:
@@ -270,18 +268,18 @@ class OverlappedStep:
         futures, self._futures = self._futures, []
         done = self.done
         err = interrupted = None
+        from infinity.engine.phase import wait_done
         for f in futures:
             while True:
                 try:
-                    f.result()
+                    wait_done(f)
                 except KeyboardInterrupt as e:
-                    if not f.done():
-                        interrupted = e   # a signal in this thread: keep waiting
-                        continue
-                    err = err or e
-                except BaseException as e:  # wait for the rest before raising
-                    err = err or e
+                    interrupted = e       # a signal in this thread: keep waiting
+                    continue
                 break
+            e = f.exception()             # done: returns at once
+            if e is not None:             # wait for the rest before raising
+                err = err or e
         self.mm.home_busy.clear()
         self._reap()                    # every step ended: all buffers go back
         if err is not None:

@@ -21,10 +21,11 @@ commit is held until the commit has ended, then re-raised.
 """
 from __future__ import annotations
 
+import _thread
 import enum
 from concurrent.futures import ThreadPoolExecutor
 
-__all__ = ["Phase", "NonFiniteGradientError", "run_shielded", "PhaseError"]
+__all__ = ["Phase", "NonFiniteGradientError", "run_shielded", "wait_done", "PhaseError"]
 
 
 class Phase(enum.Enum):
@@ -45,6 +46,19 @@ class NonFiniteGradientError(FloatingPointError):
     the update was rolled back (nothing changed)."""
 
 
+def wait_done(fut) -> None:
+    """Block until ``fut`` is done.  Waits on a bare C lock released by the future's done
+    callback, not in ``Future.result()``: a ``KeyboardInterrupt`` raised by a signal handler
+    inside ``threading.Condition.wait`` can leave its lock half-released ("cannot release
+    un-acquired lock"), while an interrupted ``lock.acquire()`` holds nothing."""
+    if fut.done():
+        return
+    gate = _thread.allocate_lock()
+    gate.acquire()
+    fut.add_done_callback(lambda _f: gate.release())
+    gate.acquire()
+
+
 def run_shielded(executor: ThreadPoolExecutor, fn, *args):
     """Run ``fn(*args)`` on ``executor``'s worker and wait for it; a ``KeyboardInterrupt``
     raised in this (main) thread while waiting is held until ``fn`` has returned, then
@@ -53,16 +67,15 @@ def run_shielded(executor: ThreadPoolExecutor, fn, *args):
     interrupted = None
     while True:
         try:
-            result = fut.result()
+            wait_done(fut)
             break
-        except KeyboardInterrupt as e:
-            if fut.done() and not fut.cancelled() and fut.exception() is e:
-                raise                      # fn itself raised it (not a signal)
-            interrupted = e                # a signal: wait for the worker, then raise it
-        except BaseException as e:
-            if interrupted is not None:
-                raise e from interrupted
-            raise
+        except KeyboardInterrupt as e:     # a signal: wait for the worker, then raise it
+            interrupted = e
+    err = fut.exception()                  # done: returns at once
+    if err is not None:
+        if interrupted is not None:
+            raise err from interrupted
+        raise err
     if interrupted is not None:
         raise interrupted
-    return result
+    return fut.result()
