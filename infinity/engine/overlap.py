@@ -181,7 +181,7 @@ class OverlappedStep:
             if not f.done():
                 keep.append(entry)
                 continue
-            if buf is not None:
+            if buf is not None and self.mm.device_pool.is_leased(buf):   # (see end())
                 self.mm.give_back_device(buf)
             self.mm.pinned.discard(g.gid)
             if f.exception() is None:
