@@ -127,18 +127,8 @@ def _name_resolver(model):
             if p is not None:
                 full = f"{mod_name}.{pname}" if mod_name else pname
                 slots[full] = (mod, pname)
-    prefix = getattr(model, "base_model_prefix", "") or ""
-
-    def resolve(key):
-        if key in slots:
-            return key
-        if prefix and f"{prefix}.{key}" in slots:
-            return f"{prefix}.{key}"
-        if prefix and key.startswith(prefix + ".") and key[len(prefix) + 1:] in slots:
-            return key[len(prefix) + 1:]
-        return None
-
-    return slots, resolve
+    from infinity.zero.init import prefix_resolver
+    return slots, prefix_resolver(slots, getattr(model, "base_model_prefix", "") or "")
 
 
 def _uses_init(init_config):

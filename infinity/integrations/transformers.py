@@ -446,17 +446,8 @@ def from_pretrained(model_dir, infinity_config=None, *, auto_class=None, **confi
     with Init(cfg):
         model = auto_class.from_config(config)
     names = dict(model.named_parameters(remove_duplicate=False))
-    prefix = getattr(model, "base_model_prefix", "") or ""
-
-    def resolve(key):
-        if key in names:
-            return key
-        if prefix and f"{prefix}.{key}" in names:
-            return f"{prefix}.{key}"
-        if prefix and key.startswith(prefix + ".") and key[len(prefix) + 1:] in names:
-            return key[len(prefix) + 1:]
-        return None
-
+    from infinity.zero.init import prefix_resolver
+    resolve = prefix_resolver(names, getattr(model, "base_model_prefix", "") or "")
     unexpected = load_safetensors(model, files, strict=True, resolve=resolve)
     if unexpected:
         log.info("from_pretrained: %d checkpoint tensors match no parameter, e.g. %s",

@@ -296,6 +296,21 @@ def adopting(slots):
             _forget(rec.pid)
 
 
+def prefix_resolver(names, prefix: str):
+    """A ``resolve`` for :func:`load_safetensors`: a checkpoint key maps to the parameter
+    name in ``names`` as is, with the model's ``base_model_prefix`` added, or with it
+    removed (Hugging Face checkpoints are saved with or without it); None otherwise."""
+    def resolve(key):
+        if key in names:
+            return key
+        if prefix and f"{prefix}.{key}" in names:
+            return f"{prefix}.{key}"
+        if prefix and key.startswith(prefix + ".") and key[len(prefix) + 1:] in names:
+            return key[len(prefix) + 1:]
+        return None
+    return resolve
+
+
 def load_safetensors(model: nn.Module, files, *, strict: bool = True, resolve=None) -> list[str]:
     """Stream safetensors ``files`` into ``model`` tensor by tensor (names as in
     ``model.named_parameters()``; ``resolve(key) -> name | None`` maps checkpoint keys
