@@ -16,10 +16,11 @@ PUBLIC_DIR_MODE = 0o755
 PRIVATE_DIR_MODE = 0o700
 
 
-def makedirs(path, mode: int = PUBLIC_DIR_MODE, *, parents_mode: int | None = None) -> None:
+def makedirs(path, mode: int = PUBLIC_DIR_MODE, *, parents_mode: int | None = None) -> list[str]:
     """``mkdir -p`` where each directory created gets exactly ``mode`` (the leaf) or
     ``parents_mode`` (missing parents; default: ``mode``), chmod'ed after creation so the
-    umask cannot widen or narrow it. Raises OSError (with the path) like ``os.makedirs``."""
+    umask cannot widen or narrow it. Raises OSError (with the path) like ``os.makedirs``.
+    Returns the directories this call created, outermost first."""
     path = os.path.abspath(os.fspath(path))
     missing = []
     p = path
@@ -29,7 +30,8 @@ def makedirs(path, mode: int = PUBLIC_DIR_MODE, *, parents_mode: int | None = No
         if parent == p:
             break
         p = parent
-    for i, d in enumerate(reversed(missing)):
+    created = []
+    for d in reversed(missing):
         m = mode if d == path else (mode if parents_mode is None else parents_mode)
         try:
             os.mkdir(d, m)
@@ -38,6 +40,8 @@ def makedirs(path, mode: int = PUBLIC_DIR_MODE, *, parents_mode: int | None = No
                 raise NotADirectoryError(20, f"{d} exists and is not a directory", d) from None
             continue
         os.chmod(d, m)
+        created.append(d)
+    return created
 
 
 def existing_ancestor(path) -> str:

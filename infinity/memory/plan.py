@@ -220,6 +220,17 @@ class PlacementPlan:
         return "\n".join(lines)
 
 
+# Swap directories this process created (``nvme_dirs_ok``, ``infinity.Init``): removed when
+# empty by whichever closes last -- the engine, the Init store or finetune -- not only by
+# the one that created them (an Init store creates ``<path>`` before the engine exists).
+_CREATED_SWAP_DIRS: set[str] = set()
+
+
+def note_created_dirs(dirs) -> None:
+    """Record directories this process created for swap (see :func:`remove_if_empty`)."""
+    _CREATED_SWAP_DIRS.update(os.path.abspath(d) for d in dirs)
+
+
 def nvme_dirs_ok(paths: list[str]) -> list[str]:
     """Create NVMe directories if missing (race-safe); raise with the path if impossible.
     Returns the directories this call created (to remove at close when left empty)."""
@@ -236,16 +247,24 @@ def nvme_dirs_ok(paths: list[str]) -> list[str]:
         except OSError as e:
             raise OSError(e.errno, f"offload.nvme_paths: cannot create {p!r}: {e.strerror}; "
                           f"choose a writable directory on a local NVMe/SSD") from e
+    note_created_dirs(created)
     return created
 
 
 def remove_if_empty(dirs: list[str]) -> None:
-    """Remove directories created for swap (deepest first) when nothing else is in them."""
-    for d in dirs:
+    """Remove directories created for swap when nothing else is in them: ``dirs`` and
+    every other directory this process created for swap (deepest first; ``rmdir`` only
+    succeeds on an empty directory, so one still in use stays)."""
+    todo = {os.path.abspath(d) for d in dirs} | _CREATED_SWAP_DIRS
+    for d in sorted(todo, key=len, reverse=True):
         try:
             os.rmdir(d)
+        except FileNotFoundError:
+            _CREATED_SWAP_DIRS.discard(d)
         except OSError:
             pass
+        else:
+            _CREATED_SWAP_DIRS.discard(d)
 
 
 def _mb(n: int | float) -> str:

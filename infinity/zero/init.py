@@ -88,11 +88,12 @@ class _InitStore:
     def _open_swap(self):
         from infinity.io import AioEngine, SwapSpace
         a = self.cfg.aio
+        from infinity.memory.plan import note_created_dirs
         paths = [os.path.join(p, "init") for p in self.cfg.offload.nvme_paths]
-        self.created_dirs = [p for p in paths if not os.path.isdir(p)]
+        self.init_dirs = paths
         for p in paths:
             try:
-                makedirs(p, 0o700, parents_mode=0o755)
+                note_created_dirs(makedirs(p, 0o700, parents_mode=0o755))
             except OSError as e:
                 raise OSError(e.errno, f"infinity.Init: cannot create {p!r}: {e.strerror}; "
                                        f"set offload.nvme_paths to a writable directory") from e
@@ -194,11 +195,11 @@ class _InitStore:
         if self.swap is not None:
             self.swap.close()
             self.swap = None
-            for p in getattr(self, "created_dirs", []):
-                try:
-                    os.rmdir(p)          # only if empty: another rank may still use it
-                except OSError:
-                    pass
+            # ``<path>/init`` is infinity's own name: whichever rank closes last removes it
+            # (rmdir only succeeds once every rank's private directory inside is gone), and
+            # with it the parents this process created, once empty
+            from infinity.memory.plan import remove_if_empty
+            remove_if_empty(getattr(self, "init_dirs", []))
         if self.aio is not None:
             self.aio.close()
             self.aio = None
@@ -476,7 +477,7 @@ class Init:
             check_nvme_free(paths, need, what="infinity.Init: building and initializing this "
                             "model", parts=parts, hint="offload.nvme_paths / --nvme-path")
         finally:
-            remove_if_empty(sorted(created, key=len, reverse=True))   # as found
+            remove_if_empty(created)   # as found
 
     # ------------------------------------------------------------------ patching
     def _all_module_classes(self):

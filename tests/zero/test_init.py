@@ -205,3 +205,21 @@ def test_peak_rss_bounded(tmp_path):
     assert grew <= budget, (f"peak RSS grew {grew / 2**20:.0f} MiB constructing a "
                             f"{r['model_bytes'] / 2**20:.0f} MiB model; budget "
                             f"{budget / 2**20:.0f} MiB")
+
+
+def test_swap_dirs_removed_whichever_rank_closes_last(tmp_path):
+    """Two ranks' Init stores share ``<path>/init``: the one that did not create it may
+    close last, and must still remove it (seen in CI as an 'init' dir left behind)."""
+    from infinity.config import InfinityConfig
+    from infinity.zero.init import _InitStore
+    user = tmp_path / "swap" / "deeper"
+    cfg = InfinityConfig.load({"offload": {"params": "nvme", "optimizer": "nvme",
+                                           "nvme_paths": [str(user)]}})
+    first, second = _InitStore("nvme", cfg, 0, 2), _InitStore("nvme", cfg, 1, 2)
+    first._open_swap()          # creates swap/deeper/init
+    second._open_swap()         # finds it there
+    assert os.listdir(user / "init")
+    first.close()               # the creator closes first: the other's files are still inside
+    assert (user / "init").is_dir()
+    second.close()
+    assert not (tmp_path / "swap").exists(), os.listdir(tmp_path)
