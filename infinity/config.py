@@ -21,14 +21,15 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from infinity.config_sections import (  # noqa: F401 (re-exported)
-    AIO_ENGINES, GB, OFFLOAD_HOMES, OPTIMIZER_TYPES, PARAM_GROUP_KEYS, PRECISIONS,
+    ACTIVATION_SCOPES, AIO_ENGINES, GB, GRAD_ACCUM_DTYPES, ActivationOffloadConfig, OFFLOAD_HOMES, OPTIMIZER_TYPES, PARAM_GROUP_KEYS, PRECISIONS,
     SCHEDULER_TYPES, ZERO_STAGES, AioConfig, ConfigError, LossScaleConfig, OffloadConfig,
     OptimizerConfig, PrefetchConfig, SchedulerConfig, _check_unknown, _choice, _float, _fmt,
     _int, _section, MAX_ACCUMULATION_STEPS, MAX_AIO_BLOCK, NONFINITE_POLICIES, max_aio_threads)
 
 __all__ = [
     "ConfigError", "OffloadConfig", "PrefetchConfig", "AioConfig", "OptimizerConfig",
-    "SchedulerConfig", "LossScaleConfig", "InfinityConfig", "load_config",
+    "SchedulerConfig", "LossScaleConfig", "ActivationOffloadConfig", "InfinityConfig",
+    "load_config",
 ]
 
 _SECTIONS = {
@@ -38,6 +39,7 @@ _SECTIONS = {
     "optimizer": OptimizerConfig,
     "scheduler": SchedulerConfig,
     "fp16": LossScaleConfig,
+    "activation_offload": ActivationOffloadConfig,
 }
 
 
@@ -56,6 +58,8 @@ class InfinityConfig:
     gradient_accumulation_steps: int = 1
     dist_timeout_s: float = 600
     nonfinite_grads: str = "skip"
+    activation_offload: ActivationOffloadConfig = field(default_factory=ActivationOffloadConfig)
+    gradient_accumulation_dtype: str = "fp32"
 
     def __post_init__(self):
         self.validate()
@@ -79,6 +83,8 @@ class InfinityConfig:
                                                 hi=MAX_ACCUMULATION_STEPS,
                                                 what=f">= 1 and <= {MAX_ACCUMULATION_STEPS}")
         self.nonfinite_grads = _choice("nonfinite_grads", self.nonfinite_grads, NONFINITE_POLICIES)
+        self.gradient_accumulation_dtype = _choice(
+            "gradient_accumulation_dtype", self.gradient_accumulation_dtype, GRAD_ACCUM_DTYPES)
         self.dist_timeout_s = _float("dist_timeout_s", self.dist_timeout_s,
                                      lo=0.0, lo_open=True)
         if self.offload.params != "none" and self.zero_stage != 3:

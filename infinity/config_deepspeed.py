@@ -259,19 +259,33 @@ def deepspeed_to_dict(ds: Any, *, approximate_schedules: bool = False
     if _ds_section(ds, "amp").get("enabled", False):
         raise _ds_err("amp.enabled", "NVIDIA apex AMP is not supported; use "
                       '"bf16": {"enabled": true} or "fp16": {"enabled": true} instead')
-    if ds.get("activation_checkpointing"):
-        raise _ds_err("activation_checkpointing", "DeepSpeed's activation checkpointing API is "
-                      "not provided; remove the section and use torch.utils.checkpoint (or "
+    ac = _ds_section(ds, "activation_checkpointing")
+    _ds_unknown(ac, ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization",
+                     "number_checkpoints", "synchronize_checkpoint_boundary", "profile"),
+                "activation_checkpointing")
+    if _ds_bool(ac, "partition_activations", False, "activation_checkpointing"):
+        raise _ds_err("activation_checkpointing.partition_activations", "partitioning activations "
+                      "across model-parallel ranks is not provided (infinity has no model "
+                      "parallelism); remove the key. Checkpoint with torch.utils.checkpoint (or "
                       "model.gradient_checkpointing_enable() for transformers models)")
+    if _ds_bool(ac, "cpu_checkpointing", False, "activation_checkpointing"):
+        # the checkpoint inputs live in host memory: torch.utils.checkpoint /
+        # gradient_checkpointing_enable() mark the boundaries (not DeepSpeed's API)
+        put("activation_offload.home", "cpu", "activation_checkpointing.cpu_checkpointing")
+        put("activation_offload.scope", "checkpoints", "activation_checkpointing.cpu_checkpointing")
+    ignored += [f"activation_checkpointing.{k}" for k in ac
+                if k not in ("partition_activations", "cpu_checkpointing")]
     cdt = ds.get("communication_data_type")
     if cdt not in (None, "fp32", "float32"):
         raise _ds_err("communication_data_type", f"infinity reduces gradients in fp32; got "
                       f"{_fmt(cdt)}; remove the key")
     gad = _ds_section(ds, "data_types").get("grad_accum_dtype")
     _ds_unknown(_ds_section(ds, "data_types"), ("grad_accum_dtype",), "data_types")
-    if gad not in (None, "fp32", "float32"):
-        raise _ds_err("data_types.grad_accum_dtype", f"infinity accumulates gradients in fp32; "
-                      f"got {_fmt(gad)}; remove the key")
+    if gad in ("bf16", "bfloat16"):     # lossy, opted into: partial sums kept in bf16
+        put("gradient_accumulation_dtype", "bf16", "data_types.grad_accum_dtype")
+    elif gad not in (None, "fp32", "float32"):
+        raise _ds_err("data_types.grad_accum_dtype", f"infinity accumulates gradients in fp32 "
+                      f"or (when asked) bf16; got {_fmt(gad)}; use \"fp32\" or \"bf16\"")
     if ds.get("sparse_gradients"):
         raise _ds_err("sparse_gradients", "sparse gradients are not supported; remove the key")
 

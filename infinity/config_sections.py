@@ -20,6 +20,8 @@ OFFLOAD_HOMES = ("none", "cpu", "nvme")
 AIO_ENGINES = ("auto", "uring", "posix")
 OPTIMIZER_TYPES = ("adamw", "adam")
 SCHEDULER_TYPES = ("constant", "linear", "cosine")
+ACTIVATION_SCOPES = ("checkpoints", "all")
+GRAD_ACCUM_DTYPES = ("fp32", "bf16")
 GB = 10**9
 
 
@@ -169,6 +171,25 @@ class OffloadConfig:
         self.host_memory_gb = _opt_positive_float(p + "host_memory_gb", self.host_memory_gb)
         self.device_memory_gb = _opt_positive_float(p + "device_memory_gb",
                                                     self.device_memory_gb)
+
+
+@dataclass
+class ActivationOffloadConfig:
+    """Where autograd's saved activations live between forward and backward
+    (:mod:`infinity.runtime.activations`): ``home`` "none" (the device, no offload),
+    "cpu" (host memory) or "nvme" (the swap files); ``scope`` "checkpoints" (only the
+    inputs saved at activation-checkpoint boundaries: ``torch.utils.checkpoint``, Hugging
+    Face ``gradient_checkpointing_enable()``) or "all" (every tensor autograd saves)."""
+    home: str = "none"
+    scope: str = "checkpoints"
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> None:
+        p = "activation_offload."
+        self.home = _choice(p + "home", self.home, OFFLOAD_HOMES)
+        self.scope = _choice(p + "scope", self.scope, ACTIVATION_SCOPES)
 
 
 @dataclass

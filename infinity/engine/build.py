@@ -65,7 +65,8 @@ def assemble(engine, lr_scheduler) -> None:
             for k, b in mod._buffers.items():
                 if b is not None and b.is_floating_point():
                     mod._buffers[k] = b.to(engine.dtype)
-    needs_nvme = param_home == "nvme" or cfg.offload.optimizer == "nvme"
+    act_home = cfg.activation_offload.home
+    needs_nvme = param_home == "nvme" or cfg.offload.optimizer == "nvme" or act_home == "nvme"
     if needs_nvme:
         from infinity.io import AioEngine, SwapSpace
         engine._created_dirs = nvme_dirs_ok(cfg.offload.nvme_paths)
@@ -103,7 +104,7 @@ def assemble(engine, lr_scheduler) -> None:
             and not separate and device_budget is None \
             and cfg.host_memory_bytes is not None \
             and cfg.host_memory_bytes > placement.host_total \
-            and placement.grad_home == "host":
+            and placement.grad_home == "host" and act_home != "cpu":
         # the cap's headroom keeps clean copies of NVMe params (write-through: in fp32
         # the param is the master the optimizer updates in place)
         placement.param_cache_budget = cfg.host_memory_bytes - placement.host_total
@@ -172,5 +173,11 @@ def assemble(engine, lr_scheduler) -> None:
                                         undo_budget=engine.undo_budget)
         after = engine.overlap.grad_arrived
     on_grad = grad_sink(engine.opt.accumulate, gp.groups, after=after)
-    engine.hooks = ParamHooks(model, gp, engine.mm, engine.coord, on_grad)
+    acts = None
+    if act_home != "none":                  # saved activations on the host tier or NVMe
+        from infinity.runtime.activations import ActivationOffload
+        acts = ActivationOffload(act_home, cfg.activation_offload.scope, swap=engine.swap,
+                                 accounting=engine.acct, timeline=engine.timeline,
+                                 host_budget=engine.undo_budget, depth=cfg.prefetch.depth)
+    engine.hooks = ParamHooks(model, gp, engine.mm, engine.coord, on_grad, activations=acts)
     engine.hooks.install()

@@ -431,7 +431,8 @@ class Engine:
         for k in ("on_demand_fetches", "prefetched_fetches", "untracked_fetches",
                   "divergent_steps", "prefetch_unused", "prefetch_evicted",
                   "device_budget_overflows", "optimizer_groups_overlapped",
-                  "optimizer_master_handoffs", "optimizer_master_read_bytes_saved"):
+                  "optimizer_master_handoffs", "optimizer_master_read_bytes_saved",
+                  "activation_offload_bytes", "activation_fetch_bytes"):
             d.setdefault(k, 0)
         d.update({
             "step": self.opt.step_count,

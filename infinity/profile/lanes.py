@@ -5,6 +5,9 @@ outputs share, so none of them imports another for it."""
 LINK_LANES = ("nvme_read", "nvme_write", "h2d", "d2h", "allgather", "reduce_scatter")
 COMPUTE_LANES = ("forward", "backward", "optimizer")
 WAIT_LANE = "wait"
-LANES = LINK_LANES + COMPUTE_LANES + (WAIT_LANE,)
+# activation offload: saved tensors packed to their home in forward / unpacked in backward
+# (their NVMe bytes also appear in the nvme_read / nvme_write links)
+ACTIVATION_LANE = "activations"
+LANES = LINK_LANES + COMPUTE_LANES + (ACTIVATION_LANE, WAIT_LANE)
 
-__all__ = ["LINK_LANES", "COMPUTE_LANES", "WAIT_LANE", "LANES"]
+__all__ = ["LINK_LANES", "COMPUTE_LANES", "ACTIVATION_LANE", "WAIT_LANE", "LANES"]

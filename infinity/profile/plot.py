@@ -12,7 +12,8 @@ from .summary import LANE_LABELS, clip_intervals, merge_intervals
 LANE_COLORS = {
     "nvme_read": "#1f77b4", "nvme_write": "#aec7e8", "h2d": "#2ca02c", "d2h": "#98df8a",
     "allgather": "#9467bd", "reduce_scatter": "#c5b0d5", "forward": "#ff7f0e",
-    "backward": "#d62728", "optimizer": "#8c564b", "wait": "#7f7f7f",
+    "backward": "#d62728", "optimizer": "#8c564b", "activations": "#17becf",
+    "wait": "#7f7f7f",
 }
 
 

@@ -31,6 +31,7 @@ LANE_LABELS = {
     "nvme_read": "NVMe-read", "nvme_write": "NVMe-write", "h2d": "H2D", "d2h": "D2H",
     "allgather": "all-gather", "reduce_scatter": "reduce-scatter",
     "forward": "forward", "backward": "backward", "optimizer": "optimizer", "wait": "wait",
+    "activations": "activations",
     "compute": "compute", "overhead": "overhead",
 }
 

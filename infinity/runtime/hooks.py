@@ -13,6 +13,8 @@
 * Recomputation (activation checkpointing) runs forward hooks inside backward: the
   groups it fetches are held until their gradients have arrived (trainable) or until
   the end of that backward (frozen).
+* activation offload (optional, :mod:`infinity.runtime.activations`): any other saved
+  tensor packed in forward goes to the host tier or NVMe and comes back in backward.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from torch import nn
 
 from infinity.memory.manager import MemoryManager
 from infinity.memory.record import GroupRecord, Location
+from infinity.runtime.activations import ActivationOffload, SavedActivation
 from infinity.runtime.groups import Grouping
 from infinity.runtime.prefetch import PrefetchCoordinator
 
@@ -63,8 +66,10 @@ class _SavedRef:
 
 class ParamHooks:
     def __init__(self, model: nn.Module, grouping: Grouping, manager: MemoryManager,
-                 coordinator: PrefetchCoordinator, on_grad):
+                 coordinator: PrefetchCoordinator, on_grad,
+                 activations: ActivationOffload | None = None):
         self.model = model
+        self.acts = activations           # activation offload (None: activations stay)
         self.grouping = grouping
         self.mm = manager
         self.coord = coordinator
@@ -117,7 +122,11 @@ class ParamHooks:
             h.remove()
         self.handles.clear()
         while self._saved_ctx:
-            self._saved_ctx.pop().__exit__(None, None, None)
+            ctx = self._saved_ctx.pop()
+            if ctx is not None:
+                ctx.__exit__(None, None, None)
+        if self.acts is not None:
+            self.acts.close()
 
     def reset(self) -> None:
         """After a failed forward/backward (Note [window abort] in infinity.engine.phase):
@@ -136,6 +145,8 @@ class ParamHooks:
         self._fwd_t0.clear()
         self._bw_span.clear()
         self.epoch += 1
+        if self.acts is not None:         # no offloaded activation of the failed graph stays
+            self.acts.release_all()
         for g in self.grouping.groups:
             for sl in g.slots:            # a gradient the interrupted hook did not take
                 sl.param.grad = None      # would be added to the next backward's
@@ -156,6 +167,8 @@ class ParamHooks:
             if self._training_pass():
                 self.coord.begin_pass()
             if torch.is_grad_enabled():
+                if self.acts is not None:
+                    self.acts.begin_pass()
                 ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
                 ctx.__enter__()
                 self._saved_ctx.append(ctx)
@@ -171,6 +184,8 @@ class ParamHooks:
             ctx = self._saved_ctx.pop()
             if ctx is not None:
                 ctx.__exit__(None, None, None)
+                if self.acts is not None:
+                    self.acts.end_forward()
 
     # ------------------------------------------------------------------ modules
     def _profiling(self):
@@ -229,6 +244,8 @@ class ParamHooks:
             return t
         g = self.mm.group_of_storage(ptr)
         if g is None or g.device_buf is None:
+            if self.acts is not None and not in_backward():
+                return self.acts.pack(t)
             return t
         if t.dtype != g.device_buf.dtype:
             return t.clone()      # a reinterpreting view of a paged buffer: keep a copy
@@ -236,6 +253,8 @@ class ParamHooks:
 
     def _unpack(self, x):
         if not isinstance(x, _SavedRef):
+            if isinstance(x, SavedActivation):
+                return self.acts.unpack(x)
             return x
         g = x.g
         if self._profiling() is not None:
@@ -289,6 +308,8 @@ class ParamHooks:
                 tl.add("backward", name or "<root>", t0, t1)
         self._bw_span.clear()
         self.finish_backward()
+        if self.acts is not None:
+            self.acts.end_backward()
 
     def finish_backward(self) -> None:
         """Release everything still fetched (called at the end of each backward)."""

@@ -20,6 +20,8 @@ DESIGN_DEFAULTS = {
     "fp16": {"initial_scale": 65536.0, "growth_interval": 1000, "backoff_factor": 0.5,
              "growth_factor": 2.0, "min_scale": 1.0},
     "gradient_clipping": 0.0, "gradient_accumulation_steps": 1, "dist_timeout_s": 600, "nonfinite_grads": "skip",
+    "activation_offload": {"home": "none", "scope": "checkpoints"},
+    "gradient_accumulation_dtype": "fp32",
 }
 
 
@@ -185,6 +187,8 @@ FULL = {
              "growth_factor": 4.0, "min_scale": 0.5},
     "gradient_clipping": 1.0, "gradient_accumulation_steps": 4, "dist_timeout_s": 120.0,
     "nonfinite_grads": "skip",
+    "activation_offload": {"home": "nvme", "scope": "all"},
+    "gradient_accumulation_dtype": "bf16",
 }
 
 
@@ -234,6 +238,8 @@ fp16: {initial_scale: 1024, growth_interval: 500, backoff_factor: 0.25, growth_f
 gradient_clipping: 1.0
 gradient_accumulation_steps: 4
 dist_timeout_s: 120
+activation_offload: {home: nvme, scope: all}
+gradient_accumulation_dtype: bf16
 """
 
 

@@ -19,6 +19,7 @@ def synthetic():
     tl.add("nvme_write", "tile 0", base + 0.95, base + 1.1, 120_000_000)
     tl.add("allgather", "g0", base + 0.3, base + 0.35, 1000)
     tl.add("reduce_scatter", "g0", base + 0.8, base + 0.85, 1000)
+    tl.add("activations", "pack nvme", base + 0.55, base + 0.56, 4096)
     with tl._lock:
         tl._steps.extend([(1, base), (2, base + 0.6)])
     tl.enabled = False
@@ -32,7 +33,7 @@ def test_chrome_trace_lanes_and_units(tmp_path):
     names = {e["args"]["name"]: e["tid"] for e in evs if e["ph"] == "M" and e["name"] == "thread_name"}
     assert set(names) == set(LANES)
     x = [e for e in evs if e["ph"] == "X"]
-    assert len(x) == 10
+    assert len(x) == 11
     by_lane = {e["cat"]: e for e in x}
     assert set(by_lane) == set(LANES)
     r = by_lane["nvme_read"]
