@@ -90,6 +90,7 @@ def assemble(engine, lr_scheduler) -> None:
                               device_budget,
                               optimizer_ring_bytes=engine.store.host_bytes(),
                               separate_device=separate)
+    placement.grad_accum_dtype = cfg.gradient_accumulation_dtype
     placement.compute(engine.gas)
     if cfg.host_memory_bytes is not None and placement.host_total > cfg.host_memory_bytes \
             and engine.swap is not None and engine.zero is None:
@@ -159,8 +160,10 @@ def assemble(engine, lr_scheduler) -> None:
                 del init
     if paged_nvme:
         engine.host_pool.trim()
-    if placement.grad_home == "nvme":
-        engine.opt.alloc_grads("nvme")
+    if placement.grad_home == "nvme":      # the groups that fit keep host accumulators
+        engine.opt.alloc_grads("nvme", host_gids=placement.grad_host_gids,
+                               partial_dtype=torch.bfloat16
+                               if cfg.gradient_accumulation_dtype == "bf16" else torch.float32)
     else:
         engine.opt.alloc_grads()
     # separate device memory: grads leave by D2H, staging bounded as planned

@@ -37,18 +37,23 @@ class GradAccumulation:
         # so the host pool lends the memory to cached parameter copies in between
         self.lazy_grads = bool(lazy_grads)
 
-    def alloc_grads(self, home: str = "host") -> None:
+    def alloc_grads(self, home: str = "host", *, host_gids=frozenset(),
+                    partial_dtype: torch.dtype = torch.float32) -> None:
         """Lease the fp32 gradient accumulation buffers (after the params were placed, so
         the model's original tensors are already gone); ``home="nvme"``: one extent per
-        group instead, assembled in leased staging buffers."""
+        group instead, assembled in leased staging buffers — except the groups in
+        ``host_gids``, whose fp32 buffers fit in the host cap (lossless, no NVMe round
+        trip); ``partial_dtype``: the NVMe partial sums' dtype (bf16: lossy, opt-in)."""
+        groups = self.groups
         if home == "nvme":
             from infinity.grads.nvme_store import NvmeGradStore
-            self.nvme_grads = NvmeGradStore(self.groups, self.swap, self.host_pool, self.acct,
-                                            self.timeline)
+            self.nvme_grads = NvmeGradStore([g for g in groups if g.gid not in host_gids],
+                                            self.swap, self.host_pool, self.acct,
+                                            self.timeline, partial_dtype=partial_dtype)
+            groups = [g for g in groups if g.gid in host_gids]
+        elif self.lazy_grads:
             return
-        if self.lazy_grads:
-            return
-        for g in self.groups:
+        for g in groups:
             g.grad_buf = self.host_pool.lease(g.padded_numel * 4, torch.float32)
             g.grad_buf.zero_()
 
@@ -96,7 +101,7 @@ class GradAccumulation:
     def _accumulate_host(self, g: GroupRecord, slot: ParamSlot, grad: torch.Tensor) -> None:
         """First gradient of a slot since the last step: copy (no zeroing pass needed);
         later micro-steps: add, in fp32."""
-        if self.nvme_grads is not None:
+        if self._on_nvme(g):
             self.nvme_grads.accumulate(g, self._slot_index[id(slot)], grad)
             return
         dst = self._grad_buf(g)[slot.offset:slot.offset + slot.numel]
@@ -105,6 +110,9 @@ class GradAccumulation:
         else:
             dst.copy_(grad.reshape(-1))
             self._written.add(id(slot))
+
+    def _on_nvme(self, g: GroupRecord) -> bool:
+        return self.nvme_grads is not None and g.gid in self.nvme_grads.extent
 
     def before_backward(self, final_micro: bool) -> None:
         if self.nvme_grads is not None:
@@ -119,10 +127,8 @@ class GradAccumulation:
     def _zero_unwritten(self, skip=()) -> None:
         """Slots that got no gradient in this window hold stale values: zero them
         (``skip``: groups already stepped during backward)."""
-        if self.nvme_grads is not None:
-            return
         for g in self.groups:
-            if g.gid in skip:
+            if g.gid in skip or self._on_nvme(g):
                 continue
             for s in g.slots:
                 if s.trainable and id(s) not in self._written:
@@ -130,12 +136,12 @@ class GradAccumulation:
 
     def grad_norm(self, skip: dict[int, float] | None = None) -> float:
         """``skip``: ``{gid: squared norm}`` already computed (groups stepped early)."""
-        if self.nvme_grads is not None:
-            return math.sqrt(self.nvme_grads.finish_window())
         skip = skip or {}
         total = sum(skip.values())
+        if self.nvme_grads is not None:
+            total += self.nvme_grads.finish_window()
         for g in self.groups:
-            if g.gid in skip:
+            if g.gid in skip or self._on_nvme(g):
                 continue
             n = float(torch.linalg.vector_norm(g.grad_buf))
             total += n * n

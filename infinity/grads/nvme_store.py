@@ -8,6 +8,12 @@ partial sum: the next micro-step reads it back into the staging buffer first
 (read-modify-write).  The squared norm is taken while the buffer is in memory on the last
 micro-step, so clipping costs no extra NVMe pass.  The optimizer store reads the extents
 tile-wise.
+
+``partial_dtype=torch.bfloat16`` (``gradient_accumulation_dtype: "bf16"``, lossy, opt-in):
+the partial sums between micro-steps are written to a second, bf16 extent (half the NVMe
+bytes of each round trip); the sum is always formed in fp32 in the staging buffer, and the
+last micro-step of the window writes the fp32 extent the optimizer reads.  A group that
+got no gradient on the last micro-step is converted at :meth:`finish_window`.
 """
 from __future__ import annotations
 
@@ -24,13 +30,21 @@ __all__ = ["NvmeGradStore"]
 
 
 class NvmeGradStore:
-    def __init__(self, groups: list[GroupRecord], swap, host_pool, accounting, timeline=None):
+    def __init__(self, groups: list[GroupRecord], swap, host_pool, accounting, timeline=None,
+                 partial_dtype: torch.dtype = torch.float32):
+        if partial_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"NvmeGradStore: partial sums in float32 or bfloat16, got "
+                             f"{partial_dtype}")
         self.groups = {g.gid: g for g in groups}
         self.swap = swap
         self.pool = host_pool
         self.acct = accounting
         self.timeline = timeline
         self.extent = {g.gid: swap.allocate(g.padded_numel * 4) for g in groups}
+        self.partial_dtype = partial_dtype
+        # bf16 partial sums: their own extents (allocated at the first non-final flush)
+        self.partial: dict[int, object] = {}
+        self.in_partial: set[int] = set()     # groups whose window sum is in the bf16 extent
         self._need = {g.gid: {i for i, s in enumerate(g.slots) if s.trainable} for g in groups}
         self.staging: dict[int, torch.Tensor] = {}
         self.received: dict[int, set] = {}
@@ -40,12 +54,12 @@ class NvmeGradStore:
         self.final_micro = True               # set by the engine before each backward
 
     # ------------------------------------------------------------------ I/O helpers
-    def _io(self, op: str, gid: int, buf: torch.Tensor) -> None:
+    def _io(self, op: str, gid: int, buf: torch.Tensor, ext=None) -> None:
         t0 = time.perf_counter()
-        ext = self.extent[gid]
+        ext = self.extent[gid] if ext is None else ext
         (self.swap.write(ext, buf) if op == "write" else self.swap.read(ext, buf)).wait()
         link = "nvme_write" if op == "write" else "nvme_read"
-        nbytes = buf.numel() * 4
+        nbytes = buf.numel() * buf.element_size()
         self.acct.link(link, nbytes, time.perf_counter() - t0)
         if self.timeline is not None and self.timeline.enabled:
             self.timeline.add(link, "grads", t0, time.perf_counter(), nbytes)
@@ -54,7 +68,9 @@ class NvmeGradStore:
         buf = self.staging.get(g.gid)
         if buf is None:
             buf = self.pool.lease(g.padded_numel * 4, torch.float32)
-            if g.gid in self.on_nvme:
+            if g.gid in self.in_partial:
+                self._read_partial(g, buf)
+            elif g.gid in self.on_nvme:
                 self._io("read", g.gid, buf)
             else:
                 buf.zero_()
@@ -71,15 +87,37 @@ class NvmeGradStore:
         if self.received[g.gid] >= self._need[g.gid]:
             self._flush(g.gid)
 
+    def _read_partial(self, g: GroupRecord, buf: torch.Tensor) -> None:
+        """The bf16 partial sum of ``g`` into the fp32 ``buf``."""
+        with self.pool.scoped(g.padded_numel * 2, torch.bfloat16) as tmp:
+            self._io("read", g.gid, tmp, self.partial[g.gid])
+            buf.copy_(tmp)
+        self.in_partial.discard(g.gid)
+
     def _flush(self, gid: int) -> None:
         buf = self.staging.pop(gid)
         self.received.pop(gid, None)
-        if self.final_micro:
-            self.sumsq += float(torch.linalg.vector_norm(buf)) ** 2
-            self.normed.add(gid)
-        self._io("write", gid, buf)
-        self.on_nvme.add(gid)
-        self.pool.give_back(buf)
+        try:
+            if not self.final_micro and self.partial_dtype == torch.bfloat16:
+                self._write_partial(gid, buf)      # lossy: a partial sum, in bf16
+                return
+            if self.final_micro:
+                self.sumsq += float(torch.linalg.vector_norm(buf)) ** 2
+                self.normed.add(gid)
+            self._io("write", gid, buf)
+            self.on_nvme.add(gid)
+        finally:
+            self.pool.give_back(buf)
+
+    def _write_partial(self, gid: int, buf: torch.Tensor) -> None:
+        ext = self.partial.get(gid)
+        if ext is None:
+            ext = self.partial[gid] = self.swap.allocate(buf.numel() * 2)
+        with self.pool.scoped(buf.numel() * 2, torch.bfloat16) as tmp:
+            tmp.copy_(buf)
+            self._io("write", gid, tmp, ext)
+        self.in_partial.add(gid)
+        self.on_nvme.discard(gid)
 
     def end_backward(self) -> None:
         for gid in list(self.staging):
@@ -90,7 +128,17 @@ class NvmeGradStore:
         add the norms of groups not seen on the last micro-step; returns the squared norm."""
         self.end_backward()
         for gid, g in self.groups.items():
-            if gid not in self.on_nvme:
+            if gid in self.in_partial:          # no gradient on the last micro-step: fp32 now
+                buf = self.pool.lease(g.padded_numel * 4, torch.float32)
+                try:
+                    self._read_partial(g, buf)
+                    self.sumsq += float(torch.linalg.vector_norm(buf)) ** 2
+                    self._io("write", gid, buf)
+                finally:
+                    self.pool.give_back(buf)
+                self.on_nvme.add(gid)
+                self.normed.add(gid)
+            elif gid not in self.on_nvme:
                 buf = self.pool.lease(g.padded_numel * 4, torch.float32)
                 buf.zero_()
                 self._io("write", gid, buf)
@@ -106,5 +154,6 @@ class NvmeGradStore:
     def reset(self) -> None:
         """After the step (or a skipped step): the next window starts from zero."""
         self.on_nvme.clear()
+        self.in_partial.clear()
         self.normed.clear()
         self.sumsq = 0.0

@@ -60,6 +60,12 @@ class PlacementPlan:
     device_cap: int | None
     optimizer_ring_bytes: int = 0
     grad_home: str = "host"   # "host" | "nvme" (when the host cap cannot hold the grads)
+    # grad_home "nvme": the accumulation window's partial sums on NVMe in this dtype
+    # ("bf16": lossy, gradient_accumulation_dtype); the final sum is always fp32
+    grad_accum_dtype: str = "fp32"
+    # grad_home "nvme": trainable groups whose fp32 accumulators still fit in the host cap
+    # keep them there (no NVMe round trip); set by compute()
+    grad_host_gids: frozenset = frozenset()
     separate_device: bool = False   # device tier is not host memory (CUDA): copies + staging
     param_cache_budget: int = 0     # host bytes for clean copies of NVMe params (fp32, CPU)
     host: dict = field(default_factory=dict)      # item -> bytes
@@ -93,16 +99,35 @@ class PlacementPlan:
             self.host["H2D staging (largest group x (depth + 2))"] = largest * (self.depth + 2)
         if sep and trainable:
             self.host["gradient D2H staging"] = self.grad_d2h_bytes
+        n_grad_nvme = n_train
         if self.grad_home == "host":
             self.host["fp32 gradient accumulation"] = 4 * n_train
         else:
             self.host["gradient staging (grads on NVMe)"] = 2 * largest_trainable
-            self.nvme["fp32 gradients"] = 4 * n_train
+            if self.grad_accum_dtype == "bf16" and grad_accum > 1:
+                self.host["gradient staging (grads on NVMe)"] += largest_trainable // 2
         states = 2 if fp32 else 3            # fp32: the param home is the master
         if self.optimizer_home in ("none", "cpu"):
             self.host["optimizer states (fp32 m, v" + ("" if fp32 else ", master") + ")"] = \
                 states * 4 * n_train
         self.host["optimizer tile ring"] = self.optimizer_ring_bytes
+        if self.grad_home == "nvme":
+            # lossless: the groups whose fp32 accumulators fit in what the cap leaves stay
+            # in host memory (module order); only the rest make NVMe round trips
+            spare = None if self.host_cap is None else self.host_cap - sum(self.host.values())
+            keep, used = set(), 0
+            for g in trainable:
+                size = round_up(4 * g.padded_numel, ALIGN)
+                if spare is not None and used + size <= spare:
+                    keep.add(g.gid)
+                    used += size
+            self.grad_host_gids = frozenset(keep)
+            n_grad_nvme = sum(g.padded_numel for g in trainable if g.gid not in keep)
+            if keep:
+                self.host["fp32 gradient accumulation (groups that fit)"] = used
+            self.nvme["fp32 gradients"] = 4 * n_grad_nvme
+            if self.grad_accum_dtype == "bf16" and grad_accum > 1:
+                self.nvme["bf16 partial gradient sums"] = 2 * n_grad_nvme
         # parameter cache (MemoryManager.enable_cache): first released, first kept
         cached = cached_trainable = 0
         if self.param_cache_budget and self.param_home == "nvme":
@@ -138,10 +163,25 @@ class PlacementPlan:
         if not fp32 and self.param_home == "nvme":  # updated low-precision params
             wr += sum(g.nbytes for g in trainable)
         if self.grad_home == "nvme":                # written per micro-step, read-modify-
-            wr += 4 * n_train * grad_accum          # written across micro-steps, read by Adam
-            rd += 4 * n_train * grad_accum
+            wr += self.grad_window_bytes(n_grad_nvme, grad_accum, "write")   # written across
+            rd += self.grad_window_bytes(n_grad_nvme, grad_accum, "read")    # micro-steps
         self.links = {"nvme_read": rd, "nvme_write": wr}
         return self
+
+    def grad_window_bytes(self, numel: int, grad_accum: int, op: str) -> int:
+        """NVMe bytes of the gradient home over one accumulation window of ``grad_accum``
+        micro-steps for ``numel`` NVMe-homed gradient elements (``op`` "read"/"write"),
+        including the optimizer's read of the final fp32 sums.  fp32: the first micro-step
+        writes 4 B/elem, each later one reads and writes them back.  bf16 partial sums: 2
+        B/elem between micro-steps, the last one reads the bf16 sum and writes fp32."""
+        k = max(1, grad_accum)
+        if self.grad_accum_dtype == "bf16" and k > 1:
+            if op == "write":
+                return 2 * numel * (k - 1) + 4 * numel
+            return 2 * numel * (k - 1) + 4 * numel
+        if op == "write":
+            return 4 * numel * k
+        return 4 * numel * (k - 1) + 4 * numel
 
     @property
     def grad_d2h_bytes(self) -> int:

@@ -300,7 +300,7 @@ class EngineOptimizer(GradAccumulation):
 
                 def sink(key, elem_offset, tile, _ext=ext, _es=esize):
                     return swap.write(_ext, tile, offset=elem_offset * _es)
-        grad = g.grad_buf if self.nvme_grads is None else self.nvme_grads.extent[g.gid]
+        grad = self.nvme_grads.extent[g.gid] if self._on_nvme(g) else g.grad_buf
         # fp32 NVMe home with a cached host copy (MemoryManager.enable_cache): the copy is
         # the master in hand, updated in place and written through
         master_buf = g.host_buf if self.precision == "fp32" and g.home == "nvme" else None
