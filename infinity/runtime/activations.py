@@ -144,7 +144,12 @@ class ActivationOffload:
         self._packed_in_pass = False
 
     def end_forward(self) -> None:
+        """Forward is done: every write in flight completes and its staging goes (so the
+        memory the activations left is free before backward starts, and every offloaded
+        activation is read back exactly once)."""
         self._dedupe.clear()
+        while self._writes:
+            self._finish_write(self._writes.popleft())
         if self.scope == "checkpoints" and not self._packed_in_pass \
                 and not self._warned_no_checkpoint:
             self._warned_no_checkpoint = True
@@ -158,8 +163,11 @@ class ActivationOffload:
 
     # ------------------------------------------------------------------ pack
     def wants(self, t: torch.Tensor) -> bool:
-        if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.layout is not torch.strided:
-            return False              # tensor subclasses, sparse, nested: kept as they are
+        if type(t) is not torch.Tensor or t.layout is not torch.strided:
+            return False              # parameters, tensor subclasses, sparse, nested: kept
+        base = t._base
+        if base is not None and isinstance(base, torch.nn.Parameter):
+            return False              # a view of a (device-resident) parameter: not an activation
         if t.numel() * t.element_size() < MIN_OFFLOAD_BYTES:
             return False
         return self.scope == "all" or from_checkpoint_boundary()

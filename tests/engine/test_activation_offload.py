@@ -73,7 +73,7 @@ def test_parity_with_checkpointing(harness, swap_dir, home, scope):
     assert s["activation_fetch_bytes"] == s["activation_offload_bytes"]
     if home == "nvme":
         assert s["nvme_write_bytes"] >= s["activation_offload_bytes"]
-        assert 0 < s["nvme_read_bytes"] <= s["activation_offload_bytes"]  # last ones: staged
+        assert s["nvme_read_bytes"] >= s["activation_offload_bytes"]
     else:
         assert s["nvme_write_bytes"] == 0 and s["host_peak_bytes"] >= 3 * one_input
 
