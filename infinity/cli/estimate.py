@@ -118,6 +118,11 @@ def register(sub):
                    help="fp32 gradient home: auto (default) = as the engine decides (NVMe when the "
                         "host cap cannot hold them; the other home is shown for comparison), "
                         "on = NVMe whenever a swap space exists, off = always host memory")
+    k.add_argument("--activation-offload", metavar="HOME[/SCOPE]",
+                   help="activation_offload: cpu or nvme, scope checkpoints (default) or all, "
+                        "e.g. nvme/all (default none)")
+    k.add_argument("--grad-accum-dtype", choices=("fp32", "bf16"),
+                   help="gradient_accumulation_dtype: bf16 = partial sums on NVMe in bf16 (lossy)")
     k.add_argument("--only", action="append", metavar="PARAMS/OPTIMIZER",
                    help="estimate only these homes (repeatable), e.g. --only nvme/nvme")
     o = p.add_argument_group("output")
@@ -168,6 +173,10 @@ def run(args):
         params = parse_count(args.params) if args.params is not None else None
         if model is None and (params is None or args.layers is None or args.hidden is None):
             raise CLIError(missing_shape_message(params, args.layers, args.hidden))
+        act_home = act_scope = None
+        if args.activation_offload:
+            act_home, _, act_scope = args.activation_offload.partition("/")
+            act_scope = act_scope or "checkpoints"
         precision = args.precision
         if precision is None and args.config is None:
             precision = "bf16"
@@ -178,6 +187,8 @@ def run(args):
                        host_cap_gb=args.host_cap, tile_numel=args.tile_numel,
                        state_dtype=args.state_dtype, grouping=args.grouping,
                        grad_spill=args.grad_spill, activation_model=args.activations,
+                       activation_home=act_home, activation_scope=act_scope,
+                       grad_accum_dtype=args.grad_accum_dtype,
                        configs=[_home_pair(t) for t in args.only] if args.only else None)
     except (EstimateError, ConfigError) as e:
         raise CLIError(str(e)) from e

@@ -52,6 +52,8 @@ class ConfigEstimate:
         return {"params": self.params_home, "optimizer": self.optimizer_home,
                 "items": [i.as_dict() for i in self.plan.items],
                 "activations": {k: v.as_dict() for k, v in self.plan.activations.items()},
+                "activation_offload": {k: v.as_dict()
+                                       for k, v in self.plan.activation_offload.items()},
                 "notes": list(self.plan.notes), "grads_on_nvme": self.plan.grads_on_nvme,
                 "totals_bytes": self.totals, "fits": self.fits, "problems": self.problems,
                 "step": {k: v.as_dict() for k, v in self.steps.items()}}
@@ -149,7 +151,12 @@ def _evaluate(spec, machine, knobs, p, o):
         act = plan.activations[v].nbytes
         d = dev + act
         totals[f"device_{v}"] = d
-        host = pinned + pageable + totals["host_reserve"] + (r * d if machine.cpu_only else 0)
+        off = plan.activation_offload.get(v)      # activation offload: host or NVMe part
+        off_host = off.nbytes if off is not None and off.tier == "pinned" else 0
+        off_nvme = off.nbytes if off is not None and off.tier == "nvme" else 0
+        totals[f"activation_offload_{v}"] = off_host + off_nvme
+        host = pinned + pageable + off_host + totals["host_reserve"] + \
+            (r * d if machine.cpu_only else 0)
         totals[f"host_{v}"] = host
         probs = []
         if not machine.cpu_only:
@@ -161,8 +168,9 @@ def _evaluate(spec, machine, knobs, p, o):
             probs.append(f"host: needs {host / GB:.1f} GB per node > {host_limit / GB:.1f} GB"
                          + (" (offload.host_memory_gb)" if knobs.host_cap_gb and host_limit == knobs.host_cap_gb * GB
                             else " RAM"))
-        if nvme > machine.nvme_gb * GB:
-            probs.append(f"NVMe: needs {nvme / GB:.1f} GB per node > {machine.nvme_gb:g} GB")
+        if nvme + off_nvme > machine.nvme_gb * GB:
+            probs.append(f"NVMe: needs {(nvme + off_nvme) / GB:.1f} GB per node > "
+                         f"{machine.nvme_gb:g} GB")
         fits[v] = not probs
         problems[v] = probs
         steps[v] = estimate_step(spec, machine, knobs, plan, checkpointing=(v == "checkpointing"))
@@ -178,7 +186,10 @@ def _knobs_from(config, overrides):
                   aio_block_size=cfg.aio.block_size, aio_queue_depth=cfg.aio.queue_depth,
                   aio_threads=cfg.aio.threads, grad_accum=cfg.gradient_accumulation_steps,
                   host_cap_gb=cfg.offload.host_memory_gb,
-                  gradient_clipping=float(cfg.gradient_clipping))
+                  gradient_clipping=float(cfg.gradient_clipping),
+                  activation_home=cfg.activation_offload.home,
+                  activation_scope=cfg.activation_offload.scope,
+                  grad_accum_dtype=cfg.gradient_accumulation_dtype)
     kw.update({k: v for k, v in overrides.items() if v is not None})
     k = Knobs(**kw)
     if k.precision not in ("fp32", "bf16", "fp16"):
@@ -193,6 +204,12 @@ def _knobs_from(config, overrides):
         raise EstimateError(f"grad_spill must be one of {GRAD_SPILL_MODES}, got {k.grad_spill!r}")
     if k.activation_model not in (None, "megatron", "eager"):
         raise EstimateError(f"activation_model must be 'megatron' or 'eager', got {k.activation_model!r}")
+    if k.activation_home not in ("none", "cpu", "nvme"):
+        raise EstimateError(f"activation_home must be 'none', 'cpu' or 'nvme', got {k.activation_home!r}")
+    if k.activation_scope not in ("checkpoints", "all"):
+        raise EstimateError(f"activation_scope must be 'checkpoints' or 'all', got {k.activation_scope!r}")
+    if k.grad_accum_dtype not in ("fp32", "bf16"):
+        raise EstimateError(f"grad_accum_dtype must be 'fp32' or 'bf16', got {k.grad_accum_dtype!r}")
     if k.grouping not in GROUPINGS:
         raise EstimateError(f"grouping must be one of {GROUPINGS}, got {k.grouping!r}")
     for name in ("prefetch_depth",):
@@ -214,7 +231,8 @@ def estimate(model=None, *, params=None, layers=None, hidden=None, seq=2048, bat
              heads=None, machine=None, config=None, precision=None, zero_stage=None,
              prefetch_depth=None, grad_accum=None, host_cap_gb=None, tile_numel=None,
              state_dtype=None, grouping=None, grad_spill=None, activation_model=None, configs=None,
-             gradient_clipping=None):
+             gradient_clipping=None, activation_home=None, activation_scope=None,
+             grad_accum_dtype=None):
     """Estimate memory per tier and step time for every valid offload configuration.
 
     model: an ``nn.Module`` (ideally built on the meta device), a factory (callable or
@@ -225,6 +243,11 @@ def estimate(model=None, *, params=None, layers=None, hidden=None, seq=2048, bat
         prefetch.depth, aio.*, gradient_accumulation_steps, gradient_clipping and
         offload.host_memory_gb are used (keyword arguments override them). Its offload homes are ignored: every valid
         (params, optimizer) pair is estimated, or only ``configs=[("nvme", "nvme"), ...]``.
+    activation_home / activation_scope: activation offload (``activation_offload.home`` /
+        ``.scope``): the saved activations moved off the device become a host or NVMe item
+        and, on NVMe, traffic per micro-batch (:func:`.memory_plan.offload_activations`).
+    grad_accum_dtype: ``gradient_accumulation_dtype`` ("bf16": the NVMe gradient home's
+        partial sums in bf16).
     grad_spill: where the fp32 gradients live: ``"auto"`` (default) as the engine decides
         (:func:`.memory_plan.grad_spill_decision`), ``"on"`` on NVMe whenever a swap space
         exists, ``"off"`` always in host memory (``True``/``False`` mean on/off).
@@ -263,7 +286,10 @@ def estimate(model=None, *, params=None, layers=None, hidden=None, seq=2048, bat
                                      host_cap_gb=host_cap_gb, tile_numel=tile_numel,
                                      state_dtype=state_dtype, grouping=grouping,
                                      grad_spill=grad_spill, activation_model=activation_model,
-                                     gradient_clipping=gradient_clipping))
+                                     gradient_clipping=gradient_clipping,
+                                     activation_home=activation_home,
+                                     activation_scope=activation_scope,
+                                     grad_accum_dtype=grad_accum_dtype))
     valid = valid_configs(knobs)
     if configs is not None:
         want = [tuple(c) for c in configs]

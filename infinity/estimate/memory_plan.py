@@ -80,6 +80,9 @@ class Knobs:
     gradient_clipping: float = 0.0     # [gradient_clipping] (0: the step overlaps backward)
     grouping: str = "module"           # how params are flattened into groups
     activation_model: str | None = None  # "megatron" | "eager" (None: eager CPU-only, megatron GPU)
+    activation_home: str = "none"      # [activation_offload.home]: "none" | "cpu" | "nvme"
+    activation_scope: str = "checkpoints"  # [activation_offload.scope]: "checkpoints" | "all"
+    grad_accum_dtype: str = "fp32"     # [gradient_accumulation_dtype] NVMe partial sums
     grad_spill: str = "auto"           # fp32 gradient home: "auto" decides as the engine does
                                        # (grad_spill_decision), "on" = on NVMe whenever a swap
                                        # space exists, "off" = always in host memory
@@ -117,6 +120,10 @@ class MemoryPlan:
     optimizer_home: str
     items: list = field(default_factory=list)
     activations: dict = field(default_factory=dict)   # "checkpointing"|"none" -> Item
+    # activation offload: "checkpointing"|"none" -> Item (tier pinned or nvme, per node) of
+    # the saved activations moved off the device per micro-batch (absent: none moved)
+    activation_offload: dict = field(default_factory=dict)
+    grad_host_bytes: int = 0      # grads on NVMe: fp32 accumulators that still fit the cap
     notes: list = field(default_factory=list)
     grads_on_nvme: bool = False
     master_is_param: bool = False
@@ -178,6 +185,64 @@ def activation_items(spec, knobs, model="megatron"):
     ckpt = Item("device", "activations (checkpointing)", L * 2 * S * B * H * scale + per_layer + logits,
                 f"{sc}(L*2*S*B*H + S*B*H*(34 + 5*a*S/H)){lg}")
     return {"none": full, "checkpointing": ckpt}
+
+
+def saved_activation_bytes(spec, knobs, model="megatron"):
+    """``(per_layer, outside, formula_layer, formula_outside)``: bytes autograd *saves* per
+    micro-batch — what activation offload with scope "all" moves — per transformer layer
+    and outside the layers (embeddings, final norm, logits).
+
+    ``"megatron"``: the stored activations of Korthikanti et al. (they are the saved
+    tensors), ``S*B*H*(34 + 5*a*S/H)`` per layer (16-bit; x2 fp32), the fp32 logits
+    ``S*B*V*4`` outside.  ``"eager"`` (measured on this machine with transformers' GPT-2
+    and infinity's ``activation_offload_bytes``, L = 2 and 6 differenced, S*B*H = 65536 at
+    a*S/H = 1 and 2): ``S*B*H*(120 + 12*a*S/H)`` per layer in fp32 (x0.5 bf16/fp16),
+    ``4*S*B*V + 12*S*B*H`` outside (the logits saved for the loss, embedding and final norm
+    inputs); saved tensors under 4096 bytes are not offloaded and not counted."""
+    S, B, H = spec.seq, spec.batch, spec.hidden
+    a = spec.heads or max(1, H // 128)
+    V = spec.vocab or 0
+    if model == "eager":
+        f = 1.0 if knobs.precision == "fp32" else 0.5
+        fs = "" if f == 1.0 else "0.5*"
+        return (int(S * B * H * (120 + 12 * a * S / H) * f), int((4 * S * B * V + 12 * S * B * H) * f),
+                f"{fs}S*B*H*(120 + 12*a*S/H)", f"{fs}(4*S*B*V + 12*S*B*H)")
+    scale = 2 if knobs.precision == "fp32" else 1
+    sc = "2*" if scale == 2 else ""
+    return (int(S * B * H * (34 + 5 * a * S / H)) * scale, S * B * V * 4,
+            f"{sc}S*B*H*(34 + 5*a*S/H)", "S*B*V*4")
+
+
+def offload_activations(pl, spec, machine, knobs, model):
+    """Activation offload (``knobs.activation_home`` cpu/nvme): per variant, the saved
+    bytes moved off the device per micro-batch (scope "checkpoints": the layer inputs
+    ``L*S*B*H*lp`` kept by checkpointing; scope "all": every saved tensor) become a host
+    or NVMe item, and the device keeps its activations minus those plus a read-ahead
+    window of ``d`` of the largest offloaded tensors."""
+    home, scope = knobs.activation_home, knobs.activation_scope
+    if home == "none":
+        return
+    S, B, H, L = spec.seq, spec.batch, spec.hidden, spec.layers
+    r = machine.ranks_per_node
+    d = max(1, knobs.prefetch_depth)
+    inputs = L * S * B * H * knobs.lp
+    per_layer, outside, f_layer, f_out = saved_activation_bytes(spec, knobs, model)
+    moved = {"checkpointing": (inputs, "L*S*B*H*lp") if scope == "checkpoints" else
+             (inputs + outside, f"L*S*B*H*lp + {f_out}"),
+             "none": (0, "0 (no checkpoint boundaries)") if scope == "checkpoints" else
+             (L * per_layer + outside, f"L*{f_layer} + {f_out}")}
+    largest = S * B * H * knobs.lp * (1 if scope == "checkpoints" else 4)   # MLP hidden
+    tier = "pinned" if home == "cpu" else "nvme"
+    for v, (nbytes, formula) in moved.items():
+        if not nbytes:
+            continue
+        dev = pl.activations[v]
+        window = d * largest
+        left = max(dev.nbytes - nbytes, 0) + window
+        pl.activations[v] = Item("device", dev.name + f", {nbytes / GB:.3g} GB offloaded",
+                                 left, f"{dev.formula} - ({formula}) + d*{largest} read-ahead")
+        pl.activation_offload[v] = Item(tier, f"activations offloaded ({home}, scope {scope})",
+                                        r * nbytes, "r*(" + formula + ")")
 
 
 def plan_memory(spec, machine, knobs, params_home, optimizer_home):
@@ -280,7 +345,24 @@ def plan_memory(spec, machine, knobs, params_home, optimizer_home):
         spill, why = grad_spill_decision(pl, machine, knobs, shard)
         if spill:
             pl.items.remove(grad_item)
-            add(Item("nvme", "grad accumulation (fp32, NVMe)", grad_item.nbytes, grad_item.formula))
+            # lossless (engine: PlacementPlan.grad_host_gids): the accumulators that fit in
+            # what the host cap leaves stay in host memory (one process, cap set)
+            keep = 0
+            if machine.ranks == 1 and knobs.host_cap_gb is not None:
+                stage_b = 2 * G * 4 + (G * 2 if knobs.grad_accum_dtype == "bf16"
+                                       and knobs.grad_accum > 1 else 0)
+                spare = int(knobs.host_cap_gb * GB) - pl.tier_total("pinned") \
+                    - pl.tier_total("pageable") - stage_b
+                keep = max(0, min(grad_item.nbytes, spare // 4096 * 4096))
+            pl.grad_host_bytes = keep
+            if keep:
+                add(Item("pageable", "grad accumulation (fp32, host: what fits the cap)", keep,
+                         "min(r*N/R*4, cap - other host items)"))
+            add(Item("nvme", "grad accumulation (fp32, NVMe)", grad_item.nbytes - keep,
+                     grad_item.formula + (" - host part" if keep else "")))
+            if knobs.grad_accum_dtype == "bf16" and knobs.grad_accum > 1:
+                add(Item("nvme", "bf16 partial gradient sums", (grad_item.nbytes - keep) // 2,
+                         "(NVMe grads)/2"))
             if stage >= 2 and R > 1:   # a rank stages its reduce-scattered 1/R of a group
                 add(Item("pageable", "grad staging (grads on NVMe)", r * 2 * -(-G // R) * 4,
                          "r*2*Gmax/R*4"))
@@ -292,6 +374,7 @@ def plan_memory(spec, machine, knobs, params_home, optimizer_home):
 
     act_model = knobs.activation_model or ("eager" if machine.cpu_only else "megatron")
     pl.activations = activation_items(spec, knobs, act_model)
+    offload_activations(pl, spec, machine, knobs, act_model)
     return pl
 
 

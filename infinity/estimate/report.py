@@ -1,6 +1,8 @@
 """Text rendering of an :class:`infinity.estimate.Estimate` (what ``infinity estimate`` prints)."""
 from __future__ import annotations
 
+import dataclasses
+
 from .machine import GB
 from .memory_plan import TIER_NAMES
 from .step_time import BOUND_NAMES, phase_text
@@ -68,6 +70,8 @@ def format_config(est, c):
         items = [i for i in c.plan.items if i.tier == tier]
         if tier == "device":
             items = items + [c.plan.activations["checkpointing"], c.plan.activations["none"]]
+            items = items + [dataclasses.replace(it, name=f"{it.name} ({'with' if v == 'checkpointing' else 'without'} checkpointing)")
+                             for v, it in c.plan.activation_offload.items()]
         if not items:
             continue
         label = TIER_NAMES[tier]

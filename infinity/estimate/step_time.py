@@ -164,10 +164,18 @@ def traffic_per_step(spec, machine, knobs, plan):
         mb["nvme_read"].append(("params fwd+bwd 2*N*lp", 2 * node_params * lp))
     if plan.grads_on_nvme:
         A = knobs.grad_accum
-        mb["nvme_write"].append(("fp32 grads N*4", node_params * 4))
-        if A > 1:  # accumulating reads the partial sums back on all but the first micro-batch
-            mb["nvme_read"].append(("fp32 grads N*4*(A-1)/A", node_params * 4 * (A - 1) // A))
-        opt["nvme_read"].append(("fp32 grads N*4", node_params * 4))
+        gn = node_params * 4 - plan.grad_host_bytes      # bytes of fp32 grads homed on NVMe
+        g = "fp32 grads N*4" + (" (minus the part in host memory)" if plan.grad_host_bytes else "")
+        if knobs.grad_accum_dtype == "bf16" and A > 1:
+            # bf16 partial sums between micro-batches, fp32 written by the last one
+            mb["nvme_write"].append(("grads: bf16 partials N*2*(A-1)/A + fp32 N*4/A",
+                                     (gn // 2 * (A - 1) + gn) // A))
+            mb["nvme_read"].append(("bf16 partial grads N*2*(A-1)/A", gn // 2 * (A - 1) // A))
+        else:
+            mb["nvme_write"].append((g, gn))
+            if A > 1:  # accumulating reads the partial sums back on all but the first one
+                mb["nvme_read"].append((g + "*(A-1)/A", gn * (A - 1) // A))
+        opt["nvme_read"].append((g, gn))
     if o == "nvme":
         opt["nvme_read"].append((f"m+v N*2*{sb}", node_params * 2 * sb))
         opt["nvme_write"].append((f"m+v N*2*{sb}", node_params * 2 * sb))
@@ -205,6 +213,16 @@ def traffic_per_step(spec, machine, knobs, plan):
     return {"mb": mb, "opt": opt}
 
 
+def _with_activations(parts, plan, checkpointing):
+    """Activation offload to NVMe: written in forward and read back in backward, per
+    micro-batch."""
+    it = plan.activation_offload.get("checkpointing" if checkpointing else "none")
+    if it is not None and it.tier == "nvme":
+        parts["mb"]["nvme_write"].append(("activations " + it.formula, it.nbytes))
+        parts["mb"]["nvme_read"].append(("activations " + it.formula, it.nbytes))
+    return parts
+
+
 def _sum(parts):
     return {k: sum(b for _, b in v) for k, v in parts.items()}
 
@@ -214,7 +232,7 @@ def _what(parts, link):
 
 
 def estimate_step(spec, machine, knobs, plan, *, checkpointing):
-    parts = traffic_per_step(spec, machine, knobs, plan)
+    parts = _with_activations(traffic_per_step(spec, machine, knobs, plan), plan, checkpointing)
     mb, opt = _sum(parts["mb"]), _sum(parts["opt"])
     A = knobs.grad_accum
     total = {k: A * mb[k] + opt[k] for k in mb}
