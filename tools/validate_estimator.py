@@ -47,9 +47,18 @@ CONFIGS = [
     ("bf16", "nvme", "nvme", 3, None),
     ("bf16", "nvme", "nvme", 1, 0.08),
     ("bf16", "nvme", "nvme", 2, 0.08),
+    # accumulation schemes of the NVMe gradient home (issue 17): bf16 partial sums (lossy)
+    ("bf16", "nvme", "nvme", 2, 0.08, {"gdtype": "bf16"}),
+    # activation offload (issue 17): home / scope, with Hugging Face gradient checkpointing
+    ("fp32", "cpu", "cpu", 1, None, {"act": ("cpu", "all")}),
+    ("fp32", "cpu", "cpu", 1, None, {"act": ("nvme", "all")}),
+    ("fp32", "cpu", "cpu", 1, None, {"act": ("cpu", "checkpoints"), "ckpt": True}),
+    ("fp32", "cpu", "cpu", 1, None, {"act": ("nvme", "checkpoints"), "ckpt": True}),
 ]
 # --quick: a 4.2M-parameter model; its cap scaled so the gradients still go to NVMe
 QUICK = [CONFIGS[1], CONFIGS[2], CONFIGS[5], ("bf16", "nvme", "nvme", 1, 0.021)]
+# --only-new: the rows issue 17 added
+NEW = CONFIGS[8:]
 
 def _status_kb(field):
     with open("/proc/self/status") as f:
@@ -101,11 +110,17 @@ def child(spec):
     cfg = GPT2Config(**spec["model"])
     model = GPT2LMHeadModel(cfg)
     model.config.use_cache = False
+    if spec.get("ckpt"):
+        model.gradient_checkpointing_enable()
+        model.train()
     conf = {"precision": spec["precision"],
             "offload": {"params": spec["params"], "optimizer": spec["optimizer"],
                         "nvme_paths": [spec["swap"]]},
             "prefetch": {"depth": spec["depth"]},
-            "gradient_accumulation_steps": spec["accum"]}
+            "gradient_accumulation_steps": spec["accum"],
+            "gradient_accumulation_dtype": spec.get("gdtype", "fp32")}
+    if spec.get("act"):
+        conf["activation_offload"] = {"home": spec["act"][0], "scope": spec["act"][1]}
     if spec["cap"] is not None:
         conf["offload"]["host_memory_gb"] = spec["cap"]
     eng = infinity.initialize(model, conf)
@@ -113,11 +128,18 @@ def child(spec):
     g = torch.Generator().manual_seed(1)
     x = torch.randint(0, cfg.vocab_size, (spec["batch"], spec["seq"]), generator=g)
 
+    micro = {}
+
     def step():  # one optimizer step = `accum` micro-batches
-        for _ in range(spec["accum"]):
+        for i in range(spec["accum"]):
+            io_a = _proc_io()
             out = eng(input_ids=x, labels=x)
             eng.backward(out.loss)
             eng.step()
+            if i == 0:                  # NVMe bytes of a micro-batch without the optimizer
+                io_b = _proc_io()       # (accumulation > 1) or with it (accumulation 1)
+                micro["bytes"] = (io_b["read_bytes"] - io_a["read_bytes"]
+                                  + io_b["write_bytes"] - io_a["write_bytes"])
         return float(out.loss.detach())
 
     step()                       # warm-up: records the module order, writes m/v once
@@ -136,6 +158,9 @@ def child(spec):
            "nvme_write": s1["nvme_write_bytes"] - s0["nvme_write_bytes"],
            "proc_read": io1["read_bytes"] - io0["read_bytes"],
            "proc_write": io1["write_bytes"] - io0["write_bytes"],
+           "micro_nvme": micro["bytes"],
+           "act_offload": (s1["activation_offload_bytes"] - s0["activation_offload_bytes"])
+           // spec["accum"],
            "loss": loss, "engine_plan_host": eng.placement.host_total,
            "engine_grad_home": eng.placement.grad_home}
     eng.close()
@@ -150,15 +175,28 @@ def predict(spec):
     with torch.device("meta"):
         model = GPT2LMHeadModel(GPT2Config(**spec["model"]))
     ms = spec_from_module(model, seq=spec["seq"], batch=spec["batch"])
+    act = spec.get("act") or ("none", "checkpoints")
     est = estimate(ms, machine=Machine(gpus=0, host_mem_gb=1000, nvme_gb=1000),
                    precision=spec["precision"], prefetch_depth=spec["depth"], grad_accum=spec["accum"],
-                   host_cap_gb=spec["cap"], configs=[(spec["params"], spec["optimizer"])])
+                   host_cap_gb=spec["cap"], configs=[(spec["params"], spec["optimizer"])],
+                   activation_home=act[0], activation_scope=act[1],
+                   grad_accum_dtype=spec.get("gdtype", "fp32"))
     c = est.configs[0]
+    v = "checkpointing" if spec.get("ckpt") else "none"
     init_only = sum(i.nbytes for i in c.plan.items if "initialisation only" in i.name)
-    host = c.totals["pinned"] + c.totals["pageable"] + c.totals["device_none"] - init_only
-    tr = c.steps["none"].traffic
+    off = c.plan.activation_offload.get(v)
+    off_host = off.nbytes if off is not None and off.tier == "pinned" else 0
+    host = c.totals["pinned"] + c.totals["pageable"] + c.totals[f"device_{v}"] + off_host - init_only
+    tr = c.steps[v].traffic
+    from infinity.estimate.step_time import _sum, _with_activations, traffic_per_step
+    parts = _with_activations(traffic_per_step(ms, est.machine, est.knobs, c.plan), c.plan,
+                              v == "checkpointing")
+    mb, opt = _sum(parts["mb"]), _sum(parts["opt"])
+    micro = mb["nvme_read"] + mb["nvme_write"] + (
+        opt["nvme_read"] + opt["nvme_write"] if spec["accum"] == 1 else 0)
     return {"host": host, "nvme_read": tr["nvme_read"], "nvme_write": tr["nvme_write"],
-            "params": ms.params, "grads_on_nvme": c.plan.grads_on_nvme}
+            "params": ms.params, "grads_on_nvme": c.plan.grads_on_nvme, "micro_nvme": micro,
+            "act_offload": 0 if off is None else off.nbytes}
 
 
 def _ratio(pred, meas):
@@ -173,6 +211,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--quick", action="store_true", help="smaller model, 4 configurations")
+    ap.add_argument("--only-new", action="store_true",
+                    help="only the activation-offload and accumulation-scheme rows")
     ap.add_argument("--json", action="store_true", help="print the rows as JSON")
     args = ap.parse_args()
     if args.child:
@@ -183,14 +223,15 @@ def main():
         configs = QUICK
     else:
         model = dict(vocab_size=8192, n_embd=512, n_layer=6, n_head=8, n_positions=256)
-        configs = CONFIGS
+        configs = NEW if args.only_new else CONFIGS
     rows = []
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    for precision, params, optimizer, accum, cap in configs:
+    for precision, params, optimizer, accum, cap, *more in configs:
+        extra = more[0] if more else {}
         with tempfile.TemporaryDirectory(prefix="validate-est-", dir=root) as swap:
             spec = {"model": model, "precision": precision, "params": params,
                     "optimizer": optimizer, "swap": swap, "depth": 2, "seq": 64, "batch": 2,
-                    "accum": accum, "cap": cap}
+                    "accum": accum, "cap": cap, **extra}
             t0 = time.perf_counter()
             p = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", json.dumps(spec)],
                                capture_output=True, text=True, timeout=900)
@@ -200,7 +241,10 @@ def main():
             meas = json.loads(p.stdout.strip().splitlines()[-1])
             pred = predict(spec)
             name = (f"{precision} params={params} optimizer={optimizer}" + (f" accum={accum}" if accum > 1 else "")
-                    + (f" cap={cap:g}GB" if cap is not None else ""))
+                    + (f" cap={cap:g}GB" if cap is not None else "")
+                    + (f" grads {extra['gdtype']}" if extra.get("gdtype") else "")
+                    + (f" act={extra['act'][0]}/{extra['act'][1]}" if extra.get("act") else "")
+                    + (" ckpt" if extra.get("ckpt") else ""))
             rows.append({"config": name,
                          "params": pred["params"], "seconds": time.perf_counter() - t0,
                          "pred_host": pred["host"], "meas_host": meas["steady_hwm"] - meas["base_rss"],
@@ -209,6 +253,8 @@ def main():
                          "stats_nvme_read": meas["nvme_read"],
                          "pred_nvme_write": pred["nvme_write"], "meas_nvme_write": meas["proc_write"],
                          "stats_nvme_write": meas["nvme_write"],
+                         "pred_micro_nvme": pred["micro_nvme"], "meas_micro_nvme": meas["micro_nvme"],
+                         "pred_act_offload": pred["act_offload"], "meas_act_offload": meas["act_offload"],
                          "pred_grads": "nvme" if pred["grads_on_nvme"] else "host",
                          "meas_grads": meas["engine_grad_home"]})
     if args.json:
@@ -239,6 +285,17 @@ def main():
               f"{_ratio(r['pred_nvme_write'], r['meas_nvme_write']):>7}  {'within 15 %' if good else 'OFF'}")
     print(f"{ok} of {len(rows)} configurations within 15 % on host memory and NVMe bytes per step "
           f"(and the gradient home predicted as the engine chose it)")
+    extra = [r for r in rows if r["meas_act_offload"] or " accum=" in r["config"]]
+    if extra:
+        print("\nper micro-batch (the first of a step; with accumulation 1 it includes the optimizer): "
+              "NVMe MB read + written (kernel), activations offloaded MB (engine.stats())")
+        print(f"{'configuration':<62}{'NVMe pred':>10}{'meas':>8}{'ratio':>7}"
+              f"{'act pred':>10}{'meas':>8}{'ratio':>7}")
+        for r in extra:
+            print(f"{r['config']:<62}{r['pred_micro_nvme'] / MB:>10.1f}{r['meas_micro_nvme'] / MB:>8.1f}"
+                  f"{_ratio(r['pred_micro_nvme'], r['meas_micro_nvme']):>7}"
+                  f"{r['pred_act_offload'] / MB:>10.1f}{r['meas_act_offload'] / MB:>8.1f}"
+                  f"{_ratio(r['pred_act_offload'], r['meas_act_offload']):>7}")
     return 0
 
 

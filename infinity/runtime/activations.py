@@ -45,7 +45,8 @@ from infinity.memory.pool import ALIGN, round_up
 
 log = logging.getLogger("infinity.runtime")
 
-__all__ = ["ActivationOffload", "SavedActivation", "ActivationBudgetError", "MIN_OFFLOAD_BYTES"]
+__all__ = ["ActivationOffload", "SavedActivation", "SavedView", "ActivationBudgetError",
+           "MIN_OFFLOAD_BYTES"]
 
 # Saved tensors smaller than this stay where they are (scalars, shapes, tiny masks): an
 # NVMe request per few bytes costs more than it frees.
@@ -103,6 +104,18 @@ class SavedActivation:
                 store._dropped(self)
             except Exception as e:  # a destructor must not raise
                 log.warning("infinity: freeing an offloaded activation failed: %s", e)
+
+
+class SavedView:
+    """A saved tensor that is a view of an offloaded base: the base is offloaded once, and
+    every view saved from it is rebuilt from it in backward (size, stride, offset)."""
+    __slots__ = ("base", "size", "stride", "offset")
+
+    def __init__(self, base: SavedActivation, t: torch.Tensor, offset: int):
+        self.base = base
+        self.size = tuple(t.shape)
+        self.stride = tuple(t.stride())
+        self.offset = offset
 
 
 class ActivationOffload:
@@ -173,9 +186,21 @@ class ActivationOffload:
         return self.scope == "all" or from_checkpoint_boundary()
 
     def pack(self, t: torch.Tensor):
-        """The saved tensor ``t`` -> a :class:`SavedActivation` (or ``t`` when not offloaded)."""
+        """The saved tensor ``t`` -> a :class:`SavedActivation`, a :class:`SavedView` of one
+        (``t`` is a view of a contiguous base: the base is offloaded once for all its saved
+        views), or ``t`` itself when it is not offloaded."""
         if not self.wants(t):
             return t
+        base = t._base
+        if base is None or type(base) is not torch.Tensor or not base.is_contiguous() \
+                or base.dtype != t.dtype:
+            base = t
+        h = self._pack_base(base)
+        if base is t:
+            return h
+        return SavedView(h, t, t.storage_offset() - base.storage_offset())
+
+    def _pack_base(self, t: torch.Tensor) -> SavedActivation:
         hit = self._dedupe.get(id(t))
         if hit is not None:                  # the same tensor saved again (x -> q, k, v)
             wt, ver, wh = hit
@@ -241,7 +266,13 @@ class ActivationOffload:
         h.host = None                         # the staging goes: the bytes are on NVMe
 
     # ------------------------------------------------------------------ unpack
-    def unpack(self, h: SavedActivation) -> torch.Tensor:
+    def unpack(self, x) -> torch.Tensor:
+        if isinstance(x, SavedView):
+            base = self._unpack_base(x.base)
+            return base.as_strided(x.size, x.stride, base.storage_offset() + x.offset)
+        return self._unpack_base(x)
+
+    def _unpack_base(self, h: SavedActivation) -> torch.Tensor:
         if h.released:
             raise RuntimeError(
                 "infinity: this saved activation was released when an earlier forward/backward "

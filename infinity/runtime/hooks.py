@@ -26,7 +26,7 @@ from torch import nn
 
 from infinity.memory.manager import MemoryManager
 from infinity.memory.record import GroupRecord, Location
-from infinity.runtime.activations import ActivationOffload, SavedActivation
+from infinity.runtime.activations import ActivationOffload, SavedActivation, SavedView
 from infinity.runtime.groups import Grouping
 from infinity.runtime.prefetch import PrefetchCoordinator
 
@@ -253,7 +253,7 @@ class ParamHooks:
 
     def _unpack(self, x):
         if not isinstance(x, _SavedRef):
-            if isinstance(x, SavedActivation):
+            if isinstance(x, (SavedActivation, SavedView)):
                 return self.acts.unpack(x)
             return x
         g = x.g

@@ -226,3 +226,38 @@ def test_checkpoints_scope_without_checkpointing_offloads_nothing(harness, swap_
         eng.step()
         assert eng.stats()["activation_offload_bytes"] == 0
     assert "gradient_checkpointing_enable" in caplog.text
+
+
+class SplitNet(nn.Module):
+    """Two saved views (q, k) of one tensor: the base is offloaded once."""
+
+    def __init__(self, d=64):
+        super().__init__()
+        self.qk = nn.Linear(16, 2 * d)
+        self.out = nn.Linear(d, 4)
+
+    def forward(self, x):
+        a = self.qk(x)
+        q, k = a.chunk(2, dim=-1)                     # views of a, saved by the mul
+        return self.out(q * k)
+
+
+@pytest.mark.parametrize("home", HOMES)
+def test_views_of_one_tensor_are_offloaded_once(harness, swap_dir, home):
+    torch.manual_seed(0)
+    ref = SplitNet()
+    model = harness.copy(ref)
+    g = torch.Generator().manual_seed(2)
+    batches = [(torch.randn(256, 16, generator=g), torch.randn(256, 4, generator=g))
+               for _ in range(3)]
+    lf = lambda m, b: F.mse_loss(m(b[0]), b[1])
+    ref_l = _ref_losses(ref, batches, lf)
+    with infinity.initialize(model, _cfg(swap_dir, home, "all")) as eng:
+        losses = _engine_losses(eng, batches, lf)
+        perr = harness.param_rel_err(ref, eng)
+        s = eng.stats()
+        _nothing_left(eng)
+    assert harness.rel_err(losses, ref_l) < 1e-5 and perr < 1e-5
+    a_bytes = 256 * 128 * 4                           # the qk output, once per step
+    x_bytes, prod_bytes = 256 * 16 * 4, 256 * 64 * 4  # inputs of qk and out
+    assert s["activation_offload_bytes"] == len(batches) * (a_bytes + x_bytes + prod_bytes)
