@@ -194,6 +194,14 @@ def predict(spec):
     mb, opt = _sum(parts["mb"]), _sum(parts["opt"])
     micro = mb["nvme_read"] + mb["nvme_write"] + (
         opt["nvme_read"] + opt["nvme_write"] if spec["accum"] == 1 else 0)
+    if spec["accum"] > 1 and c.plan.grads_on_nvme:
+        # the first micro-batch of a window only writes the gradients' partial sums (fp32
+        # N*4, bf16 N*2 of the NVMe part); the estimator's per-micro-batch traffic averages
+        # the window's reads and writes
+        grads = sum(b for link in ("nvme_read", "nvme_write") for w, b in parts["mb"][link]
+                    if "grads" in w)
+        gn = spec_grad = ms.params * 4 - c.plan.grad_host_bytes
+        micro += -grads + (gn // 2 if spec.get("gdtype") == "bf16" else spec_grad)
     return {"host": host, "nvme_read": tr["nvme_read"], "nvme_write": tr["nvme_write"],
             "params": ms.params, "grads_on_nvme": c.plan.grads_on_nvme, "micro_nvme": micro,
             "act_offload": 0 if off is None else off.nbytes}
