@@ -3,8 +3,8 @@ each ``activation_offload`` home and scope against no offload, in the same run.
 
 Each configuration trains the same Llama-shaped model (transformers, built from a local
 config; no download) for a few steps in a child process and reports the steady-state peak
-RSS above the process's RSS before the model existed (VmHWM, reset with
-``/proc/self/clear_refs`` after the warm-up step), the median step time, the losses,
+RSS above the process's RSS after the warm-up steps (VmHWM, reset with
+``/proc/self/clear_refs`` then, so the measured peak is that of the steady-state steps), the median step time, the losses,
 ``engine.stats()`` ``activation_offload_bytes`` per step and the NVMe bytes per step.  The
 parent prints each against the no-offload run of the same checkpointing:
 
@@ -12,8 +12,8 @@ parent prints each against the no-offload run of the same checkpointing:
 * step time ratio (cost);
 * max |loss - loss without offload| (fp32: the target is < 1e-5).
 
-    .venv/bin/python tools/bench_activation_offload.py              # S=2048, 4 layers
-    .venv/bin/python tools/bench_activation_offload.py --seq 1024 --steps 3
+    .venv/bin/python tools/bench_activation_offload.py              # S=2048, 8 layers, sdpa
+    .venv/bin/python tools/bench_activation_offload.py --seq 1024 --only none --only nvme/all
 """
 import argparse
 import gc
@@ -76,7 +76,7 @@ def child(spec):
     x = torch.randint(0, spec["vocab"], (spec["batch"], spec["seq"]), generator=g)
     losses, times, offl, nvme = [], [], [], []
     for i in range(spec["steps"]):
-        if i == 1:                                 # after the warm-up step
+        if i == spec["warmup"]:                    # after the warm-up steps (heap settled)
             gc.collect()
             ctypes.CDLL("libc.so.6").malloc_trim(0)
             base = _kb("VmRSS")
@@ -94,7 +94,7 @@ def child(spec):
         offl.append(s1["activation_offload_bytes"] - s0["activation_offload_bytes"])
         nvme.append(s1["nvme_read_bytes"] + s1["nvme_write_bytes"]
                     - s0["nvme_read_bytes"] - s0["nvme_write_bytes"])
-    res = {"peak_above_base": _kb("VmHWM") - base, "step_s": statistics.median(times[1:]),
+    res = {"peak_above_base": _kb("VmHWM") - base, "step_s": statistics.median(times[spec["warmup"]:]),
            "losses": losses, "offload_bytes": offl[-1], "nvme_bytes": nvme[-1]}
     eng.close()
     print(json.dumps(res))
@@ -109,7 +109,8 @@ def main():
     ap.add_argument("--attn", default="sdpa", help="attention implementation (default sdpa)")
     ap.add_argument("--vocab", type=int, default=4096)
     ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2, help="steps before measuring (default 2)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--only", action="append", help="labels to run (repeatable)")
     args = ap.parse_args()
@@ -124,6 +125,7 @@ def main():
         with tempfile.TemporaryDirectory(prefix="bench-act-", dir=root) as swap:
             spec = {"seq": args.seq, "hidden": args.hidden, "layers": args.layers,
                     "vocab": args.vocab, "batch": args.batch, "steps": args.steps,
+                    "warmup": args.warmup,
                     "threads": args.threads, "attn": args.attn, "ckpt": ckpt, "home": home, "scope": scope,
                     "swap": swap}
             p = subprocess.run([sys.executable, os.path.abspath(__file__), "--child",

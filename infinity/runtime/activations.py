@@ -20,7 +20,8 @@ files); at most a read-ahead window of writes is in flight, then their staging i
 
 ``unpack`` (backward) returns the values (a read when on NVMe; H2D on a separate device)
 and starts reading the activations saved just before it — backward uses them next — so
-that at most ``max(depth, 1)`` × the largest activation of the pass is read ahead.
+that at most ``max(depth, 1)`` × the activation being unpacked is read ahead (and as
+much written behind in forward).
 
 Lifetime: a handle frees its extent / host buffer when autograd drops it (after its node
 ran, or with the graph).  Frees requested from a destructor are deferred to the next call
@@ -243,15 +244,18 @@ class ActivationOffload:
         self._dedupe[id(t)] = (weakref.ref(t), t._version, weakref.ref(h))
         return h
 
-    def _window(self) -> int:
-        return self.depth * max(self.largest, ALIGN)
+    def _window(self, span: int) -> int:
+        """Bytes of I/O kept in flight around an activation of ``span`` bytes: ``depth`` of
+        it (at least one whole activation), so the memory an offload holds back stays
+        proportional to the tensors at hand, not to the largest one of the pass."""
+        return self.depth * max(span, ALIGN)
 
     def _bound_writes(self, keep: int = 0) -> None:
         """Retire finished writes (their staging is freed); wait for the oldest while more
         than the window is in flight."""
         q = self._writes
         pending = sum(h.span for h in q)
-        window = max(self._window(), keep)
+        window = self._window(keep)
         while q and (q[0].write_io is None or q[0].write_io.done() or pending > window):
             h = q.popleft()
             pending -= h.span
@@ -316,7 +320,7 @@ class ActivationOffload:
         the window's bytes."""
         if self.home != "nvme":
             return
-        budget = self.depth * max(h.span, self.largest)
+        budget = self._window(h.span)
         inflight = 0
         j = h.index - 1
         order = h.order
