@@ -295,9 +295,9 @@ class ActivationOffload:
             buf = self._finish_read(h)
         self._read_ahead(h)
         t = buf[:h.nbytes].view(h.dtype).view(h.shape)
-        if h.device != t.device:              # separate device memory: H2D
-            dev = torch.empty(h.shape, dtype=h.dtype, device=h.device)
-            dev.copy_(t, non_blocking=True)
+        if h.device != t.device:              # separate device memory: H2D (synchronous:
+            dev = torch.empty(h.shape, dtype=h.dtype, device=h.device)   # the host buffer
+            dev.copy_(t)                                                 # may go right after)
             t = dev
         h.out = weakref.ref(t)
         self.acct.count("activation_fetch_bytes", h.nbytes)
