@@ -12,7 +12,7 @@ parent prints each against the no-offload run of the same checkpointing:
 * step time ratio (cost);
 * max |loss - loss without offload| (fp32: the target is < 1e-5).
 
-    .venv/bin/python tools/bench_activation_offload.py              # S=2048, 8 layers, sdpa
+    .venv/bin/python tools/bench_activation_offload.py              # S=2048, 16 layers, sdpa
     .venv/bin/python tools/bench_activation_offload.py --seq 1024 --only none --only nvme/all
 """
 import argparse
@@ -105,7 +105,7 @@ def main():
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--attn", default="sdpa", help="attention implementation (default sdpa)")
     ap.add_argument("--vocab", type=int, default=4096)
     ap.add_argument("--batch", type=int, default=1)

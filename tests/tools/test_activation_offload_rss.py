@@ -15,7 +15,7 @@ TOOL = os.path.join(os.path.dirname(__file__), "..", "..", "tools", "bench_activ
 
 
 def _child(tmp_path, home, scope):
-    spec = {"seq": 2048, "hidden": 256, "layers": 8, "vocab": 4096, "batch": 1, "steps": 4,
+    spec = {"seq": 2048, "hidden": 256, "layers": 16, "vocab": 4096, "batch": 1, "steps": 4,
             "warmup": 2, "threads": 1, "attn": "sdpa", "ckpt": False, "home": home,
             "scope": scope, "swap": str(tmp_path / f"swap-{home}")}
     p = subprocess.run([sys.executable, TOOL, "--child", json.dumps(spec)], capture_output=True,
