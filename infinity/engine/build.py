@@ -172,5 +172,5 @@ def assemble(engine, lr_scheduler) -> None:
                                         undo_budget=engine.undo_budget)
         after = engine.overlap.grad_arrived
     on_grad = grad_sink(engine.opt.accumulate, gp.groups, after=after)
-    engine.hooks = ParamHooks(model, gp, engine.mm, engine.coord, on_grad)
+    engine.hooks = ParamHooks(model, gp, engine.mm, engine.coord, on_grad, gate=engine.gate)
     engine.hooks.install()
