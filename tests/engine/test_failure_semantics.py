@@ -266,17 +266,9 @@ def test_misuse_is_an_error_or_a_noop(tmp_path, caplog):
         infinity.initialize(m, _cfg(str(tmp_path / "s2"), "cpu", "cpu"))
 
 
-def _line_sweep(tmp_path, stride):
-    """Ctrl-C at the n-th line infinity's own code runs in an attempt, n = 1, 1 + stride, ...
-    (the SIGINT handler in place, Python's default one when the engine's gate is not open,
-    run by a trace function in that line's frame): every kind of point in forward, backward and step is hit, in the hooks'
-    and the overlapped step's bookkeeping too, where it is held until the body ended
-    (Note [held interrupts]).  After each attempt the weights equal a plain PyTorch AdamW
-    trajectory at exactly engine.global_steps; training on reaches its final weights."""
-    import sys
-    torch.manual_seed(0)
-    m = Net()
-    data = _batches(3, seed=3)
+def _reference_trajectory(m, data):
+    """A copy of ``m`` trained by plain torch AdamW on ``data`` and its weights after each
+    step (index k: after k steps)."""
     ref = copy.deepcopy(m)
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
     traj = [{n: p.detach().clone() for n, p in ref.named_parameters()}]
@@ -285,11 +277,28 @@ def _line_sweep(tmp_path, stride):
         opt.step()
         opt.zero_grad()
         traj.append({n: p.detach().clone() for n, p in ref.named_parameters()})
+    return ref, traj
 
-    def close(a, b):
-        num = sum(float((a[n].double() - b[n].double()).pow(2).sum()) for n in b)
-        den = sum(float(b[n].double().pow(2).sum()) for n in b)
-        return math.sqrt(num / den) < 1e-5
+
+def _close(a, b):
+    """Norm-relative difference of the weights in ``b`` below 1e-5."""
+    num = sum(float((a[n].double() - b[n].double()).pow(2).sum()) for n in b)
+    den = sum(float(b[n].double().pow(2).sum()) for n in b)
+    return math.sqrt(num / den) < 1e-5
+
+
+def _line_sweep(tmp_path, stride):
+    """Ctrl-C at the n-th line infinity's own code runs in an attempt, n = 1, 1 + stride, ...
+    (the SIGINT handler in place, Python's default one when the engine's gate is not open,
+    run by a trace function in that line's frame): every kind of point in forward, backward
+    and step is hit, in the hooks' and the overlapped step's bookkeeping too, where it is held until the body ended
+    (Note [held interrupts]).  After each attempt the weights equal a plain PyTorch AdamW
+    trajectory at exactly engine.global_steps; training on reaches its final weights."""
+    import sys
+    torch.manual_seed(0)
+    m = Net()
+    data = _batches(3, seed=3)
+    ref, traj = _reference_trajectory(m, data)
 
     root = os.path.dirname(os.path.abspath(infinity.__file__))
     count, at = [0], [0]
@@ -327,11 +336,11 @@ def _line_sweep(tmp_path, stride):
                 import traceback
                 where = [f"{f.name}:{f.lineno}" for f in traceback.extract_tb(ki.__traceback__)]
             at[0] = 0
-            assert close(e.state_dict(), traj[e.global_steps]), \
+            assert _close(e.state_dict(), traj[e.global_steps]), \
                 f"weights differ from the reference at step {e.global_steps} (n={n}, {where[-4:]})"
         assert e.global_steps == len(data)
         assert interrupted >= 10 * len(data)       # every step was interrupted many times
-        assert close(e.state_dict(), traj[-1])
+        assert _close(e.state_dict(), traj[-1])
 
 
 def test_ctrl_c_at_every_29th_line_keeps_the_reference_trajectory(tmp_path):
@@ -354,23 +363,13 @@ def test_random_interrupts_keep_the_reference_trajectory(tmp_path, trial):
     torch.manual_seed(0)
     m = Net()
     data = _batches(4, seed=2)
-    ref = copy.deepcopy(m)
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
-    traj = [{n: p.detach().clone() for n, p in ref.named_parameters()}]
-    for x, y in data:
-        F.mse_loss(ref(x), y).backward()
-        opt.step()
-        opt.zero_grad()
-        traj.append({n: p.detach().clone() for n, p in ref.named_parameters()})
+    ref, traj = _reference_trajectory(m, data)
 
     def weights(e):
         sd = e.state_dict()
         return {n: sd[n].clone() for n, _ in ref.named_parameters()}
 
-    def close(a, b):
-        num = sum(float((a[n].double() - b[n].double()).pow(2).sum()) for n in a)
-        den = sum(float(b[n].double().pow(2).sum()) for n in a)
-        return math.sqrt(num / den) < 1e-5
+    close = _close
 
     import faulthandler
     import traceback
