@@ -24,7 +24,10 @@ A :class:`Transfer` is one copy: ``dst``, ``src``, its ``event``, bytes and issu
 """
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import threading
 import time
 from collections import deque
 
@@ -36,7 +39,24 @@ from .pool import BufferPool
 log = logging.getLogger("infinity.memory")
 
 __all__ = ["Transfer", "DeviceTier", "CpuDevice", "CudaDevice", "SimulatedDevice",
-           "make_device", "choose_device", "default_device_budget"]
+           "make_device", "choose_device", "default_device_budget", "simulate_device",
+           "SIMULATED_DEFAULT_BUDGET"]
+
+# INFINITY_SIMULATE_DEVICE=1 (a testing aid): the device tier of a CPU run is a
+# SimulatedDevice with this budget when offload.device_memory_gb is unset
+SIMULATE_ENV = "INFINITY_SIMULATE_DEVICE"
+SIMULATED_DEFAULT_BUDGET = 10**9
+
+
+def simulate_device() -> bool:
+    """Whether ``INFINITY_SIMULATE_DEVICE`` asks for the simulated device tier (a testing
+    aid: the CUDA protocol - leases, copies, events, budgets - on CPU at any world size)."""
+    v = os.environ.get(SIMULATE_ENV, "").strip().lower()
+    if v in ("", "0", "false", "no", "off"):
+        return False
+    if v in ("1", "true", "yes", "on"):
+        return True
+    raise ValueError(f"{SIMULATE_ENV}={os.environ.get(SIMULATE_ENV)!r}: expected 1 or 0")
 
 
 class Transfer:
@@ -71,6 +91,7 @@ class DeviceTier:
         self.acct = accounting
         self.pool = BufferPool("device", budget_bytes, accounting, **self._pool_kw())
         self._retiring: list[tuple[Transfer, object]] = []
+        self._overflow_warned = False
 
     def _pool_kw(self) -> dict:
         return {}
@@ -86,6 +107,43 @@ class DeviceTier:
 
     def _after_compute(self, buf: torch.Tensor) -> None:
         pass
+
+    def lease_or_overflow(self, nbytes: int, dtype: torch.dtype, what: str,
+                          allow_overflow: bool = True) -> torch.Tensor | None:
+        """A device buffer within the budget; when the budget is full: None if
+        ``allow_overflow`` is false, else one past the budget so training progresses -
+        counted (``device_budget_overflows``) and warned once with what to change."""
+        if self.pool.can_lease(nbytes):
+            return self.pool.lease(nbytes, dtype)
+        if not allow_overflow:
+            return None
+        if not self._overflow_warned:
+            log.warning("device tier: budget of %s bytes too small for %s (%d more bytes); "
+                        "exceeding it to make progress: lower prefetch.depth or raise "
+                        "offload.device_memory_gb (stats()['device_budget_overflows'] counts "
+                        "these)", self.pool.budget, what, nbytes)
+            self._overflow_warned = True
+        self.acct.count("device_budget_overflows")
+        budget, self.pool.budget = self.pool.budget, None
+        try:
+            return self.pool.lease(nbytes, dtype)
+        finally:
+            self.pool.budget = budget
+
+    # streams for collectives ------------------------------------------------------
+    def side_stream(self):
+        """Context in which a helper thread issues device work (all-gathers) off the
+        compute stream; a no-op where there are no streams."""
+        return contextlib.nullcontext()
+
+    def mark(self, buf: torch.Tensor) -> "Transfer":
+        """A completion marker for work the calling thread issued on its current stream
+        that wrote ``buf`` (an all-gather): compute waits on it with :meth:`compute_waits`."""
+        return Transfer(buf, buf, _DoneEvent(), "mark", time.perf_counter())
+
+    def wait_free(self, buf: torch.Tensor) -> None:
+        """Block the calling (helper) thread until compute's last use of ``buf`` finished,
+        before a collective overwrites it (CUDA; elsewhere compute is already done)."""
 
     # copies -------------------------------------------------------------------
     def h2d(self, dst: torch.Tensor, src: torch.Tensor) -> Transfer:
@@ -241,13 +299,15 @@ class _SimStream:
     def __init__(self, name: str):
         self.name = name
         self.ops: deque = deque()            # (fn, event)
+        self.lock = threading.RLock()        # a gather thread and compute both drive it
 
     def run_until(self, event) -> None:
-        while not event.done:
-            fn, ev = self.ops.popleft()
-            if fn is not None:
-                fn()
-            ev.done = True
+        with self.lock:
+            while not event.done:
+                fn, ev = self.ops.popleft()
+                if fn is not None:
+                    fn()
+                ev.done = True
 
 
 class _SimEvent:
@@ -295,8 +355,9 @@ class SimulatedDevice(DeviceTier):
         t0 = time.perf_counter()
         ev = _SimEvent(stream, self.delay)
         key = dst.data_ptr()
-        stream.ops.append((lambda: (dst.copy_(src), self.log.append(("done", key))), ev))
-        self.log.append((link, key))
+        with stream.lock:
+            stream.ops.append((lambda: (dst.copy_(src), self.log.append(("done", key))), ev))
+            self.log.append((link, key))
         return Transfer(dst, src, ev, link, t0)
 
     def h2d(self, dst, src):
@@ -353,6 +414,8 @@ def default_device_budget(device: torch.device, configured: int | None,
     if configured is not None:
         return configured
     device = torch.device(device)
+    if device.type == "cpu" and simulate_device():
+        return SIMULATED_DEFAULT_BUDGET
     if device.type != "cuda":
         return None
     free, _total = torch.cuda.mem_get_info(device)
@@ -361,8 +424,13 @@ def default_device_budget(device: torch.device, configured: int | None,
 
 def make_device(device: torch.device, budget_bytes: int | None,
                 accounting: Accounting) -> DeviceTier:
-    """The device tier for ``device`` (``cpu`` or ``cuda[:i]``)."""
+    """The device tier for ``device`` (``cpu`` or ``cuda[:i]``); on CPU with
+    ``INFINITY_SIMULATE_DEVICE=1`` a :class:`SimulatedDevice` (budget ``budget_bytes``,
+    else :data:`SIMULATED_DEFAULT_BUDGET`)."""
     device = torch.device(device)
+    if device.type == "cpu" and simulate_device():
+        return SimulatedDevice(SIMULATED_DEFAULT_BUDGET if budget_bytes is None
+                               else budget_bytes, accounting)
     if device.type == "cpu":
         return CpuDevice(budget_bytes, accounting)
     if device.type == "cuda":
