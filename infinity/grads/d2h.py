@@ -60,7 +60,7 @@ class GradD2H:
     def _consume(self, item) -> None:
         x, g, slot, staging = item
         self.inflight_bytes -= round_up(x.nbytes, ALIGN)
-        self.dev.acct.link("d2h", x.nbytes, (x.t_done or x.t0) - x.t0)
+        self.dev.acct.link("d2h", x.nbytes, x.seconds())
         try:
             self.sink(g, slot, staging)
         finally:

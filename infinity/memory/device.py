@@ -60,14 +60,30 @@ def simulate_device() -> bool:
 
 
 class Transfer:
-    """One asynchronous copy ``dst <- src`` with the event recorded after it."""
-    __slots__ = ("dst", "src", "event", "link", "nbytes", "t0", "t_done")
+    """One asynchronous copy ``dst <- src`` with the event recorded after it (and, on CUDA,
+    a timing ``start`` event recorded before it: :meth:`seconds` is then the copy's own
+    duration on the device, not when Python happened to observe the event)."""
+    __slots__ = ("dst", "src", "event", "link", "nbytes", "t0", "t_done", "start")
 
-    def __init__(self, dst, src, event, link: str, t0: float):
+    def __init__(self, dst, src, event, link: str, t0: float, start=None):
         self.dst, self.src, self.event, self.link = dst, src, event, link
         self.nbytes = src.numel() * src.element_size()
         self.t0 = t0
         self.t_done: float | None = None     # first time the event was seen complete
+        self.start = start
+
+    def seconds(self) -> float:
+        """How long the copy took (call once it completed): device-timed on CUDA, else
+        from issue to the first time its completion was seen."""
+        if self.start is not None and self.t_done is not None:
+            return self.start.elapsed_time(self.event) / 1e3
+        return max(0.0, (self.t_done if self.t_done is not None else time.perf_counter())
+                   - self.t0)
+
+    @property
+    def t_end(self) -> float:
+        """``t0`` plus :meth:`seconds` (for timelines and link accounting)."""
+        return self.t0 + self.seconds()
 
     def ready(self) -> bool:
         """Non-blocking: has the copy completed? (stamps the completion time)."""
@@ -142,7 +158,7 @@ class DeviceTier:
         return Transfer(buf, buf, _DoneEvent(), "mark", time.perf_counter())
 
     def wait_free(self, buf: torch.Tensor) -> None:
-        """Block the calling (helper) thread until compute's last use of ``buf`` finished,
+        """Order the calling thread's current stream after compute's last use of ``buf``,
         before a collective overwrites it (CUDA; elsewhere compute is already done)."""
 
     # copies -------------------------------------------------------------------
@@ -236,11 +252,11 @@ class CudaDevice(DeviceTier):
         if self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         if budget_bytes is None:
-            free, _total = torch.cuda.mem_get_info(self.device)
-            budget_bytes = int(free)
+            budget_bytes = default_device_budget(self.device, None)
         super().__init__(budget_bytes, accounting)
         self.h2d_stream = torch.cuda.Stream(self.device)
         self.d2h_stream = torch.cuda.Stream(self.device)
+        self.gather_stream = torch.cuda.Stream(self.device)   # ZeRO-3 all-gathers
         self._free_after: dict[int, object] = {}   # device buffer ptr -> compute event
 
     def _pool_kw(self) -> dict:
@@ -248,7 +264,12 @@ class CudaDevice(DeviceTier):
 
         def alloc(nbytes: int) -> torch.Tensor:
             return torch.empty(nbytes, dtype=torch.uint8, device=dev)
-        return {"allocator": alloc}
+
+        def on_drop(raw: torch.Tensor) -> None:
+            # the memory goes back to the allocator: a later buffer at the same address
+            # must not wait on this one's last-use event
+            self._free_after.pop(raw.untyped_storage().data_ptr(), None)
+        return {"allocator": alloc, "on_drop": on_drop}
 
     def _after_compute(self, buf):
         ev = torch.cuda.Event()
@@ -267,10 +288,13 @@ class CudaDevice(DeviceTier):
         with torch.cuda.stream(s):
             if prev is not None:          # compute's last use of this buffer comes first
                 s.wait_event(prev)
+            start = torch.cuda.Event(enable_timing=True)
+            start.record(s)
             dst.copy_(src, non_blocking=True)
-            ev = torch.cuda.Event()
+            dst.record_stream(s)           # written on this stream: the allocator waits
+            ev = torch.cuda.Event(enable_timing=True)
             ev.record(s)
-        return Transfer(dst, src, ev, "h2d", t0)
+        return Transfer(dst, src, ev, "h2d", t0, start)
 
     def d2h(self, dst, src):
         if dst.device.type != "cpu" or src.device != self.device:
@@ -282,14 +306,30 @@ class CudaDevice(DeviceTier):
         produced.record(torch.cuda.current_stream(self.device))   # src written by compute
         with torch.cuda.stream(s):
             s.wait_event(produced)
+            start = torch.cuda.Event(enable_timing=True)
+            start.record(s)
             dst.copy_(src, non_blocking=True)
             src.record_stream(s)           # the allocator must not reuse src before this
-            ev = torch.cuda.Event()
+            ev = torch.cuda.Event(enable_timing=True)
             ev.record(s)
-        return Transfer(dst, src, ev, "d2h", t0)
+        return Transfer(dst, src, ev, "d2h", t0, start)
 
     def compute_waits(self, t):
         torch.cuda.current_stream(self.device).wait_event(t.event)
+
+    def side_stream(self):
+        return torch.cuda.stream(self.gather_stream)
+
+    def mark(self, buf):
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self.device))
+        buf.record_stream(torch.cuda.current_stream(self.device))
+        return Transfer(buf, buf, ev, "mark", time.perf_counter())
+
+    def wait_free(self, buf):
+        prev = self._free_after.pop(buf.untyped_storage().data_ptr(), None)
+        if prev is not None:
+            torch.cuda.current_stream(self.device).wait_event(prev)
 
 
 # ---------------------------------------------------------------- simulation on CPU
@@ -372,45 +412,54 @@ class SimulatedDevice(DeviceTier):
         self.log.append(("wait", t.dst.data_ptr()))
 
 
-def choose_device(param_devices, *, cuda_available: bool, world_size: int) -> torch.device:
+def choose_device(param_devices, *, cuda_available: bool, world_size: int,
+                  local_rank: int = 0) -> torch.device:
     """The device the engine computes on, from the devices of the model's parameters.
 
-    All on CPU (or no parameters): ``cpu``.  All on one CUDA device: that device, when
-    CUDA is available and the run is a single process.  Anything else raises with what to
-    do: parameters on several devices (``ValueError``), CUDA at world size > 1 or another
-    device type (``NotImplementedError``)."""
+    All on one CUDA device: that device (it keeps it, at any world size).  All on CPU (a
+    model built on CPU, or under ``infinity.Init``), or no parameters: at world size > 1
+    with CUDA available, this rank's GPU ``cuda:LOCAL_RANK`` (the engine places the
+    groups there, as DeepSpeed does); otherwise ``cpu``.  ``INFINITY_SIMULATE_DEVICE=1``
+    keeps a CPU model on CPU (its device tier is then simulated).  Anything else raises
+    with what to do: parameters on several devices (``ValueError``), another device type
+    (``NotImplementedError``), CUDA parameters without CUDA (``RuntimeError``)."""
     devs = sorted({torch.device(d) for d in param_devices}, key=str)
-    if not devs:
-        return torch.device("cpu")
     if len(devs) > 1:
         raise ValueError(f"initialize: the model's parameters are on several devices "
                          f"({', '.join(map(str, devs))}); move the whole model to one device "
                          f"(model.to('cuda:0') or model.cpu()) before initialize")
-    dev = devs[0]
+    dev = devs[0] if devs else torch.device("cpu")
     if dev.type == "cpu":
+        if world_size > 1 and cuda_available and not simulate_device():
+            return torch.device("cuda", int(local_rank))
         return dev
     if dev.type != "cuda":
         raise NotImplementedError(f"initialize: parameters on {dev}; supported devices are "
-                                  f"cpu and cuda; move the model to one of them")
+                                  f"cpu and cuda; move the model to one of them (a model "
+                                  f"built on 'meta' must be materialised, e.g. with "
+                                  f"infinity.Init and infinity.zero.init.load_safetensors)")
     if not cuda_available:
         raise RuntimeError(f"initialize: parameters on {dev} but CUDA is not available")
     if dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
-    if world_size > 1:
-        raise NotImplementedError(
-            f"initialize: parameters on {dev} at world size {world_size}: the ZeRO "
-            f"partitioned manager and optimizer keep their shards and gathers in host memory "
-            f"and are not wired to a CUDA device tier; run ZeRO with the model on CPU, or a "
-            f"single process on the GPU")
     return dev
 
 
+# the default CUDA budget leaves this much of the device for activations, the CUDA
+# context, NCCL and allocator fragmentation (docs/tuning-nvme.md, "Device budget")
+DEVICE_HEADROOM_FRACTION = 0.15
+DEVICE_HEADROOM_MIN = 2 * 10**9
+
+
 def default_device_budget(device: torch.device, configured: int | None,
-                          model_bytes_on_device: int = 0) -> int | None:
+                          model_bytes_on_device: int = 0, *, mem_info=None) -> int | None:
     """The device tier's budget: ``offload.device_memory_gb`` when set; on CUDA otherwise
     the free device memory now plus the bytes of the model's parameters already on that
-    device (they move into the engine's pools when the groups are placed); on CPU None
-    (unbounded, as before)."""
+    device (they move into the engine's pools when the groups are placed), minus a
+    headroom of ``max(15 % of the device's total memory, 2 GB)`` for activations and the
+    CUDA context (never below half of the rest); on CPU None (unbounded), or 1 GB for the
+    simulated device (``INFINITY_SIMULATE_DEVICE=1``).  ``mem_info``: ``(free, total)``
+    instead of asking CUDA (tests)."""
     if configured is not None:
         return configured
     device = torch.device(device)
@@ -418,8 +467,10 @@ def default_device_budget(device: torch.device, configured: int | None,
         return SIMULATED_DEFAULT_BUDGET
     if device.type != "cuda":
         return None
-    free, _total = torch.cuda.mem_get_info(device)
-    return int(free) + int(model_bytes_on_device)
+    free, total = mem_info if mem_info is not None else torch.cuda.mem_get_info(device)
+    avail = int(free) + int(model_bytes_on_device)
+    headroom = max(int(total * DEVICE_HEADROOM_FRACTION), DEVICE_HEADROOM_MIN)
+    return max(avail - headroom, avail // 2)
 
 
 def make_device(device: torch.device, budget_bytes: int | None,

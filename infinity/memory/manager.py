@@ -237,7 +237,7 @@ class MemoryManager:
         staging, f.staging = f.staging, None
 
         def done(x=x, staging=staging):
-            self._link("h2d", x.nbytes, x.t0, x.t_done)
+            self._link("h2d", x.nbytes, x.t0, x.t_end)
             if staging is not None:
                 self.host_pool.give_back(staging)
         self.dev.retire(x, done)
@@ -484,7 +484,7 @@ class MemoryManager:
         """Stream-ordered refresh of a resident device buffer from its host mirror, timed
         on the h2d link once it completed."""
         x = self.dev.refresh(dst, src)
-        self.dev.retire(x, lambda x=x: self._link("h2d", x.nbytes, x.t0, x.t_done))
+        self.dev.retire(x, lambda x=x: self._link("h2d", x.nbytes, x.t0, x.t_end))
 
     def group_of_storage(self, ptr: int) -> GroupRecord | None:
         return self._by_storage.get(ptr)

@@ -176,7 +176,7 @@ class PartitionedMemoryManager(MemoryManager):
             if src is not None:               # separate device memory: H2D of the shard
                 x = self.dev.h2d(mine, src)
                 x.wait_host()                 # (it also waited for compute's last use)
-                self._link("h2d", x.nbytes, x.t0, x.t_done)
+                self._link("h2d", x.nbytes, x.t0, x.t_end)
             else:
                 self.dev.wait_free(buf)
             self.comm.all_gather_into(buf, mine, group="param", name=name)   # in place
@@ -221,7 +221,7 @@ class PartitionedMemoryManager(MemoryManager):
     def _refresh(self, g: GroupRecord) -> None:
         x = self.dev.refresh(self._resident[g.gid], g.host_buf)
         self._refreshed[g.gid] = x
-        self.dev.retire(x, lambda x=x: self._link("h2d", x.nbytes, x.t0, x.t_done))
+        self.dev.retire(x, lambda x=x: self._link("h2d", x.nbytes, x.t0, x.t_end))
 
     def refresh_resident(self) -> None:
         """After the optimizer updated the host mirrors of device-homed shards (separate

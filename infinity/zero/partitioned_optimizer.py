@@ -202,7 +202,7 @@ class PartitionedOptimizer(EngineOptimizer):
             x = self.dev.d2h(host, summed)
             x.wait_host()
             if self.acct is not None:
-                self.acct.link("d2h", x.nbytes, x.t_done - x.t0)
+                self.acct.link("d2h", x.nbytes, x.seconds())
             for b in bufs:
                 self.dev.give_back(b)
             summed, bufs = host, [host]

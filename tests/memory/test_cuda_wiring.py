@@ -38,6 +38,32 @@ def test_choose_device_cpu_and_one_cuda_device():
     assert choose_device([cpu], cuda_available=False, world_size=4) == cpu   # ZeRO on CPU
     c0 = torch.device("cuda", 0)
     assert choose_device([c0, c0], cuda_available=True, world_size=1) == c0
+    # a model already on a CUDA device keeps it, also under ZeRO
+    assert choose_device([c0], cuda_available=True, world_size=2, local_rank=1) == c0
+    # CPU model (or built under Init) on a GPU node: each rank computes on its own GPU;
+    # a single process keeps a CPU model on the CPU path
+    assert choose_device([cpu], cuda_available=True, world_size=8, local_rank=3) == \
+        torch.device("cuda", 3)
+    assert choose_device([], cuda_available=True, world_size=2, local_rank=1) == \
+        torch.device("cuda", 1)
+    assert choose_device([cpu], cuda_available=True, world_size=1) == cpu
+
+
+def test_simulated_device_keeps_a_cpu_model_on_cpu(monkeypatch):
+    from infinity.memory.device import SIMULATED_DEFAULT_BUDGET, make_device
+    from infinity.memory.accounting import Accounting
+    cpu = torch.device("cpu")
+    monkeypatch.setenv("INFINITY_SIMULATE_DEVICE", "1")
+    assert choose_device([cpu], cuda_available=True, world_size=4, local_rank=2) == cpu
+    dev = make_device(cpu, None, Accounting())
+    assert dev.kind == "simulated" and dev.pool.budget == SIMULATED_DEFAULT_BUDGET
+    assert make_device(cpu, 5000, Accounting()).pool.budget == 5000
+    assert default_device_budget(cpu, None) == SIMULATED_DEFAULT_BUDGET
+    monkeypatch.setenv("INFINITY_SIMULATE_DEVICE", "0")
+    assert make_device(cpu, None, Accounting()).kind == "cpu"
+    monkeypatch.setenv("INFINITY_SIMULATE_DEVICE", "maybe")
+    with pytest.raises(ValueError, match="INFINITY_SIMULATE_DEVICE='maybe'"):
+        make_device(cpu, None, Accounting())
 
 
 def test_choose_device_refusals_say_what_to_do():
@@ -46,8 +72,6 @@ def test_choose_device_refusals_say_what_to_do():
         choose_device([c0, cpu], cuda_available=True, world_size=1)
     with pytest.raises(ValueError, match="several devices"):
         choose_device([c0, c1], cuda_available=True, world_size=1)
-    with pytest.raises(NotImplementedError, match="world size 2.*model on CPU"):
-        choose_device([c0], cuda_available=True, world_size=2)
     with pytest.raises(NotImplementedError, match="supported devices are cpu and cuda"):
         choose_device([torch.device("meta")], cuda_available=False, world_size=1)
     with pytest.raises(RuntimeError, match="CUDA is not available"):
@@ -311,3 +335,50 @@ def test_cuda_engine_trains_like_torch_adamw(swap_dir, params):
     assert st["device_budget_overflows"] == 0
     assert st["device_peak_bytes"] <= BUDGET_GB * 1e9
     assert st["h2d_bytes"] > 0 and st["d2h_bytes"] > 0
+
+
+def test_default_cuda_budget_leaves_documented_headroom():
+    from infinity.memory.device import DEVICE_HEADROOM_FRACTION, DEVICE_HEADROOM_MIN
+    c0, GB = torch.device("cuda", 0), 10**9
+    # 80 GB device, 78 GB free, 10 GB of the model already there: 15 % (12 GB) kept back
+    assert default_device_budget(c0, None, 10 * GB, mem_info=(78 * GB, 80 * GB)) == \
+        88 * GB - int(80 * GB * DEVICE_HEADROOM_FRACTION)
+    # small device: at least DEVICE_HEADROOM_MIN, never below half of what is available
+    assert default_device_budget(c0, None, 0, mem_info=(7 * GB, 8 * GB)) == \
+        7 * GB - DEVICE_HEADROOM_MIN
+    assert default_device_budget(c0, None, 0, mem_info=(3 * GB, 8 * GB)) == 3 * GB // 2
+    assert default_device_budget(c0, 5 * GB, 0, mem_info=(1, 2)) == 5 * GB   # configured
+
+
+def test_pool_tells_its_owner_when_a_buffer_leaves():
+    """The CUDA tier forgets the last-use event of a buffer the pool drops, so a new
+    allocation at the same address never waits on a stale event."""
+    dropped = []
+    pool = BufferPool("device", None, Accounting(), on_drop=lambda raw: dropped.append(
+        raw.untyped_storage().data_ptr()))
+    a, b = pool.lease(4096, torch.uint8), pool.lease(8192, torch.uint8)
+    pa, pb = a.untyped_storage().data_ptr(), b.untyped_storage().data_ptr()
+    pool.give_back(a)
+    pool.give_back(b)
+    assert dropped == []                       # free, still the pool's
+    pool.trim()
+    assert sorted(dropped) == sorted([pa, pb])
+    c = pool.lease(4096, torch.uint8)
+    pool.detach(c)
+    assert dropped[-1] == c.untyped_storage().data_ptr()
+
+
+def test_transfer_seconds_are_device_timed_when_there_is_a_timing_event():
+    from infinity.memory.device import Transfer
+
+    class Ev:
+        def query(self):
+            return True
+
+        def elapsed_time(self, end):           # milliseconds, as torch.cuda.Event
+            return 250.0
+    x = torch.zeros(4)
+    t = Transfer(x, x, Ev(), "h2d", t0=100.0, start=Ev())
+    assert t.ready() and t.seconds() == 0.25 and t.t_end == 100.25
+    untimed = Transfer(x, x, Ev(), "h2d", t0=0.0)
+    assert untimed.ready() and untimed.seconds() == untimed.t_done

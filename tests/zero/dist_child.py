@@ -73,7 +73,7 @@ def main():
                 n = x.shape[0] // ws
                 xs, ys = x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]
                 out = eng(xs)
-                loss = torch.nn.functional.mse_loss(out.float(), ys)
+                loss = torch.nn.functional.mse_loss(out.float(), ys.to(out.device))
                 eng.backward(loss)
                 eng.step()
                 t = loss.detach().clone().reshape(1)
