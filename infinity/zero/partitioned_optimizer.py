@@ -72,6 +72,7 @@ class PartitionedOptimizer(EngineOptimizer):
         self._launched: set[int] = set()                # gids reduced in this backward
         self._inflight: list[CommHandle] = []
         self._flush_queued = False
+        self._open_backward = False                     # a backward not yet reduced
         self._trainable_slots = {g.gid: {i for i, s in enumerate(g.slots) if s.trainable}
                                  for g in self.groups}
         self._slot_index = {id(s): i for g in self.groups for i, s in enumerate(g.slots)}
@@ -161,6 +162,7 @@ class PartitionedOptimizer(EngineOptimizer):
         full[slot.offset:slot.offset + slot.numel].add_(grad.reshape(-1))
         missing = self._missing[g.gid]
         missing.discard(self._slot_index[id(slot)])
+        self._open_backward = True
         self._queue_flush()
         if not missing and g.gid not in self._launched:
             self._reduce(g)
@@ -232,11 +234,22 @@ class PartitionedOptimizer(EngineOptimizer):
         for b in bufs:
             self.host_pool.give_back(b)
 
+    def before_backward(self, final_micro: bool) -> None:
+        super().before_backward(final_micro)
+        self._open_backward = True        # every rank reduces every group once per backward
+
+    def end_backward(self) -> None:
+        super().end_backward()
+        self.finish_backward()            # (a no-op when autograd's callback already did)
+
     def finish_backward(self) -> None:
-        """Reduce what is left of this backward (group order) and wait for everything."""
+        """Reduce what is left of this backward (group order) and wait for everything.
+        Once per backward: a second call (the engine's end of backward, the step) finds
+        nothing open and reduces nothing (it used to reduce every group again, with zeros)."""
         self._flush_queued = False
-        if self.stage == 1:
+        if self.stage == 1 or not self._open_backward:
             return
+        self._open_backward = False
         for g in self.groups:
             if g.gid not in self._launched:
                 self._reduce(g)
@@ -251,6 +264,8 @@ class PartitionedOptimizer(EngineOptimizer):
             self._give_full(full)
         self._full.clear()
         self._missing.clear()
+        self._launched.clear()
+        self._open_backward = False
         super().zero_grad()
         if self.stage > 1:
             for g in self.groups:

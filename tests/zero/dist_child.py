@@ -56,6 +56,7 @@ def main():
                 else:
                     os.environ[k] = v
         device_kind = eng.mm.dev.kind
+        grad_full_bytes = sum(4 * g.padded_numel for g in eng.grouping.groups if g.trainable)
         if run.get("spill") and not eng.zero.spill:
             raise AssertionError("gradient spill was requested but not taken")
         losses = []
@@ -107,7 +108,8 @@ def main():
                                        **{k: stats.get(k, 0) for k in (
                                            "h2d_bytes", "d2h_bytes", "device_peak_bytes",
                                            "device_cap_bytes", "device_budget_overflows")},
-                                       "device_kind": device_kind}
+                                       "device_kind": device_kind,
+                                       "grad_full_bytes": grad_full_bytes}
     with open(out_path, "w") as f:
         json.dump(result, f)
     dist.destroy_process_group()

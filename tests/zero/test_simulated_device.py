@@ -58,6 +58,13 @@ def _run(tmp_path, combos, world_size, budget_gb=BUDGET_GB):
                 assert 0 < st["device_peak_bytes"] <= budget, (name, r.rank, st)
                 assert abs(st["device_cap_bytes"] - budget) < 1, (name, st)
                 assert st["device_budget_overflows"] == 0, (name, r.rank, st)
+                if run["config"]["zero_stage"] >= 2:
+                    # one reduce-scatter of every group per backward (+ a few scalars), and
+                    # only this rank's shard leaves the device
+                    full, ws = st["grad_full_bytes"], len(res)
+                    assert STEPS * full <= st["reduce_scatter_bytes"] < STEPS * (full + 1024), \
+                        (name, st)
+                    assert st["d2h_bytes"] == STEPS * full // ws, (name, st)
         else:
             assert res[0].result["runs"][name]["device_kind"] == "cpu"
         if run["config"]["precision"] == "fp32":
