@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -63,6 +65,8 @@ class PartitionedOptimizer(EngineOptimizer):
         # assembled and reduce-scattered on the device; only the shard leaves it (D2H)
         self.dev = None
         self.on_device = False
+        self._landing: deque = deque()   # shards on their way to the host accumulation
+        self._adder: ThreadPoolExecutor | None = None
         super().__init__(model, cfg, groups, names, store=store, swap=swap,
                          host_pool=host_pool, accounting=accounting, timeline=timeline,
                          lr_scheduler=lr_scheduler)
@@ -138,6 +142,8 @@ class PartitionedOptimizer(EngineOptimizer):
         if self.stage == 1 or device_tier.zero_copy:
             return super().attach_device(device_tier, max_inflight_bytes)
         self.on_device = True
+        if not self.spill:       # the fp32 adds into the host shard run off this thread
+            self._adder = ThreadPoolExecutor(1, thread_name_prefix="infinity-grad-shard")
 
     def _lease_full(self, g: GroupRecord) -> torch.Tensor:
         """A zeroed full-size fp32 gradient buffer (device tier or host pool)."""
@@ -202,6 +208,11 @@ class PartitionedOptimizer(EngineOptimizer):
         if self.on_device:                 # only the averaged shard leaves the device
             host = self.host_pool.lease(summed.numel() * 4, torch.float32)
             x = self.dev.d2h(host, summed)
+            if self._adder is not None:    # the worker waits for the copy and adds
+                fut = self._adder.submit(self._add_shard, x, g, host)
+                self._landing.append((fut, x, host, bufs))
+                self._poll_landing()
+                return
             x.wait_host()
             if self.acct is not None:
                 self.acct.link("d2h", x.nbytes, x.seconds())
@@ -225,6 +236,27 @@ class PartitionedOptimizer(EngineOptimizer):
         self._writes.append((self.swap.write(ext, summed), bufs, summed.numel() * 4, t0))
         while len(self._writes) > MAX_INFLIGHT_REDUCTIONS:
             self._wait_write()
+
+    @staticmethod
+    def _add_shard(x, g: GroupRecord, host: torch.Tensor) -> None:
+        """Worker: once the shard's D2H completed, add it into the fp32 accumulation."""
+        x.wait_host()
+        g.grad_buf.add_(host)
+
+    def _poll_landing(self, wait: bool = False) -> None:
+        """Give back the buffers of shards already accumulated (all of them: ``wait``)."""
+        q = self._landing
+        while q and (wait or q[0][0].done()):
+            fut, x, host, bufs = q.popleft()
+            try:
+                fut.result()                 # re-raises the worker's error here
+            finally:
+                x.wait_host()
+                if self.acct is not None:
+                    self.acct.link("d2h", x.nbytes, x.seconds())
+                self.host_pool.give_back(host)
+                for b in bufs:
+                    self.dev.give_back(b)
 
     def _wait_write(self) -> None:
         h, bufs, nbytes, t0 = self._writes.pop(0)
@@ -256,10 +288,12 @@ class PartitionedOptimizer(EngineOptimizer):
         self._launched.clear()
         while self._inflight:
             self._inflight.pop(0).wait()
+        self._poll_landing(wait=True)
         while self._writes:
             self._wait_write()
 
     def zero_grad(self) -> None:
+        self._poll_landing(wait=True)       # nothing may land after the reset
         for full in self._full.values():
             self._give_full(full)
         self._full.clear()
@@ -319,6 +353,16 @@ class PartitionedOptimizer(EngineOptimizer):
                 self.comm.all_gather_into(buf, buf[lo:hi], group="default",
                                           name=f"updated parameters of group {g.gid}")
         return applied
+
+    def close(self) -> None:
+        try:
+            self._poll_landing(wait=True)
+        except Exception as e:  # noqa: BLE001 - closing after an error: it was raised before
+            log.debug("zero: a gradient shard failed to land during close: %s", e)
+        finally:
+            if self._adder is not None:
+                self._adder.shutdown(wait=True)
+            super().close()
 
     def _item(self, g: GroupRecord, lrs: list[float], wds: list[float]):
         from infinity.optim.offload_step import StepItem

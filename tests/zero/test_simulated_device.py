@@ -25,13 +25,15 @@ BUDGET_GB = 0.002          # 2 MB: the fetch window and the gradient buffers mus
 
 def _runs(tmp_path, combos, budget_gb):
     runs = []
-    for stage, home, precision in combos:
-        name = f"s{stage}-{home}-{precision}"
+    for combo in combos:
+        stage, home, precision = combo[:3]
+        extra = combo[3] if len(combo) > 3 else {}
+        name = f"s{stage}-{home}-{precision}" + ("-gas" if extra else "")
         for variant, env in (("sim", SIM), ("cpu", {"INFINITY_SIMULATE_DEVICE": "0"})):
             if precision == "fp32" and variant == "cpu":
                 continue                      # fp32 is checked against plain PyTorch
             cfg = base_config(stage, home, str(tmp_path / f"swap-{name}-{variant}"),
-                              precision=precision)
+                              precision=precision, **extra)
             if budget_gb is not None and variant == "sim":
                 cfg["offload"]["device_memory_gb"] = budget_gb
             runs.append({"name": f"{name}-{variant}", "model": "awkward", "steps": STEPS,
@@ -62,9 +64,10 @@ def _run(tmp_path, combos, world_size, budget_gb=BUDGET_GB):
                     # one reduce-scatter of every group per backward (+ a few scalars), and
                     # only this rank's shard leaves the device
                     full, ws = st["grad_full_bytes"], len(res)
-                    assert STEPS * full <= st["reduce_scatter_bytes"] < STEPS * (full + 1024), \
+                    n = STEPS * run["config"].get("gradient_accumulation_steps", 1)
+                    assert n * full <= st["reduce_scatter_bytes"] < n * (full + 1024), \
                         (name, st)
-                    assert st["d2h_bytes"] == STEPS * full // ws, (name, st)
+                    assert st["d2h_bytes"] == n * full // ws, (name, st)
         else:
             assert res[0].result["runs"][name]["device_kind"] == "cpu"
         if run["config"]["precision"] == "fp32":
@@ -84,8 +87,10 @@ def _run(tmp_path, combos, world_size, budget_gb=BUDGET_GB):
 
 def test_simulated_device_two_ranks(tmp_path):
     """Every stage and every parameter home at least once, fp32 and bf16 (pruned)."""
+    acc = {"gradient_accumulation_steps": 2, "gradient_clipping": 0.5}
     _run(tmp_path, [(3, "nvme", "fp32"), (3, "none", "fp32"), (2, "cpu", "fp32"),
-                    (1, "none", "fp32"), (3, "cpu", "bf16")], world_size=2)
+                    (1, "none", "fp32"), (3, "cpu", "bf16"), (3, "cpu", "fp32", acc),
+                    (1, "none", "fp32", acc)], world_size=2)
 
 
 def test_simulated_device_four_ranks_default_budget(tmp_path):
