@@ -407,3 +407,18 @@ def test_transfer_seconds_are_device_timed_when_there_is_a_timing_event():
     assert t.ready() and t.seconds() == 0.25 and t.t_end == 100.25
     untimed = Transfer(x, x, Ev(), "h2d", t0=0.0)
     assert untimed.ready() and untimed.seconds() == untimed.t_done
+
+
+@pytest.mark.parametrize("params", ["none", "nvme"])
+def test_simulate_device_env_at_world_size_one(swap_dir, monkeypatch, params):
+    """INFINITY_SIMULATE_DEVICE=1 alone (no patching) gives a single process the simulated
+    device tier with the configured budget: same numbers as the CPU path, device traffic."""
+    l_ref, sd_ref, *_ = _run(params, "fp32", swap_dir)
+    monkeypatch.setenv("INFINITY_SIMULATE_DEVICE", "1")
+    l_sim, sd_sim, st, _, _ = _run(params, "fp32", swap_dir)
+    assert st["h2d_bytes"] > 0 and st["d2h_bytes"] > 0
+    assert abs(st["device_cap_bytes"] - _budget_gb(params) * 1e9) < 1
+    assert 0 < st["device_peak_bytes"] <= st["device_cap_bytes"]
+    assert st["device_budget_overflows"] == 0
+    assert l_sim == l_ref
+    assert all(torch.equal(sd_sim[k], sd_ref[k]) for k in sd_ref)
