@@ -5,11 +5,13 @@ One small interface, three implementations:
 * :class:`CpuDevice` - a CPU-only machine.  The device tier is host memory bounded by
   ``device_memory_gb``; a host-homed group is used in place (``zero_copy``) and an
   NVMe-homed group is read straight into the compute buffer, so no copy happens.
-* :class:`CudaDevice` - a GPU.  Device buffers come from a budgeted pool on the GPU;
+* :class:`CudaDevice` - a GPU.  Device buffers come from a budgeted pool on the GPU
+  (default budget: free memory minus a documented headroom, :func:`default_device_budget`);
   host->device and device->host copies run with ``non_blocking=True`` on two dedicated
   ``torch.cuda.Stream`` s from pinned host buffers (``infinity.io.aligned_empty``
-  registers them with ``cudaHostRegister``); a ``torch.cuda.Event`` is recorded after
-  each copy.  Compute makes the current stream wait on that event
+  registers them with ``cudaHostRegister`` once a CUDA engine exists), bracketed by
+  timing events (:meth:`Transfer.seconds` is the copy's device time); ZeRO-3 all-gathers
+  run on a third stream (:meth:`DeviceTier.side_stream`, :meth:`DeviceTier.mark`).  Compute makes the current stream wait on that event
   (:meth:`compute_waits`) instead of blocking the host, a host staging buffer goes back
   to its pool only once its event has completed (:meth:`retire`/:meth:`poll`), and a
   device buffer given back after compute records a compute-stream event that the next
@@ -19,6 +21,8 @@ One small interface, three implementations:
   waits on it), and fresh device buffers are NaN-filled.  Reading a buffer before its
   event, or reusing a source buffer before its copy ran, produces wrong numbers, so
   the protocol's ordering is tested without a GPU (``tests/memory/test_device.py``).
+  ``INFINITY_SIMULATE_DEVICE=1`` makes :func:`make_device` return it for CPU runs at any
+  world size (a testing aid; budget ``offload.device_memory_gb``, else 1 GB).
 
 A :class:`Transfer` is one copy: ``dst``, ``src``, its ``event``, bytes and issue time.
 """
