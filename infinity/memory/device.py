@@ -450,7 +450,7 @@ def choose_device(param_devices, *, cuda_available: bool, world_size: int,
 
 
 # the default CUDA budget leaves this much of the device for activations, the CUDA
-# context, NCCL and allocator fragmentation (docs/tuning-nvme.md, "Device budget")
+# context, NCCL and allocator fragmentation (docs/architecture.md, "Engine wiring")
 DEVICE_HEADROOM_FRACTION = 0.15
 DEVICE_HEADROOM_MIN = 2 * 10**9
 
