@@ -88,6 +88,11 @@ class Engine:
         self.gate = InterruptGate()
         self.device = self._choose_device(model)
         self._move_buffers(model)
+        if self.device.type == "cuda":
+            # host buffers are pinned from here on, as the pools and the optimizer's tile
+            # ring allocate them during initialize (a CPU model never touches CUDA)
+            from infinity.io.buffers import enable_cuda_pinning
+            enable_cuda_pinning()
         try:
             assemble(self, lr_scheduler)
         except BaseException:
@@ -97,12 +102,15 @@ class Engine:
     # ------------------------------------------------------------------ device
     @staticmethod
     def _choose_device(model: nn.Module) -> torch.device:
-        """cpu, or the one CUDA device holding every parameter (single process); see
-        :func:`infinity.memory.device.choose_device` for what is refused."""
+        """cpu, the one CUDA device holding every parameter, or (world size > 1, CUDA
+        available) ``cuda:LOCAL_RANK``; see :func:`infinity.memory.device.choose_device`."""
         import torch.distributed as dist
-        ws = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        from infinity.zero.comm import env_world_size, local_rank
+        ws = dist.get_world_size() if dist.is_available() and dist.is_initialized() \
+            else env_world_size()
         return choose_device([p.device for p in model.parameters()],
-                             cuda_available=torch.cuda.is_available(), world_size=ws)
+                             cuda_available=torch.cuda.is_available(), world_size=ws,
+                             local_rank=local_rank())
 
     def _move_buffers(self, model: nn.Module) -> None:
         """Buffers live where compute runs (a CPU buffer of a CUDA model moves there)."""
