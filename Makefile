@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-slow bench clean
+.PHONY: setup demo test test-slow test-gpu bench clean
 
 setup:
 	@bash scripts/setup.sh
@@ -17,6 +17,10 @@ test: setup
 
 test-slow: setup
 	@bash scripts/run_tests.sh -m slow $(PYTEST_ARGS)
+
+# tests/gpu/ on a CUDA machine (one line "skipped" elsewhere)
+test-gpu: setup
+	@bash scripts/test_gpu.sh $(PYTEST_ARGS)
 
 clean:
 	rm -rf build *.egg-info infinity/*.so .setup-stamp

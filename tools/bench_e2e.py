@@ -52,19 +52,27 @@ def batch(d, tokens):
     return make_batch(tokens, d)
 
 
+def sync(device):
+    """Wait for queued device work before reading the clock (CUDA)."""
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
 def run_torch(args):
-    model = build(args.layers, args.d, args.hidden)
+    model = build(args.layers, args.d, args.hidden).to(args.device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0, fused=True)
-    x, y = batch(args.d, args.tokens)
+    x, y = (t.to(args.device) for t in batch(args.d, args.tokens))
     times = []
     for i in range(args.warmup + args.steps):
         if i == args.warmup:
             cpu0 = os.times()
+        sync(args.device)
         t0 = time.perf_counter()
         loss = torch.nn.functional.mse_loss(model(x), y)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        sync(args.device)
         times.append(time.perf_counter() - t0)
     cpu1 = os.times()
     del model, opt
@@ -77,13 +85,14 @@ DELTA_KEYS = tuple(f"{k}_{u}" for k in LINKS for u in ("bytes", "seconds")) + ("
 
 def run_infinity(args, swap_dir, host_gb):
     import infinity
-    model = build(args.layers, args.d, args.hidden)
+    # --device cuda: the model on the GPU, params + optimizer on NVMe (the CUDA tier)
+    model = build(args.layers, args.d, args.hidden).to(args.device)
     cfg = {"offload": {"params": "nvme", "optimizer": "nvme", "nvme_paths": [swap_dir],
                        "host_memory_gb": host_gb},
            "prefetch": {"depth": args.depth},
            "aio": {"queue_depth": 32, "threads": args.aio_threads},
            "optimizer": {"lr": 1e-4, "weight_decay": 0.0}}
-    x, y = batch(args.d, args.tokens)
+    x, y = (t.to(args.device) for t in batch(args.d, args.tokens))
     times, moved = [], []
     with infinity.initialize(model, cfg) as eng:
         if args.no_commit_point:
@@ -95,11 +104,14 @@ def run_infinity(args, swap_dir, host_gb):
                 cpu0 = os.times()
             s0 = eng.stats()
             k0 = proc_io()
+            sync(args.device)
             t0 = time.perf_counter()
             loss = torch.nn.functional.mse_loss(eng(x), y)
             eng.backward(loss)
+            sync(args.device)
             t1 = time.perf_counter()
             eng.step()
+            sync(args.device)
             t2 = time.perf_counter()
             s1 = eng.stats()
             k1 = proc_io()
@@ -130,7 +142,7 @@ def run_deepspeed(args, swap_dir, max_in_cpu):
     cmd = [py, peer, "--layers", str(args.layers), "--hidden", str(args.d),
            "--ffn-mult", str(args.hidden // args.d), "--tokens", str(args.tokens),
            "--steps", str(args.steps), "--warmup", str(args.warmup), "--nvme-path", swap_dir,
-           "--max-in-cpu", str(max_in_cpu), "--json"]
+           "--max-in-cpu", str(max_in_cpu), "--device", args.device, "--json"]
     print(f"(c) DeepSpeed: running {' '.join(cmd)}", flush=True)
     r = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
     try:
@@ -271,6 +283,9 @@ def main(argv=None):
     ap.add_argument("--nvme-path", default=None, help="default: a temp dir under ./")
     ap.add_argument("--fio-mb", type=int, default=2048)
     ap.add_argument("--skip-torch", action="store_true")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                    help="where plain PyTorch and infinity compute (cuda: cuda:0; DeepSpeed "
+                         "runs on the GPU there too). The GPU path has not yet run on a GPU")
     ap.add_argument("--skip-fio", action="store_true", help="no fio runs (and so no bound)")
     ap.add_argument("--no-commit-point", action="store_true",
                     help="A/B only: updates in place instead of all-or-nothing (Note [commit point])")
@@ -285,6 +300,8 @@ def main(argv=None):
                          "run each (its default 1e9: all params of this model stay resident in "
                          "host memory; 0: params really on NVMe). Default %(default)s")
     args = ap.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("bench_e2e: --device cuda but torch.cuda.is_available() is False")
 
     n_params = sum(p.numel() for p in build(1, args.d, args.hidden).parameters()) * args.layers
     states = 16 * n_params

@@ -38,13 +38,26 @@ def device_budget_for(device: torch.device, cfg, model) -> int | None:
     return default_device_budget(device, cfg.device_memory_bytes, on_dev)
 
 
+def _params_follow(g, device: torch.device) -> None:
+    """A model built on CPU (or under ``infinity.Init``) computing on a GPU (ZeRO on a GPU
+    node): a group at its home leaves placeholders on the compute device, so parameters
+    are on that device before the first fetch as after every release."""
+    from infinity.memory.record import Location, placeholder
+    if device.type == "cpu" or g.state is Location.DEVICE:
+        return
+    for s in g.slots:
+        if s.param.device != device:
+            s.param.data = placeholder(g.dtype, s.shape, device)
+
+
 def assemble(engine, lr_scheduler) -> None:
     """Build ``engine``'s parts in dependency order, each attribute set as soon as it
     exists (so ``engine.close()`` frees whatever a failure part-way left built)."""
     cfg, model = engine.cfg, engine.module
     # ZeRO across ranks (None at world size 1): partitioned memory manager + optimizer
     from infinity.zero.distributed import ZeroSetup
-    engine.zero = ZeroSetup.from_config(cfg, accounting=engine.acct, timeline=engine.timeline)
+    engine.zero = ZeroSetup.from_config(cfg, accounting=engine.acct, timeline=engine.timeline,
+                                        device=engine.device)
     ws = engine.zero.world_size if engine.zero else 1
     rank = engine.zero.rank if engine.zero else 0
     param_home = _PARAM_HOME[cfg.offload.params]
@@ -155,6 +168,7 @@ def assemble(engine, lr_scheduler) -> None:
                             init[s.offset:s.offset + s.numel].copy_(
                                 s.param.detach().reshape(-1))
                 engine.mm.place(g, staging)
+                _params_follow(g, engine.device)
                 if g.trainable:
                     engine.opt.register(g, init)
                 del init
@@ -182,5 +196,6 @@ def assemble(engine, lr_scheduler) -> None:
         acts = ActivationOffload(act_home, cfg.activation_offload.scope, swap=engine.swap,
                                  accounting=engine.acct, timeline=engine.timeline,
                                  host_budget=engine.undo_budget, depth=cfg.prefetch.depth)
-    engine.hooks = ParamHooks(model, gp, engine.mm, engine.coord, on_grad, activations=acts)
+    engine.hooks = ParamHooks(model, gp, engine.mm, engine.coord, on_grad, gate=engine.gate,
+                              activations=acts)
     engine.hooks.install()

@@ -182,7 +182,7 @@ class EngineCheckpoint:
         """Drop cached device copies of paged groups (they would be stale after a load)."""
         from infinity.memory.record import Location
         for g in self.groups:
-            if g.home != "device" and g.state not in (Location.NVME, Location.HOST,
+            if self.e.mm.paged(g) and g.state not in (Location.NVME, Location.HOST,
                                                       Location.CACHED):
                 self.e.mm.release(g)
         self.e.mm.drop_cache()          # clean copies of NVMe homes about to be rewritten

@@ -83,8 +83,16 @@ class Engine:
         self.commit_point = True
         self._orig_dtypes: dict[int, torch.dtype] = {}
         self._dev_tier = None
+        # signals are held across the hooks' bookkeeping (Note [held interrupts])
+        from infinity.runtime.interrupts import InterruptGate
+        self.gate = InterruptGate()
         self.device = self._choose_device(model)
         self._move_buffers(model)
+        if self.device.type == "cuda":
+            # host buffers are pinned from here on, as the pools and the optimizer's tile
+            # ring allocate them during initialize (a CPU model never touches CUDA)
+            from infinity.io.buffers import enable_cuda_pinning
+            enable_cuda_pinning()
         try:
             assemble(self, lr_scheduler)
         except BaseException:
@@ -94,12 +102,15 @@ class Engine:
     # ------------------------------------------------------------------ device
     @staticmethod
     def _choose_device(model: nn.Module) -> torch.device:
-        """cpu, or the one CUDA device holding every parameter (single process); see
-        :func:`infinity.memory.device.choose_device` for what is refused."""
+        """cpu, the one CUDA device holding every parameter, or (world size > 1, CUDA
+        available) ``cuda:LOCAL_RANK``; see :func:`infinity.memory.device.choose_device`."""
         import torch.distributed as dist
-        ws = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        from infinity.zero.comm import env_world_size, local_rank
+        ws = dist.get_world_size() if dist.is_available() and dist.is_initialized() \
+            else env_world_size()
         return choose_device([p.device for p in model.parameters()],
-                             cuda_available=torch.cuda.is_available(), world_size=ws)
+                             cuda_available=torch.cuda.is_available(), world_size=ws,
+                             local_rank=local_rank())
 
     def _move_buffers(self, model: nn.Module) -> None:
         """Buffers live where compute runs (a CPU buffer of a CUDA model moves there)."""
@@ -162,9 +173,12 @@ class Engine:
             if not isinstance(exc, CollectiveError):
                 self.zero.comm.report_failure(exc)   # the other ranks' errors name this one
         try:
-            if self.hooks is not None:
-                self.hooks.reset()
-            self._shield(self._rollback_window)
+            # a signal arriving meanwhile is held until the rollback ended (Note [held
+            # interrupts]), then raised here
+            with self.gate.open(), self.gate:
+                if self.hooks is not None:
+                    self.hooks.reset()
+                self._shield(self._rollback_window)
         except KeyboardInterrupt as ki:
             if self.phase is not Phase.IDLE:    # the rollback did not finish
                 self._mark_failed(exc, ki)
@@ -261,14 +275,15 @@ class Engine:
         if self.dtype != torch.float32:
             args = tuple(self._cast(a) for a in args)
             kwargs = {k: self._cast(v) for k, v in kwargs.items()}
-        self.phase = Phase.FORWARD
-        try:
-            with self.timeline.span("forward", "forward"):
-                out = self.module(*args, **kwargs)
-            self.phase = Phase.IDLE
-        except BaseException as e:
-            self._abort_window(e)
-            raise
+        with self.gate.open():                # Note [held interrupts]
+            try:
+                self.phase = Phase.FORWARD
+                with self.timeline.span("forward", "forward"):
+                    out = self.module(*args, **kwargs)
+                self.phase = Phase.IDLE
+            except BaseException as e:
+                self._abort_window(e)
+                raise
         return out
 
     def _cast(self, x):
@@ -294,28 +309,29 @@ class Engine:
         if scale != 1.0:
             loss = loss.float() * scale      # fp32: an fp16 loss times 65536 overflows
         final = (self.micro_steps + 1) % self.gas == 0
-        self.phase = Phase.BACKWARD
-        try:
-            self.opt.before_backward(final)
-            if final:
-                self._txn = self._new_txn() if self.commit_point and \
-                    (self.swap is not None or self.overlap is not None) else None
-            ov = self.overlap
-            if ov is not None and final and self.overlap_optimizer_step and not retain_graph:
-                ov.begin(self._txn)
-            with self.timeline.span("backward", "backward"):
-                try:
-                    loss.backward(retain_graph=retain_graph)
-                finally:
-                    if ov is not None:
-                        ov.end()
-                self.hooks.finish_backward()
-                self.opt.end_backward()
-            self._has_grads = True
-            self.phase = Phase.IDLE
-        except BaseException as e:
-            self._abort_window(e)
-            raise
+        with self.gate.open():                # Note [held interrupts]
+            try:
+                self.phase = Phase.BACKWARD
+                self.opt.before_backward(final)
+                if final:
+                    self._txn = self._new_txn() if self.commit_point and \
+                        (self.swap is not None or self.overlap is not None) else None
+                ov = self.overlap
+                if ov is not None and final and self.overlap_optimizer_step and not retain_graph:
+                    ov.begin(self._txn)
+                with self.timeline.span("backward", "backward"):
+                    try:
+                        loss.backward(retain_graph=retain_graph)
+                    finally:
+                        if ov is not None:
+                            ov.end()
+                    self.hooks.finish_backward()
+                    self.opt.end_backward()
+                self._has_grads = True
+                self.phase = Phase.IDLE
+            except BaseException as e:
+                self._abort_window(e)
+                raise
 
     def step(self) -> bool:
         """Call after every micro-batch; applies the optimizer at accumulation boundaries.
@@ -337,42 +353,46 @@ class Engine:
             raise RuntimeError(f"engine.step: called while modules are still executing "
                                f"(groups in use: {busy[:4]}); call it after backward")
         od = self.acct.counters.get("on_demand_fetches", 0)
-        self.phase = Phase.STEPPING
         committed = [False]
-        try:
-            self.mm.wait_host_reads()          # no copy may still read a home being updated
-            with self.timeline.span("optimizer", "step"):
-                done = self.overlap.finish() if self.overlap is not None else None
-                txn = self._txn
+        with self.gate.open():                # Note [held interrupts]
+            try:
+                self.phase = Phase.STEPPING
+                self.mm.wait_host_reads()      # no copy may still read a home being updated
+                with self.timeline.span("optimizer", "step"):
+                    done = self.overlap.finish() if self.overlap is not None else None
+                    txn = self._txn
 
-                def on_commit(moved):
-                    self._after_commit(moved)
-                    committed[0] = True
+                    def on_commit(moved):
+                        self._after_commit(moved)
+                        committed[0] = True
 
-                def on_rollback(keys):
-                    self._after_rollback(keys)
-                    self.micro_steps += 1      # the window is consumed (skipped)
-                    self._has_grads = False
-                    committed[0] = True
+                    def on_rollback(keys):
+                        self._after_rollback(keys)
+                        self.micro_steps += 1      # the window is consumed (skipped)
+                        self._has_grads = False
+                        committed[0] = True
 
-                applied = self.opt.boundary_step(done or None, txn=txn, shield=self._shield,
-                                                 on_commit=on_commit, on_rollback=on_rollback)
-                if not applied and txn is None:
-                    on_rollback(())
-                self._txn = None
-            if applied:
-                self.mm.refresh_resident()     # separate device: resident copies from mirrors
-            self.timeline.mark_step(self.opt.boundaries)
-            self._last_on_demand = od - getattr(self, "_od_at_last_step", 0)
-            self._od_at_last_step = od
-            self.phase = Phase.IDLE
-        except BaseException as e:
-            if committed[0]:                   # the update is in: only the signal remains
-                self._txn = None
+                    with self.gate.allow():    # interruptible: rolls back, commits shielded
+                        applied = self.opt.boundary_step(done or None, txn=txn,
+                                                         shield=self._shield,
+                                                         on_commit=on_commit,
+                                                         on_rollback=on_rollback)
+                    if not applied and txn is None:
+                        on_rollback(())
+                    self._txn = None
+                if applied:
+                    self.mm.refresh_resident()     # separate device: resident copies from mirrors
+                self.timeline.mark_step(self.opt.boundaries)
+                self._last_on_demand = od - getattr(self, "_od_at_last_step", 0)
+                self._od_at_last_step = od
                 self.phase = Phase.IDLE
-            else:
-                self._abort_window(e)
-            raise
+            except BaseException as e:
+                if committed[0]:                   # the update is in: only the signal remains
+                    self._txn = None
+                    self.phase = Phase.IDLE
+                else:
+                    self._abort_window(e)
+                raise
         if not applied and self.dtype != torch.float16:
             self._nonfinite(self.opt.boundaries)
         return applied

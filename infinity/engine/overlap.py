@@ -132,12 +132,9 @@ class OverlappedStep:
         master), so their held buffers go back now."""
         self.active = False
         self._pending = {}
-        held, self._held = self._held, {}
+        held, self._held = self._held, {}     # forgotten before returned: Note [held interrupts]
         for buf in held.values():
-            # (an interrupt between taking a buffer over and telling the manager leaves
-            # it with both: the pool knows whether it is still out)
-            if self.mm.device_pool.is_leased(buf):
-                self.mm.give_back_device(buf)
+            self.mm.give_back_device(buf)
         self._reap()
 
     def reclaim_blocked(self) -> None:
@@ -175,18 +172,18 @@ class OverlappedStep:
         pool (lazy gradients), its cached copy unpinned."""
         if not self._stepping:
             return
-        keep = []
-        for entry in self._stepping:
-            f, g, buf = entry
-            if not f.done():
-                keep.append(entry)
-                continue
-            if buf is not None and self.mm.device_pool.is_leased(buf):   # (see end())
+        finished = [e for e in self._stepping if e[0].done()]
+        if not finished:
+            return
+        # forgotten before their buffers are returned (never returned twice)
+        gone = {id(e) for e in finished}
+        self._stepping = [e for e in self._stepping if id(e) not in gone]
+        for f, g, buf in finished:
+            if buf is not None:
                 self.mm.give_back_device(buf)
             self.mm.pinned.discard(g.gid)
             if f.exception() is None:
                 self.opt.release_grad(g)
-        self._stepping = keep
 
     def grad_arrived(self, g: GroupRecord, slot_index: int) -> None:
         """Called after slot ``slot_index`` of ``g`` accumulated its gradient."""

@@ -126,7 +126,15 @@ class Estimate:
                                                 "activation_checkpointing": b[1] == "checkpointing",
                                                 "step_s": b[0].steps[b[1]].step_s},
                 "verdict": self.verdict(),
+                "gpu_caveat": self.gpu_caveat(),
                 "what_if": None if self.what_if is None else self.what_if.as_dict()}
+
+    def gpu_caveat(self) -> str | None:
+        """One line while infinity's GPU path has not run on a GPU (``--gpus`` > 0)."""
+        if not self.machine.gpus:
+            return None
+        return ("Note: infinity's GPU path is written and tested through simulated devices "
+                "and has not yet run on a GPU; treat GPU figures as unvalidated.")
 
     def text(self, details=False):
         from .report import format_estimate

@@ -106,6 +106,8 @@ def format_estimate(est, details=False):
     """The header, the table and the verdict; ``details`` (``--explain``) adds each
     configuration's items, formulas and step-time derivation."""
     lines = format_header(est) + [""] + format_summary_table(est) + ["", "Verdict: " + est.verdict()]
+    if est.gpu_caveat():
+        lines += [est.gpu_caveat()]
     if not details:
         lines += ["", "(per-configuration items, formulas and the step-time derivation: --explain)"]
     if details:

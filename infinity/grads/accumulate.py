@@ -1,7 +1,8 @@
 """Gradient accumulation: each parameter's gradient, once it left the device, is copied
 (first micro-step of a window) or added in fp32 into its group's host buffer — leased up
 front, or lazily while the parameter cache lends the host pool out — or goes through
-:class:`~infinity.grads.d2h.GradD2H` (separate device memory) or to the NVMe gradient
+:class:`~infinity.grads.d2h.GradD2H` (separate device memory: one D2H per group, the adds
+on its worker thread) or to the NVMe gradient
 home (:class:`~infinity.grads.nvme_store.NvmeGradStore`); at the boundary the global norm
 is taken over whatever holds them.
 
@@ -89,8 +90,11 @@ class GradAccumulation:
         (at most ``max_inflight_bytes`` of pinned staging outstanding)."""
         if not device_tier.zero_copy:
             from infinity.grads.d2h import GradD2H
+            # the fp32 adds run on GradD2H's worker unless the sink leases from pools
+            # (NVMe gradient home, lazily leased buffers): pools are not thread-safe
+            threaded = self.nvme_grads is None and not self.lazy_grads
             self.grad_d2h = GradD2H(device_tier, self.host_pool, self._accumulate_host,
-                                    max_inflight_bytes)
+                                    max_inflight_bytes, threaded=threaded)
 
     def accumulate(self, g: GroupRecord, slot: ParamSlot, grad: torch.Tensor) -> None:
         if self.grad_d2h is not None:

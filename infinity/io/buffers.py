@@ -17,6 +17,22 @@ from .. import _aio
 log = logging.getLogger("infinity.io")
 
 PAGE = mmap.PAGESIZE
+# host buffers are registered with CUDA only once an engine computes on a CUDA device
+# (enable_cuda_pinning at initialize): a CPU model never creates a CUDA context (which
+# also breaks forked DataLoader workers)
+_pin_for_cuda = False
+
+
+def enable_cuda_pinning() -> None:
+    """From now on :func:`aligned_empty` registers its memory with CUDA (page-locked, so
+    host<->device copies are truly asynchronous).  Called by ``initialize`` for a model
+    that computes on CUDA."""
+    global _pin_for_cuda
+    _pin_for_cuda = True
+
+
+def cuda_pinning_enabled() -> bool:
+    return _pin_for_cuda
 HUGE = 2 << 20  # x86-64 / arm64 (4 KiB granule) transparent huge page size
 _warned = set()
 _warn_lock = threading.Lock()
@@ -36,30 +52,38 @@ def _unregister(cudart, ptr, _mapping):
 
 
 def _cuda_register(ptr, nbytes, owner, mapping):
-    """cudaHostRegister the mapping when CUDA is available (never on CPU-only hosts).
+    """cudaHostRegister the mapping once :func:`enable_cuda_pinning` was called (a CUDA
+    engine exists); never for CPU-only runs.
 
     Unregistered when ``owner`` (the exporter the tensor's storage holds) dies, *before*
     ``mapping`` is unmapped: the finalizer holds ``mapping`` until it has run (an mmap
     unmaps in its own dealloc before its weakref callbacks run)."""
+    if not _pin_for_cuda:
+        return
+    consequence = ("host buffers are not pinned: every host<->device copy becomes a "
+                   "synchronous staged copy that no longer overlaps compute (check "
+                   "`ulimit -l` and the container's locked-memory limit)")
     try:
         if not torch.cuda.is_available():
             return
         cudart = torch.cuda.cudart()
         rc = cudart.cudaHostRegister(ptr, nbytes, 0)
         if int(rc) != 0:
-            _warn_once("cudaHostRegister", "cudaHostRegister failed (code %s): host buffers are "
-                       "not pinned, host<->device copies will be slower", int(rc))
+            _warn_once("cudaHostRegister", "cudaHostRegister of %d bytes failed (code %s): %s",
+                       nbytes, int(rc), consequence)
             return
         weakref.finalize(owner, _unregister, cudart, ptr, mapping)
     except Exception as e:  # CUDA present but unusable: tensors still work, unpinned
-        _warn_once("cudaHostRegister", "cannot pin host buffers for CUDA: %s", e)
+        _warn_once("cudaHostRegister", "cannot pin host buffers for CUDA (%s): %s", e,
+                   consequence)
 
 
 def aligned_empty(numel, dtype=torch.uint8, *, lock=True):
     """An uninitialised, page-aligned, contiguous CPU tensor of `numel` elements.
 
     The memory is mlock'ed when RLIMIT_MEMLOCK permits (a warning is logged once
-    otherwise) and registered with CUDA when CUDA is available. Mappings of 2 MiB or
+    otherwise) and registered with CUDA once an engine computes on CUDA
+    (:func:`enable_cuda_pinning`). Mappings of 2 MiB or
     more ask for transparent huge pages (``MADV_HUGEPAGE``): physically contiguous
     memory makes each O_DIRECT request a few DMA segments (see docs/benchmarks.md,
     "I/O engine vs fio"). It is freed when

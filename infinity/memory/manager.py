@@ -71,7 +71,6 @@ class MemoryManager:
         self.device_pool: BufferPool = self.dev.pool
         self._inflight: dict[int, GroupRecord] = {}   # gid -> group with a _Fetch pending
         self._by_storage: dict[int, GroupRecord] = {}
-        self._overflow_warned = False
         self.closed = False
         # the overlapped step (infinity.engine.overlap) listens, attached with
         # attach_listener: on_release(g, buf) when an NVMe-homed group is released (buf None
@@ -143,21 +142,8 @@ class MemoryManager:
     def _lease_device(self, g: GroupRecord, allow_overflow: bool) -> torch.Tensor | None:
         """A device buffer for ``g``; None when the budget is full and ``allow_overflow`` is
         false, else one past the budget (warned once, counted) so training progresses."""
-        if self.device_pool.can_lease(g.nbytes):
-            return self.device_pool.lease(g.nbytes, g.dtype)
-        if not allow_overflow:
-            return None
-        if not self._overflow_warned:
-            log.warning("device tier: budget %s bytes too small for the working set; "
-                        "exceeding it to make progress (raise offload.device_memory_gb)",
-                        self.device_pool.budget)
-            self._overflow_warned = True
-        self.acct.count("device_budget_overflows")
-        budget, self.device_pool.budget = self.device_pool.budget, None
-        try:
-            return self.device_pool.lease(g.nbytes, g.dtype)
-        finally:
-            self.device_pool.budget = budget
+        return self.dev.lease_or_overflow(g.nbytes, g.dtype, "the working set of parameters",
+                                          allow_overflow)
 
     def fetch_async(self, g: GroupRecord, *, allow_overflow: bool) -> bool:
         """Start bringing ``g`` to the device tier. Returns False when the budget is full
@@ -251,7 +237,7 @@ class MemoryManager:
         staging, f.staging = f.staging, None
 
         def done(x=x, staging=staging):
-            self._link("h2d", x.nbytes, x.t0, x.t_done)
+            self._link("h2d", x.nbytes, x.t0, x.t_end)
             if staging is not None:
                 self.host_pool.give_back(staging)
         self.dev.retire(x, done)
@@ -306,7 +292,7 @@ class MemoryManager:
 
     def release(self, g: GroupRecord) -> None:
         """Drop ``g``'s device copy (its home copy stays current)."""
-        if g.home == "device" or g.state in (Location.NVME, Location.HOST, Location.CACHED):
+        if not self.paged(g) or g.state in (Location.NVME, Location.HOST, Location.CACHED):
             return
         if g.state is Location.DEVICE and g.device_buf is None:
             g.set_home_state()            # an interrupt landed inside an earlier release
@@ -325,7 +311,8 @@ class MemoryManager:
         if g.home == "nvme" and self._listener is not None:   # Note [Master hand-off]
             if self._listener.on_release(g, None if cached else buf):
                 buf = None                # taken over
-        if buf is not None and not cached and (g.home == "nvme" or not self.dev.zero_copy):
+        if buf is not None and not cached and buf is not g.host_buf:
+            # a leased compute buffer (a zero-copy host home is used in place: not leased)
             self._give_back(self.dev, buf)       # CUDA: the next copy into it waits for compute
         self._progress()
 
@@ -497,7 +484,7 @@ class MemoryManager:
         """Stream-ordered refresh of a resident device buffer from its host mirror, timed
         on the h2d link once it completed."""
         x = self.dev.refresh(dst, src)
-        self.dev.retire(x, lambda x=x: self._link("h2d", x.nbytes, x.t0, x.t_done))
+        self.dev.retire(x, lambda x=x: self._link("h2d", x.nbytes, x.t0, x.t_end))
 
     def group_of_storage(self, ptr: int) -> GroupRecord | None:
         return self._by_storage.get(ptr)

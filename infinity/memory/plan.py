@@ -87,6 +87,8 @@ class PlacementPlan:
         self.device["resident params"] = sum(g.nbytes for g in self.groups if g.home == "device")
         if self.param_home == "nvme" or (sep and self.param_home == "cpu"):
             self.device["fetch window (largest group x (depth + 2))"] = largest * (self.depth + 2)
+        if sep and trainable:     # GradD2H: groups assembled for their one D2H each
+            self.device["gradient D2H sources"] = self.grad_d2h_bytes
         # host tier
         if self.param_home == "cpu":
             self.host["param home"] = param_bytes

@@ -52,9 +52,12 @@ class BufferPool:
     """Size-classed pool of flat byte buffers for one tier (``"device"`` or ``"host"``)."""
 
     def __init__(self, tier: str, budget_bytes: int | None, accounting: Accounting, *,
-                 allocator=None):
+                 allocator=None, on_drop=None):
         self.tier = tier
         self._allocator = allocator or aligned_buffer   # nbytes -> flat uint8 tensor
+        # on_drop(raw): a free buffer leaves the pool for good (its owner may forget
+        # per-buffer state, e.g. the CUDA tier's last-use event of that address)
+        self._on_drop = on_drop
         self.budget = budget_bytes
         self.acct = accounting
         self._free: dict[int, list[torch.Tensor]] = {}
@@ -175,6 +178,8 @@ class BufferPool:
         """A leased buffer leaves the pool for good (its owner frees it by dropping it)."""
         size = self._check_out(buf, "detach")
         del self._out[buf.data_ptr()]
+        if self._on_drop is not None:
+            self._on_drop(buf)
         self.leased -= size
         self.allocated -= size
         self.acct.free(self.tier, size)
@@ -184,7 +189,9 @@ class BufferPool:
         for size in sorted(self._free, reverse=True):
             lst = self._free[size]
             while lst and need > 0:
-                lst.pop()
+                raw = lst.pop()
+                if self._on_drop is not None:
+                    self._on_drop(raw)
                 self.allocated -= size
                 self.acct.free(self.tier, size)
                 need -= size

@@ -22,6 +22,12 @@ States (``Location``)::
     CACHED --drop_host_copy--> NVME     (an NVMe-homed group forgets its cached host copy)
     DEVICE --forget_host_copy--> DEVICE  (in use: its buffer stops being a cached copy)
 
+A ZeRO-3 group (``sharded``) keeps only this rank's shard at its home, whichever it is,
+and is gathered into a full compute buffer before every use: NVMe home as above; a host
+or *device* home goes ``HOST --begin_to_device--> TO_DEVICE --finish_to_device-->
+DEVICE --release--> HOST`` (``HOST`` then means "at its home, not gathered": for a
+device home the shard stays resident in device memory).
+
 Nothing is ever written back on release: parameters do not change during
 forward/backward and the optimizer updates the home (and a cached copy) in place.
 
@@ -112,6 +118,7 @@ class GroupRecord:
     hold_until_backward_end: bool = False
     prefetched: bool = False          # fetched ahead of use by the prefetcher
     grad_buf: torch.Tensor | None = None     # fp32 accumulation buffer (padded_numel)
+    sharded: bool = False             # ZeRO-3: only this rank's shard is at home (paged)
 
     # ------------------------------------------------------------------ derived
     @property
@@ -177,9 +184,9 @@ class GroupRecord:
         Parameters never change during forward/backward, so the home copy is current and
         nothing is written back (the optimizer updates the home directly).
         """
-        if self.home == "device":
+        if self.home == "device" and not self.sharded:
             raise StateError(f"group {self.gid} ({self.name}): a device-homed group is never "
-                             f"released")
+                             f"released (only a ZeRO-3 shard is)")
         self._need(Location.DEVICE, op="release")
         buf, self.device_buf = self.device_buf, None
         for s in self.slots:

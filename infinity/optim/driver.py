@@ -116,6 +116,8 @@ class EngineOptimizer(GradAccumulation):
         self.zero_grad()
 
     def zero_grad(self) -> None:
+        if self.grad_d2h is not None:
+            self.grad_d2h.drain()     # nothing of this window may land after the reset
         self._written.clear()
         self._hp = None
         if self.nvme_grads is not None:
@@ -308,4 +310,6 @@ class EngineOptimizer(GradAccumulation):
                         master_buf=master_buf)
 
     def close(self) -> None:
+        if self.grad_d2h is not None:
+            self.grad_d2h.close()
         self.store.close()

@@ -164,8 +164,11 @@ class TilePipeline:
         g = task.grad
         if isinstance(g, torch.Tensor):
             gv = g[lo:lo + n]
-            if gv.device.type != "cpu":  # CUDA home "none": host copy of this tile (minimal path)
-                gv = gv.to("cpu")
+            if gv.device.type != "cpu":
+                # gradients leave the device before the step (infinity.grads): a device
+                # tensor here would need a synchronous copy per tile
+                raise ValueError(f"optimizer step of {task.item.key!r}: its gradient is on "
+                                 f"{gv.device}; the CPU optimizer reads host gradients only")
             slot.views["grad"] = gv
         else:
             gdt = task.item.grad_dtype

@@ -43,6 +43,7 @@ import torch
 
 from infinity.io import aligned_empty
 from infinity.memory.pool import ALIGN, round_up
+from infinity.runtime.interrupts import never_raise_in
 
 log = logging.getLogger("infinity.runtime")
 
@@ -54,7 +55,7 @@ __all__ = ["ActivationOffload", "SavedActivation", "SavedView", "ActivationBudge
 MIN_OFFLOAD_BYTES = 4096
 
 _CHECKPOINT_FILE = torch.utils.checkpoint.__file__
-_FRAMES = 8      # how far up the stack a checkpoint boundary's save is looked for
+_FRAMES = 12     # how far up the stack a checkpoint boundary's save is looked for
 
 
 def from_checkpoint_boundary() -> bool:
@@ -105,6 +106,9 @@ class SavedActivation:
                 store._dropped(self)
             except Exception as e:  # a destructor must not raise
                 log.warning("infinity: freeing an offloaded activation failed: %s", e)
+
+
+never_raise_in(SavedActivation.__del__)     # Note [held interrupts]: a destructor's signal
 
 
 class SavedView:

@@ -28,6 +28,7 @@ from infinity.memory.manager import MemoryManager
 from infinity.memory.record import GroupRecord, Location
 from infinity.runtime.activations import ActivationOffload, SavedActivation, SavedView
 from infinity.runtime.groups import Grouping
+from infinity.runtime.interrupts import InterruptGate, never_raise_in
 from infinity.runtime.prefetch import PrefetchCoordinator
 
 log = logging.getLogger("infinity.zero")
@@ -53,23 +54,32 @@ class _SavedRef:
         g.saved_refs += 1
 
     def __del__(self):
-        owner = self.owner
-        if owner is None or self.epoch != owner.epoch:
+        owner = getattr(self, "owner", None)      # (None: __init__ did not finish)
+        if owner is None or getattr(self, "epoch", None) != owner.epoch:
             return
         try:
-            owner._ref_dropped(self.g)
+            with owner.gate.quiet():      # (a destructor: a held signal waits, Note [held interrupts])
+                owner._ref_dropped(self.g)
         except Exception as e:  # a destructor must not raise: the error is logged, and
             # the next backward's finish_backward releases the group anyway
             log.warning("infinity: releasing group %s after its last saved tensor was dropped "
                         "failed: %s", getattr(self.g, "name", "?"), e)
 
 
+never_raise_in(_SavedRef.__del__)
+
+
 class ParamHooks:
     def __init__(self, model: nn.Module, grouping: Grouping, manager: MemoryManager,
-                 coordinator: PrefetchCoordinator, on_grad,
+                 coordinator: PrefetchCoordinator, on_grad, gate: InterruptGate | None = None,
                  activations: ActivationOffload | None = None):
         self.model = model
         self.acts = activations           # activation offload (None: activations stay)
+        # every hook body runs inside the gate: a signal never splits its bookkeeping
+        # (Note [held interrupts] in infinity.runtime.interrupts)
+        self.gate = gate if gate is not None else InterruptGate()
+        self._pack_hook, self._unpack_hook = self._gated(self._pack), self._gated(self._unpack)
+        self._end_backward_hook = self._gated(self._end_backward)
         self.grouping = grouping
         self.mm = manager
         self.coord = coordinator
@@ -88,19 +98,34 @@ class ParamHooks:
         self._bw_span: dict[str, list[float]] = {}
 
     # ------------------------------------------------------------------ install
+    def _gated(self, fn):
+        """``fn`` run as a hook body (Note [held interrupts])."""
+        gate = self.gate
+
+        def body(*args):
+            with gate:
+                return fn(*args)
+        return body
+
     def install(self) -> None:
         root = self.model
-        self.handles.append(root.register_forward_pre_hook(self._root_pre, prepend=True))
-        self.handles.append(root.register_forward_hook(self._root_post, always_call=True))
+        self.handles.append(root.register_forward_pre_hook(self._gated(self._root_pre),
+                                                           prepend=True))
+        self.handles.append(root.register_forward_hook(self._gated(self._root_post),
+                                                       always_call=True))
         for mod, groups in self.grouping.module_groups.items():
-            self.handles.append(mod.register_forward_pre_hook(self._make_pre(groups)))
-            self.handles.append(mod.register_forward_hook(self._make_post(groups),
-                                                          always_call=True))
+            self._install_module(mod, groups)
+        grad_hook = self._gated(self._grad_hook)
         for g in self.grouping.groups:
             for i, s in enumerate(g.slots):
                 self._slot_of[id(s.param)] = (g, i)
                 if s.trainable:
-                    self.handles.append(s.param.register_post_accumulate_grad_hook(self._grad_hook))
+                    self.handles.append(s.param.register_post_accumulate_grad_hook(grad_hook))
+
+    def _install_module(self, mod: nn.Module, groups: list[GroupRecord]) -> None:
+        self.handles.append(mod.register_forward_pre_hook(self._gated(self._make_pre(groups))))
+        self.handles.append(mod.register_forward_hook(self._gated(self._make_post(groups)),
+                                                      always_call=True))
 
     def add_external(self, module: nn.Module, g: GroupRecord) -> None:
         """Make ``module``'s forward fetch group ``g`` too (a parameter used outside the
@@ -111,9 +136,7 @@ class ParamHooks:
                                "register before forward")
         if groups is None:
             groups = self.grouping.module_groups[module] = [g]
-            self.handles.append(module.register_forward_pre_hook(self._make_pre(groups)))
-            self.handles.append(module.register_forward_hook(self._make_post(groups),
-                                                             always_call=True))
+            self._install_module(module, groups)
         elif g not in groups:
             groups.append(g)
 
@@ -169,7 +192,8 @@ class ParamHooks:
             if torch.is_grad_enabled():
                 if self.acts is not None:
                     self.acts.begin_pass()
-                ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+                ctx = torch.autograd.graph.saved_tensors_hooks(self._pack_hook,
+                                                               self._unpack_hook)
                 ctx.__enter__()
                 self._saved_ctx.append(ctx)
             else:
@@ -273,7 +297,7 @@ class ParamHooks:
     def _mark_backward(self, g: GroupRecord, *, recompute: bool) -> None:
         if not self._bw_callback_queued:
             self._bw_callback_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward_hook)
         if recompute:
             g.hold_until_backward_end = True
             g.grads_pending = {i for i, s in enumerate(g.slots) if s.trainable}
@@ -293,7 +317,7 @@ class ParamHooks:
                 self._bw_touch(g, start=True)
         if in_backward() and not self._bw_callback_queued:
             self._bw_callback_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward_hook)
         if g.hold_until_backward_end and g.grads_pending:
             g.grads_pending.discard(i)
             if not g.grads_pending:

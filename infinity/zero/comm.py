@@ -2,7 +2,14 @@
 
 * :func:`ensure_process_group` creates the default process group from the environment
   (``torchrun`` sets ``WORLD_SIZE``, ``RANK``, ``MASTER_ADDR``, ``MASTER_PORT``) when
-  ``WORLD_SIZE`` > 1 and none exists yet, with ``dist_timeout_s`` as the timeout.
+  ``WORLD_SIZE`` > 1 and none exists yet, with ``dist_timeout_s`` as the timeout: one
+  group with both backends, ``"cpu:gloo,cuda:nccl"`` when CUDA is available (this rank's
+  device ``cuda:LOCAL_RANK`` is made current first), ``"gloo"`` otherwise.  A collective
+  runs on the backend of its tensors' device: device buffers (all-gathers, gradient
+  reduce-scatters) over NCCL, host tensors (votes, norms, host mirrors) over gloo.
+* :class:`Comm` is the one facade every collective goes through.  A process group the
+  user created is used when it can carry the tensors' devices (a CPU backend always, a
+  CUDA one when computing on CUDA); otherwise :func:`check_backends` says what to create.
 * :class:`Comm` owns two extra process groups over the same ranks: ``param`` (parameter
   all-gathers, issued only by the fetch worker thread) and ``grad`` (gradient
   reductions, issued only by the training thread).  Collectives are matched across ranks
@@ -30,7 +37,8 @@ import torch.distributed as dist
 
 log = logging.getLogger("infinity.zero")
 
-__all__ = ["CollectiveError", "CommHandle", "Comm", "ensure_process_group", "env_world_size"]
+__all__ = ["CollectiveError", "CommHandle", "Comm", "ensure_process_group", "env_world_size",
+           "backend_map", "check_backends", "default_backend", "local_rank"]
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or \
@@ -62,13 +70,69 @@ def ensure_process_group(timeout_s: float) -> bool:
     if missing:
         raise RuntimeError(f"WORLD_SIZE={ws} but {', '.join(missing)} not set; launch with "
                            f"torchrun (or set RANK, MASTER_ADDR and MASTER_PORT)")
-    # gloo even on a CUDA machine: ZeRO's shards and collectives live in host memory (the
-    # CUDA device tier is single-process; see docs/zero.md)
-    backend = "gloo"
+    backend = default_backend()
+    if "nccl" in backend:
+        torch.cuda.set_device(local_rank())   # NCCL binds this rank to its own GPU
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=float(timeout_s)))
     log.info("created the %s process group: rank %d of %d (timeout %ss)", backend,
              dist.get_rank(), ws, timeout_s)
     return True
+
+
+def local_rank() -> int:
+    """This rank's index on its node (``LOCAL_RANK`` from torchrun; 0 when unset)."""
+    v = os.environ.get("LOCAL_RANK", "0")
+    try:
+        return int(v)
+    except ValueError as e:
+        raise ValueError(f"LOCAL_RANK={v!r} is not an integer") from e
+
+
+def default_backend() -> str:
+    """The backend infinity creates: both, so each tensor goes over its device's backend."""
+    from infinity.memory.device import simulate_device
+    if torch.cuda.is_available() and dist.is_nccl_available() and not simulate_device():
+        return "cpu:gloo,cuda:nccl"
+    return "gloo"
+
+
+def backend_map(group=None) -> dict[str, str]:
+    """``{device type: backend}`` of a process group (``"cpu:gloo,cuda:nccl"`` ->
+    ``{"cpu": "gloo", "cuda": "nccl"}``; a plain ``"nccl"`` group carries CUDA only)."""
+    try:
+        cfg = str(dist.get_backend_config(group))
+    except Exception:  # noqa: BLE001 - older torch: the plain backend name
+        cfg = str(dist.get_backend(group))
+    out = {}
+    for part in cfg.split(","):
+        if ":" in part:
+            dev, be = part.split(":", 1)
+            out[dev.strip()] = be.strip()
+        elif part.strip() == "nccl":
+            out["cuda"] = "nccl"
+        elif part.strip():
+            out.setdefault("cpu", part.strip())
+            out.setdefault("cuda", part.strip())
+    return out
+
+
+def check_backends(backends: dict[str, str], device: torch.device, world_size: int) -> None:
+    """Raise with what to create when the group cannot carry infinity's tensors: host ones
+    (votes, norms, host mirrors, stage-1 gradients) always, device ones on CUDA."""
+    device = torch.device(device)
+    want = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+    have = ",".join(f"{k}:{v}" for k, v in backends.items()) or "none"
+    missing = [t for t in ("cpu", device.type) if t not in backends]
+    if missing:
+        raise RuntimeError(
+            f"ZeRO over {world_size} ranks on {device}: the default process group "
+            f"({have}) has no backend for {' and '.join(sorted(set(missing)))} tensors, which "
+            f"infinity's collectives use; create it with "
+            f"dist.init_process_group({want!r}) (or let infinity.initialize create it)")
+    if device.type == "cuda" and backends.get("cuda") != "nccl":
+        log.warning("ZeRO on %s: CUDA tensors go over %r, not NCCL (slow: staged through "
+                    "the host); create the group with dist.init_process_group(%r)",
+                    device, backends.get("cuda"), want)
 
 
 class CommHandle:
@@ -105,19 +169,17 @@ class CommHandle:
 class Comm:
     """Rank/world facts and the collectives ZeRO needs, over the default process group."""
 
-    def __init__(self, *, timeout_s: float = 600.0, accounting=None, timeline=None):
+    def __init__(self, *, timeout_s: float = 600.0, accounting=None, timeline=None,
+                 device: torch.device | str = "cpu"):
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError("Comm: no torch.distributed process group; call "
                                "ensure_process_group() or launch with torchrun")
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
-        self.backend = dist.get_backend()
-        if self.backend != "gloo":
-            raise RuntimeError(
-                f"ZeRO over {self.world_size} ranks: the default process group uses "
-                f"{self.backend!r}, but infinity's partitioned shards and collectives live in "
-                f"host memory and need gloo; create it with "
-                f"dist.init_process_group('gloo') or let infinity.initialize create it")
+        self.backends = backend_map()
+        self.backend = ",".join(f"{k}:{v}" for k, v in self.backends.items()) \
+            if len(set(self.backends.values())) > 1 else dist.get_backend()
+        check_backends(self.backends, torch.device(device), self.world_size)
         self.timeout_s = float(timeout_s)
         self.acct = accounting
         self.timeline = timeline

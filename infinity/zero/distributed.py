@@ -38,7 +38,8 @@ class ZeroSetup:
         self.part = Partition(comm.rank, comm.world_size)
 
     @classmethod
-    def from_config(cls, cfg, *, accounting=None, timeline=None) -> "ZeroSetup | None":
+    def from_config(cls, cfg, *, accounting=None, timeline=None,
+                    device="cpu") -> "ZeroSetup | None":
         """The partitioning setup, or None at world size 1 (see :meth:`with_grad_spill`)."""
         import torch.distributed as dist
         created = ensure_process_group(cfg.dist_timeout_s)
@@ -50,7 +51,8 @@ class ZeroSetup:
         if stage < 3 and cfg.offload.params != "none":
             raise ValueError(f"offload.params={cfg.offload.params!r} needs zero_stage 3 "
                              f"(stage {stage} keeps a full copy of the parameters on every rank)")
-        comm = Comm(timeout_s=cfg.dist_timeout_s, accounting=accounting, timeline=timeline)
+        comm = Comm(timeout_s=cfg.dist_timeout_s, accounting=accounting, timeline=timeline,
+                    device=device)
         log.info("ZeRO stage %d over %d ranks (%s), this is rank %d", stage, comm.world_size,
                  comm.backend, comm.rank)
         return cls(comm, stage, created)

@@ -1,23 +1,31 @@
 """ZeRO stage 3: each rank homes only its shard of every parameter group.
 
-:class:`PartitionedMemoryManager` keeps the interface of
-:class:`infinity.memory.manager.MemoryManager` (``place``, ``fetch_async``,
-``wait_resident``, ``release``, ``paged``, ``group_of_storage``), so the hooks and the
-prefetch coordinator drive it unchanged:
+:class:`PartitionedMemoryManager` is a :class:`infinity.memory.manager.MemoryManager`
+(the same ``place``/``fetch_async``/``wait_resident``/``release``/``close``, the same
+``_Fetch`` records and the same :class:`~infinity.memory.device.DeviceTier` protocol), so
+the hooks and the prefetch coordinator drive it unchanged; what differs is what a fetch
+does:
 
 * ``place``: the group's flat values are assembled once in a staging buffer and only
-  this rank's shard ``[lo, hi)`` is kept at the home: a host buffer (``"cpu"``; a
-  ``"device"`` home is host memory too on a CPU-only machine, leased from the device
-  tier's pool) or a shard-sized NVMe extent in this rank's own swap directory.
-* ``fetch_async``: leases a full-size buffer on the device tier and hands the fetch to a
-  single worker thread that (NVMe home) reads the shard straight into its slot of that
-  buffer and then all-gathers the other ranks' shards into it.  Because the prefetch
-  coordinator calls ``fetch_async`` ``depth`` groups ahead, the reads and all-gathers of
-  the next groups overlap the compute of the current one.  All parameter all-gathers are
-  issued by that one thread on the ``param`` process group, in ``fetch_async`` order,
-  which is the same on every rank (same model, same trace, same budgets).
-* ``release``: returns the full buffer; the shard at home is the current value (the
-  optimizer updates it in place), so nothing is written back.
+  this rank's shard ``[lo, hi)`` is kept at its home (``record.sharded``; the home is not
+  rewritten): a host buffer (``"cpu"``), a shard-sized NVMe extent in this rank's own swap
+  directory (``"nvme"``), or resident device memory (``"device"``: on separate device
+  memory with a host mirror that the CPU optimizer updates, copied back to the device
+  shard after each step by :meth:`refresh_resident`).
+* ``fetch_async``: leases a full-size compute buffer on the device tier (within its
+  budget, or counted as an overflow) and hands the fetch to a single worker thread that
+  brings this rank's shard into its slot of that buffer — NVMe: read straight into it
+  (CPU) or into pinned host staging and then H2D on the copy stream (separate device
+  memory); host home: H2D (separate) or used as the all-gather's input (CPU); device
+  home: the resident shard is the input — and then all-gathers the other ranks' shards
+  **into the device buffer** (in place, no clone), on the device tier's side stream.
+  Compute waits on the gather's completion marker (:meth:`DeviceTier.compute_waits`).
+  Because the prefetch coordinator calls ``fetch_async`` ``depth`` groups ahead, the
+  reads, copies and all-gathers of the next groups overlap the compute of the current
+  one.  All parameter all-gathers are issued by that one thread on the ``param`` process
+  group, in ``fetch_async`` order, which is the same on every rank.
+* ``release``: the base's: the full buffer goes back to the device tier; the shard at
+  home is current (the optimizer updates it in place), nothing is written back.
 """
 from __future__ import annotations
 
@@ -27,7 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from infinity.memory.manager import MemoryManager
+from infinity.memory.manager import MemoryManager, _Fetch
 from infinity.memory.record import GroupRecord, Location
 from infinity.zero.comm import Comm
 from infinity.zero.partition import Partition
@@ -37,38 +45,68 @@ log = logging.getLogger("infinity.zero")
 __all__ = ["PartitionedMemoryManager"]
 
 
+class _Gather:
+    """The fetch worker's job for one group: the ``handle`` of the manager's ``_Fetch``
+    (``done()``/``wait()`` like an NVMe read handle).  ``staging``: pinned host staging
+    of an NVMe shard on separate device memory (given back once the job is done);
+    ``marker``: after ``wait()``, the device-side completion compute waits on."""
+    __slots__ = ("fut", "staging", "marker")
+
+    def __init__(self, fut, staging=None):
+        self.fut = fut
+        self.staging = staging
+        self.marker = None
+
+    def done(self) -> bool:
+        return self.fut.done()
+
+    def wait(self) -> None:
+        self.marker = self.fut.result()     # re-raises the worker's AioError / CollectiveError
+
+
 class PartitionedMemoryManager(MemoryManager):
     def __init__(self, groups: list[GroupRecord], *, comm: Comm, **kw):
         super().__init__(groups, **kw)
         self.comm = comm
         self.part = Partition(comm.rank, comm.world_size)
         self._worker = ThreadPoolExecutor(1, thread_name_prefix=f"infinity-gather-r{comm.rank}")
-        self._shard_pool: dict[int, object] = {}    # gid -> pool the home shard came from
+        # device home: this rank's resident shard in device memory (on a zero-copy tier
+        # the same tensor as host_buf), and the last refresh of it from the host mirror
+        self._resident: dict[int, torch.Tensor] = {}
+        self._refreshed: dict[int, object] = {}
         for g in groups:
-            if g.home == "device":
-                # the shard lives in the device tier's memory, but the group is paged
-                # (gathered before use); on CPU that memory is host memory
-                g.home = "cpu"
-                self._shard_pool[g.gid] = self.device_pool
-            elif g.home == "cpu":
-                self._shard_pool[g.gid] = self.host_pool
+            g.sharded = True
 
     def shard(self, g: GroupRecord) -> tuple[int, int]:
         return self.part.range(g.padded_numel)
 
+    def _shard_bytes(self, g: GroupRecord) -> int:
+        lo, hi = self.shard(g)
+        return (hi - lo) * g.dtype.itemsize
+
     # ------------------------------------------------------------------ setup
     def place(self, g: GroupRecord, staging: torch.Tensor | None = None) -> None:
         lo, hi = self.shard(g)
-        esize = torch.empty((), dtype=g.dtype).element_size()
-        shard_bytes = (hi - lo) * esize
+        shard_bytes = self._shard_bytes(g)
         own = staging is None or staging.numel() < g.nbytes
         full = self.host_pool.lease(g.nbytes, g.dtype) if own else \
             staging.view(g.dtype)[: g.padded_numel]
         try:
             self._fill(g, full)
-            if g.home == "cpu":
-                pool = self._shard_pool[g.gid]
-                g.host_buf = pool.lease(shard_bytes, g.dtype)
+            if g.home == "device" and self.dev.zero_copy:
+                # the shard lives in the device tier's memory (host memory on CPU)
+                g.host_buf = self.device_pool.lease(shard_bytes, g.dtype)
+                g.host_buf.copy_(full[lo:hi])
+                self._resident[g.gid] = g.host_buf
+            elif g.home == "device":
+                # separate device memory: a host mirror for the CPU optimizer and the
+                # resident device shard the all-gathers read
+                g.host_buf = self.host_pool.lease(shard_bytes, g.dtype)
+                g.host_buf.copy_(full[lo:hi])
+                self._resident[g.gid] = self.device_pool.lease(shard_bytes, g.dtype)
+                self._refresh(g)
+            elif g.home == "cpu":
+                g.host_buf = self.host_pool.lease(shard_bytes, g.dtype)
                 g.host_buf.copy_(full[lo:hi])
             elif g.home == "nvme":
                 if self.swap is None:
@@ -95,59 +133,123 @@ class PartitionedMemoryManager(MemoryManager):
         if buf is None:
             return False
         t0 = time.perf_counter()
-        fut = self._worker.submit(self._gather, g, buf)
+        staging = None
+        try:
+            if g.home == "nvme" and not self.dev.zero_copy:
+                staging = self.host_pool.lease(self._shard_bytes(g), g.dtype)
+            f = _Fetch(_Gather(self._worker.submit(self._gather, g, buf, staging), staging), t0)
+        except BaseException:
+            if staging is not None:
+                self.host_pool.give_back(staging)
+            self.dev.give_back(buf)
+            raise
         if g.home == "nvme":
-            g.begin_read(buf, (fut, t0))
+            g.begin_read(buf, f)
         else:
-            g.begin_to_device(buf, (fut, t0))
+            g.begin_to_device(buf, f)
+        self._inflight[g.gid] = g
         return True
 
-    def _gather(self, g: GroupRecord, buf: torch.Tensor) -> None:
-        """Worker thread: shard from home into its slot of ``buf``, then all-gather."""
+    def _gather(self, g: GroupRecord, buf: torch.Tensor, staging):
+        """Worker thread: this rank's shard into its slot of ``buf``, then all-gather the
+        others into ``buf`` on the device; returns the completion marker."""
         lo, hi = self.shard(g)
         mine = buf[lo:hi]
-        if g.home == "nvme":
-            t0 = time.perf_counter()
-            self.swap.read(g.extent, mine).wait()
-            self._link("nvme_read", mine.numel() * mine.element_size(), t0)
-        else:
-            mine.copy_(g.host_buf)
-        self.comm.all_gather_into(buf, mine.clone(), group="param",
-                                  name=f"parameters of group {g.gid} ({g.name or '<root>'})")
+        name = f"parameters of group {g.gid} ({g.name or '<root>'})"
+        with self.dev.side_stream():
+            if g.home == "device" or (g.home == "cpu" and self.dev.zero_copy):
+                # the resident shard (or a zero-copy host home) is the all-gather's input
+                src = self._resident.get(g.gid, g.host_buf)
+                x = self._refreshed.get(g.gid)
+                if x is not None:
+                    x.wait_host()             # the last refresh from the mirror has landed
+                self.dev.wait_free(buf)
+                self.comm.all_gather_into(buf, src, group="param", name=name)
+                return self.dev.mark(buf)
+            if g.home == "nvme":
+                t0 = time.perf_counter()
+                self.swap.read(g.extent, mine if staging is None else staging).wait()
+                self._link("nvme_read", self._shard_bytes(g), t0)
+                src = staging
+            else:
+                src = g.host_buf
+            if src is not None:               # separate device memory: H2D of the shard
+                x = self.dev.h2d(mine, src)
+                x.wait_host()                 # (it also waited for compute's last use)
+                self._link("h2d", x.nbytes, x.t0, x.t_end)
+            else:
+                self.dev.wait_free(buf)
+            self.comm.all_gather_into(buf, mine, group="param", name=name)   # in place
+            return self.dev.mark(buf)
 
-    def wait_resident(self, g: GroupRecord) -> None:
+    def _wait_resident(self, g: GroupRecord) -> None:
+        self._progress()
         if g.state in (Location.READING, Location.TO_DEVICE):
-            fut, _t0 = g.pending
-            fut.result()        # re-raises the worker's AioError / CollectiveError
+            f = g.pending
+            try:
+                f.handle.wait()
+            finally:
+                self._drop_staging(f)
+            self.dev.compute_waits(f.handle.marker)
             if g.state is Location.READING:
                 g.finish_read()
             else:
                 g.finish_to_device()
-            self._by_storage[g.device_buf.untyped_storage().data_ptr()] = g
         elif g.state is not Location.DEVICE:
             raise RuntimeError(f"memory: group {g.gid} ({g.name}) was not fetched "
                                f"(state {g.state.name})")
+        self._inflight.pop(g.gid, None)
+        if g.device_buf is not None:
+            self._by_storage[g.device_buf.untyped_storage().data_ptr()] = g
 
-    def release(self, g: GroupRecord) -> None:
-        if g.state in (Location.NVME, Location.HOST):
+    def _drop_staging(self, f) -> None:
+        h = f.handle if isinstance(f, _Fetch) else None
+        if isinstance(h, _Gather) and h.staging is not None and h.fut.done():
+            staging, h.staging = h.staging, None
+            self._give_back(self.host_pool, staging)
+
+    def _forget_fetch(self, g: GroupRecord, err: BaseException | None = None) -> None:
+        f = g.pending
+        super()._forget_fetch(g, err)          # waits for the worker's job
+        if f is not None:
+            self._drop_staging(f)
+
+    # ------------------------------------------------------------------ host updates
+    def mirrored(self) -> list[GroupRecord]:
+        return []                              # device homes are shards (refresh_resident)
+
+    def _refresh(self, g: GroupRecord) -> None:
+        x = self.dev.refresh(self._resident[g.gid], g.host_buf)
+        self._refreshed[g.gid] = x
+        self.dev.retire(x, lambda x=x: self._link("h2d", x.nbytes, x.t0, x.t_end))
+
+    def refresh_resident(self) -> None:
+        """After the optimizer updated the host mirrors of device-homed shards (separate
+        device memory): copy each to its resident device shard on the copy stream."""
+        if self.dev.zero_copy:
             return
-        if g.state in (Location.READING, Location.TO_DEVICE):
-            self.wait_resident(g)
-        buf = g.device_buf
-        self._by_storage.pop(buf.untyped_storage().data_ptr(), None)
-        g.release()
-        self.device_pool.give_back(buf)
+        for g in self.groups:
+            if g.home == "device":
+                self._refresh(g)
+
+    def wait_host_reads(self) -> None:
+        """No gather in flight still reads a home the optimizer is about to update."""
+        for g in list(self._inflight.values()):
+            f = g.pending
+            if isinstance(f, _Fetch) and isinstance(f.handle, _Gather):
+                try:
+                    f.handle.fut.exception()   # finished (its error is raised by its wait)
+                except BaseException:  # noqa: BLE001 - cancelled: nothing in flight
+                    pass
+        super().wait_host_reads()
 
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:
         if self.closed:
             return
-        for g in self.groups:
-            if g.state in (Location.READING, Location.TO_DEVICE) and g.pending is not None:
-                try:
-                    g.pending[0].result()
-                except Exception:  # the close path must not mask the original error
-                    log.debug("memory: pending gather of group %d failed during close", g.gid)
-        self._worker.shutdown(wait=True)
-        self.closed = True
-        self.device_pool.close()
+        try:
+            super().close()                    # waits for every in-flight gather
+        finally:
+            self._worker.shutdown(wait=True)
+            self._resident.clear()
+            self._refreshed.clear()

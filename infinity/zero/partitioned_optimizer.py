@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -59,6 +61,12 @@ class PartitionedOptimizer(EngineOptimizer):
         self.comm = comm
         self.stage = stage
         self.part = Partition(comm.rank, comm.world_size)
+        # stages 2, 3 on separate device memory (attach_device): each group's gradient is
+        # assembled and reduce-scattered on the device; only the shard leaves it (D2H)
+        self.dev = None
+        self.on_device = False
+        self._landing: deque = deque()   # shards on their way to the host accumulation
+        self._adder: ThreadPoolExecutor | None = None
         super().__init__(model, cfg, groups, names, store=store, swap=swap,
                          host_pool=host_pool, accounting=accounting, timeline=timeline,
                          lr_scheduler=lr_scheduler)
@@ -68,6 +76,7 @@ class PartitionedOptimizer(EngineOptimizer):
         self._launched: set[int] = set()                # gids reduced in this backward
         self._inflight: list[CommHandle] = []
         self._flush_queued = False
+        self._open_backward = False                     # a backward not yet reduced
         self._trainable_slots = {g.gid: {i for i, s in enumerate(g.slots) if s.trainable}
                                  for g in self.groups}
         self._slot_index = {id(s): i for g in self.groups for i, s in enumerate(g.slots)}
@@ -88,12 +97,15 @@ class PartitionedOptimizer(EngineOptimizer):
         """The low-precision or fp32 parameter values this rank updates in place."""
         lo, hi = self.shard(g)
         if self.stage == 3:
-            return {"device": g.device_buf, "cpu": g.host_buf, "nvme": g.extent}[g.home]
+            # a device home's shard: its host mirror (separate device memory) or the shard
+            # itself (zero-copy tier); refreshed to the device after the step
+            return g.extent if g.home == "nvme" else g.host_buf
         if g.home != "device":
             raise ValueError(f"zero_stage {self.stage}: parameters must stay on the device "
                              f"(offload.params 'none'); group {g.name!r} has home {g.home!r}. "
                              f"Use zero_stage 3 to offload parameters")
-        return g.device_buf[lo:hi]
+        # separate device memory: the host mirror (the device copy is refreshed from it)
+        return (g.host_buf if g.host_buf is not None else g.device_buf)[lo:hi]
 
     def alloc_grads(self, home: str = "host") -> None:
         """Stage 1: full-size fp32 accumulation buffers; stages 2, 3: this rank's shard
@@ -121,18 +133,42 @@ class PartitionedOptimizer(EngineOptimizer):
             self.store.add(key, hi - lo, init=init_fp32[lo:hi] if init_fp32 is not None else None)
 
     # ------------------------------------------------------------------ gradients
+    def attach_device(self, device_tier, max_inflight_bytes: int | None = None) -> None:
+        """Stage 1 (or a zero-copy tier): as the single-rank driver (stage 1 gradients
+        leave the device per parameter and are all-reduced on the host at the boundary).
+        Stages 2, 3 on separate device memory: gradients stay on the device until their
+        group's reduce-scatter; only this rank's averaged shard is copied D2H."""
+        self.dev = device_tier
+        if self.stage == 1 or device_tier.zero_copy:
+            return super().attach_device(device_tier, max_inflight_bytes)
+        self.on_device = True
+        if not self.spill:       # the fp32 adds into the host shard run off this thread
+            self._adder = ThreadPoolExecutor(1, thread_name_prefix="infinity-grad-shard")
+
+    def _lease_full(self, g: GroupRecord) -> torch.Tensor:
+        """A zeroed full-size fp32 gradient buffer (device tier or host pool)."""
+        if self.on_device:
+            buf = self.dev.lease_or_overflow(g.padded_numel * 4, torch.float32,
+                                             "gradients awaiting their reduce-scatter")
+        else:
+            buf = self.host_pool.lease(g.padded_numel * 4, torch.float32)
+        return buf.zero_()
+
+    def _give_full(self, buf: torch.Tensor) -> None:
+        (self.dev if self.on_device else self.host_pool).give_back(buf)
+
     def accumulate(self, g: GroupRecord, slot: ParamSlot, grad: torch.Tensor) -> None:
         if self.stage == 1:
             return super().accumulate(g, slot, grad)
         full = self._full.get(g.gid)
         if full is None:
-            full = self.host_pool.lease(g.padded_numel * 4, torch.float32)
-            full.zero_()
+            full = self._lease_full(g)
             self._full[g.gid] = full
             self._missing[g.gid] = set(self._trainable_slots[g.gid])
         full[slot.offset:slot.offset + slot.numel].add_(grad.reshape(-1))
         missing = self._missing[g.gid]
         missing.discard(self._slot_index[id(slot)])
+        self._open_backward = True
         self._queue_flush()
         if not missing and g.gid not in self._launched:
             self._reduce(g)
@@ -151,11 +187,14 @@ class PartitionedOptimizer(EngineOptimizer):
         full = self._full.pop(g.gid, None)
         self._missing.pop(g.gid, None)
         if full is None:       # no gradient on this rank in this backward: contribute zeros
-            full = self.host_pool.lease(g.padded_numel * 4, torch.float32)
-            full.zero_()
+            full = self._lease_full(g)
         lo, hi = self.shard(g)
         name = f"gradients of group {g.gid} ({g.name or '<root>'})"
-        out = self.host_pool.lease((hi - lo) * 4, torch.float32)
+        if self.on_device:
+            out = self.dev.lease_or_overflow((hi - lo) * 4, torch.float32,
+                                             "a reduced gradient shard")
+        else:
+            out = self.host_pool.lease((hi - lo) * 4, torch.float32)
         h = self.comm.reduce_scatter_sum(
             out, full, async_op=True, name=name,
             post=lambda g=g, out=out, full=full: self._shard_done(g, out, [out, full]))
@@ -166,6 +205,20 @@ class PartitionedOptimizer(EngineOptimizer):
     def _shard_done(self, g: GroupRecord, summed: torch.Tensor, bufs: list) -> None:
         """``summed``: this rank's slice of the gradient summed over ranks."""
         summed.mul_(1.0 / self.comm.world_size)
+        if self.on_device:                 # only the averaged shard leaves the device
+            host = self.host_pool.lease(summed.numel() * 4, torch.float32)
+            x = self.dev.d2h(host, summed)
+            if self._adder is not None:    # the worker waits for the copy and adds
+                fut = self._adder.submit(self._add_shard, x, g, host)
+                self._landing.append((fut, x, host, bufs))
+                self._poll_landing()
+                return
+            x.wait_host()
+            if self.acct is not None:
+                self.acct.link("d2h", x.nbytes, x.seconds())
+            for b in bufs:
+                self.dev.give_back(b)
+            summed, bufs = host, [host]
         if not self.spill:
             g.grad_buf.add_(summed)
             for b in bufs:
@@ -184,6 +237,27 @@ class PartitionedOptimizer(EngineOptimizer):
         while len(self._writes) > MAX_INFLIGHT_REDUCTIONS:
             self._wait_write()
 
+    @staticmethod
+    def _add_shard(x, g: GroupRecord, host: torch.Tensor) -> None:
+        """Worker: once the shard's D2H completed, add it into the fp32 accumulation."""
+        x.wait_host()
+        g.grad_buf.add_(host)
+
+    def _poll_landing(self, wait: bool = False) -> None:
+        """Give back the buffers of shards already accumulated (all of them: ``wait``)."""
+        q = self._landing
+        while q and (wait or q[0][0].done()):
+            fut, x, host, bufs = q.popleft()
+            try:
+                fut.result()                 # re-raises the worker's error here
+            finally:
+                x.wait_host()
+                if self.acct is not None:
+                    self.acct.link("d2h", x.nbytes, x.seconds())
+                self.host_pool.give_back(host)
+                for b in bufs:
+                    self.dev.give_back(b)
+
     def _wait_write(self) -> None:
         h, bufs, nbytes, t0 = self._writes.pop(0)
         h.wait()
@@ -192,25 +266,40 @@ class PartitionedOptimizer(EngineOptimizer):
         for b in bufs:
             self.host_pool.give_back(b)
 
+    def before_backward(self, final_micro: bool) -> None:
+        super().before_backward(final_micro)
+        self._open_backward = True        # every rank reduces every group once per backward
+
+    def end_backward(self) -> None:
+        super().end_backward()
+        self.finish_backward()            # (a no-op when autograd's callback already did)
+
     def finish_backward(self) -> None:
-        """Reduce what is left of this backward (group order) and wait for everything."""
+        """Reduce what is left of this backward (group order) and wait for everything.
+        Once per backward: a second call (the engine's end of backward, the step) finds
+        nothing open and reduces nothing (it used to reduce every group again, with zeros)."""
         self._flush_queued = False
-        if self.stage == 1:
+        if self.stage == 1 or not self._open_backward:
             return
+        self._open_backward = False
         for g in self.groups:
             if g.gid not in self._launched:
                 self._reduce(g)
         self._launched.clear()
         while self._inflight:
             self._inflight.pop(0).wait()
+        self._poll_landing(wait=True)
         while self._writes:
             self._wait_write()
 
     def zero_grad(self) -> None:
+        self._poll_landing(wait=True)       # nothing may land after the reset
         for full in self._full.values():
-            self.host_pool.give_back(full)
+            self._give_full(full)
         self._full.clear()
         self._missing.clear()
+        self._launched.clear()
+        self._open_backward = False
         super().zero_grad()
         if self.stage > 1:
             for g in self.groups:
@@ -258,10 +347,22 @@ class PartitionedOptimizer(EngineOptimizer):
         if applied and self.stage in (1, 2):
             for g in self.groups:
                 lo, hi = self.shard(g)
-                buf = g.device_buf
-                self.comm.all_gather_into(buf, buf[lo:hi].clone(), group="default",
+                # in place, into the buffer the optimizer updated (separate device
+                # memory: the host mirror; the engine then refreshes the device copy)
+                buf = g.host_buf if g.host_buf is not None else g.device_buf
+                self.comm.all_gather_into(buf, buf[lo:hi], group="default",
                                           name=f"updated parameters of group {g.gid}")
         return applied
+
+    def close(self) -> None:
+        try:
+            self._poll_landing(wait=True)
+        except Exception as e:  # noqa: BLE001 - closing after an error: it was raised before
+            log.debug("zero: a gradient shard failed to land during close: %s", e)
+        finally:
+            if self._adder is not None:
+                self._adder.shutdown(wait=True)
+            super().close()
 
     def _item(self, g: GroupRecord, lrs: list[float], wds: list[float]):
         from infinity.optim.offload_step import StepItem

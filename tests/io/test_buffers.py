@@ -77,6 +77,9 @@ def test_cuda_unregister_runs_before_the_unmap(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "cudart", lambda: FakeCudart())
+    B.aligned_empty(4096, lock=False)        # no CUDA engine yet: nothing registered
+    assert calls == []
+    monkeypatch.setattr(B, "_pin_for_cuda", True)    # as enable_cuda_pinning() does
     t = B.aligned_empty(3 * 4096 + 5, torch.float32, lock=False)
     ptr = t.data_ptr()
     view = t[10:20]
@@ -89,6 +92,25 @@ def test_cuda_unregister_runs_before_the_unmap(monkeypatch):
     assert [c[0] for c in calls] == ["register", "unregister"], calls
     assert calls[1][1] == ptr and calls[1][3], "unregistered after the memory was unmapped"
     assert not _mapped(ptr)                  # and then it was unmapped
+
+
+def test_failed_cuda_registration_warns_with_the_consequence(monkeypatch, caplog):
+    import infinity.io.buffers as B
+
+    class FailingCudart:
+        def cudaHostRegister(self, ptr, nbytes, flags):
+            return 2                          # cudaErrorMemoryAllocation
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: FailingCudart())
+    monkeypatch.setattr(B, "_pin_for_cuda", True)
+    monkeypatch.setattr(B, "_warned", set())
+    with caplog.at_level("WARNING", logger="infinity.io"):
+        t = B.aligned_empty(4096, lock=False)
+    t.fill_(1)                                # still a usable (unpinned) buffer
+    msg = " ".join(r.getMessage() for r in caplog.records)
+    assert "cudaHostRegister of 4096 bytes failed (code 2)" in msg
+    assert "no longer overlaps compute" in msg
 
 
 

@@ -38,6 +38,32 @@ def test_choose_device_cpu_and_one_cuda_device():
     assert choose_device([cpu], cuda_available=False, world_size=4) == cpu   # ZeRO on CPU
     c0 = torch.device("cuda", 0)
     assert choose_device([c0, c0], cuda_available=True, world_size=1) == c0
+    # a model already on a CUDA device keeps it, also under ZeRO
+    assert choose_device([c0], cuda_available=True, world_size=2, local_rank=1) == c0
+    # CPU model (or built under Init) on a GPU node: each rank computes on its own GPU;
+    # a single process keeps a CPU model on the CPU path
+    assert choose_device([cpu], cuda_available=True, world_size=8, local_rank=3) == \
+        torch.device("cuda", 3)
+    assert choose_device([], cuda_available=True, world_size=2, local_rank=1) == \
+        torch.device("cuda", 1)
+    assert choose_device([cpu], cuda_available=True, world_size=1) == cpu
+
+
+def test_simulated_device_keeps_a_cpu_model_on_cpu(monkeypatch):
+    from infinity.memory.device import SIMULATED_DEFAULT_BUDGET, make_device
+    from infinity.memory.accounting import Accounting
+    cpu = torch.device("cpu")
+    monkeypatch.setenv("INFINITY_SIMULATE_DEVICE", "1")
+    assert choose_device([cpu], cuda_available=True, world_size=4, local_rank=2) == cpu
+    dev = make_device(cpu, None, Accounting())
+    assert dev.kind == "simulated" and dev.pool.budget == SIMULATED_DEFAULT_BUDGET
+    assert make_device(cpu, 5000, Accounting()).pool.budget == 5000
+    assert default_device_budget(cpu, None) == SIMULATED_DEFAULT_BUDGET
+    monkeypatch.setenv("INFINITY_SIMULATE_DEVICE", "0")
+    assert make_device(cpu, None, Accounting()).kind == "cpu"
+    monkeypatch.setenv("INFINITY_SIMULATE_DEVICE", "maybe")
+    with pytest.raises(ValueError, match="INFINITY_SIMULATE_DEVICE='maybe'"):
+        make_device(cpu, None, Accounting())
 
 
 def test_choose_device_refusals_say_what_to_do():
@@ -46,8 +72,6 @@ def test_choose_device_refusals_say_what_to_do():
         choose_device([c0, cpu], cuda_available=True, world_size=1)
     with pytest.raises(ValueError, match="several devices"):
         choose_device([c0, c1], cuda_available=True, world_size=1)
-    with pytest.raises(NotImplementedError, match="world size 2.*model on CPU"):
-        choose_device([c0], cuda_available=True, world_size=2)
     with pytest.raises(NotImplementedError, match="supported devices are cpu and cuda"):
         choose_device([torch.device("meta")], cuda_available=False, world_size=1)
     with pytest.raises(RuntimeError, match="CUDA is not available"):
@@ -120,29 +144,52 @@ def test_plan_counts_copies_mirrors_and_staging_of_a_separate_device(home):
         assert cpu.host["staging (init only)"] == largest
         assert sep.host["H2D staging (largest group x (depth + 2))"] == largest * 4
         assert "staging (init only)" not in sep.host
-        assert sep.device == cpu.device
+        assert {k: v for k, v in sep.device.items() if k != "gradient D2H sources"} == \
+            cpu.device
+    # groups assembled on the device for their one D2H each: two of the largest
+    assert sep.device["gradient D2H sources"] == d2h
+    assert "gradient D2H sources" not in cpu.device
 
 
 # ------------------------------------------------------------------ gradient staging bound
-def test_grad_d2h_staging_stays_within_its_bound_and_keeps_order():
+def test_grad_d2h_one_copy_per_group_within_its_bound():
+    """Each group leaves the device in ONE D2H once all its trainable slots delivered a
+    gradient; the host adds run on the worker, after the copy's event; pinned staging
+    stays within its bound and every buffer goes back."""
     acct = Accounting()
     dev = SimulatedDevice(None, acct, delay=NEVER)       # copies run only when waited on
     pool = BufferPool("host", None, acct)
-    got, peak = [], [0]
+    got, peak, threads = {}, [0], set()
+    import threading
 
     def sink(g, slot, host_grad):
         peak[0] = max(peak[0], pool.leased)
-        got.append((slot, host_grad.clone()))
+        threads.add(threading.get_ident())
+        got[(g.gid, slot.name)] = host_grad.clone()
 
-    cap = 3 * 4096
+    groups = []
+    for i in range(8):                                  # two params per group, 4000 B + 400 B
+        w, b = nn.Parameter(torch.zeros(1000)), nn.Parameter(torch.zeros(100))
+        groups.append(GroupRecord(i, f"m{i}", [ParamSlot("w", w, 0, 1000, w.shape, True),
+                                               ParamSlot("b", b, 1024, 100, b.shape, True)],
+                                  1100, 1124, torch.float32, "cpu"))
+    cap = 2 * 8192
     d2h = GradD2H(dev, pool, sink, max_inflight_bytes=cap)
-    grads = [torch.full((1000,), float(i)) for i in range(8)]   # 4000 B -> one page each
-    for i, gr in enumerate(grads):
-        d2h.push(None, i, dev.lease(4000, torch.float32).copy_(gr))
+    for g in groups:
+        d2h.push(g, g.slots[1], torch.full((100,), -float(g.gid)))
+        n_before = sum(k == "d2h" for k, _ in dev.log)
+        d2h.push(g, g.slots[0], torch.full((1000,), float(g.gid)))
+        assert sum(k == "d2h" for k, _ in dev.log) == n_before + 1   # one copy per group
         assert d2h.inflight_bytes <= cap and pool.leased <= cap
     d2h.drain()
-    assert [s for s, _ in got] == list(range(8))
-    assert all(torch.equal(t, g) for (_, t), g in zip(got, grads))
+    assert sum(k == "d2h" for k, _ in dev.log) == len(groups)
+    for g in groups:
+        assert torch.equal(got[(g.gid, "w")], torch.full((1000,), float(g.gid)))
+        assert torch.equal(got[(g.gid, "b")], torch.full((100,), -float(g.gid)))
+    assert threading.get_ident() not in threads          # off the calling (autograd) thread
+    assert acct.link_bytes["d2h"] == len(groups) * 1124 * 4
+    assert pool.leased == 0 and dev.pool.leased == 0 and d2h.inflight_bytes == 0
+    d2h.close()
     assert peak[0] <= cap and pool.leased == 0 and d2h.inflight_bytes == 0
 
 
@@ -155,8 +202,9 @@ def _model(seed=0):
 
 def _budget_gb(params):
     """``none``: the whole model resident (~41 kB in fp32) plus room; paged homes: a
-    window of 3 groups of 8 kB (prefetch depth 1), less than the model."""
-    return BUDGET_GB if params == "none" else 3 * 8192 / 1e9
+    window of 3 groups of 8 kB (prefetch depth 1) and two groups' gradients assembled for
+    their D2H, less than the model."""
+    return BUDGET_GB if params == "none" else 5 * 8192 / 1e9
 
 
 def _cfg(params, precision, swap_dir):
@@ -195,6 +243,9 @@ def _run(params, precision, swap_dir, steps=6):
         sd = {k: v.clone() for k, v in e.state_dict().items()}
         st = e.stats()
         st["model_bytes"] = sum(g.nbytes for g in e.mm.groups)
+        # what one backward sends D2H: each trainable group once, up to its last slot
+        st["grad_span_bytes"] = sum(max(s.offset + s.numel for s in g.slots) *
+                                    g.dtype.itemsize for g in e.mm.groups if g.trainable)
         mirrored = e.mm.mirrored()
         resident_ok = all(torch.equal(g.device_buf, g.host_buf) for g in mirrored)
     return losses, sd, st, mirrored, resident_ok
@@ -217,10 +268,8 @@ def test_engine_on_a_separate_device_matches_the_cpu_path(swap_dir, monkeypatch,
     for k in sd_ref:
         assert sd_sim[k].device.type == "cpu"
         assert torch.equal(sd_sim[k], sd_ref[k]), k
-    esize = 4 if precision == "fp32" else 2
-    grad_bytes = sum(p.numel() for p in _model().parameters()) * esize
     assert st_ref["d2h_bytes"] == 0                       # CPU path: no copies
-    assert st["d2h_bytes"] == 6 * grad_bytes              # every micro-step's gradients
+    assert st["d2h_bytes"] == 6 * st["grad_span_bytes"]   # every micro-step, one copy a group
     budget = _budget_gb(params) * 1e9
     assert abs(st["device_cap_bytes"] - budget) < 1
     assert st["device_budget_overflows"] == 0 and 0 < st["device_peak_bytes"] <= budget
@@ -311,3 +360,65 @@ def test_cuda_engine_trains_like_torch_adamw(swap_dir, params):
     assert st["device_budget_overflows"] == 0
     assert st["device_peak_bytes"] <= BUDGET_GB * 1e9
     assert st["h2d_bytes"] > 0 and st["d2h_bytes"] > 0
+
+
+def test_default_cuda_budget_leaves_documented_headroom():
+    from infinity.memory.device import DEVICE_HEADROOM_FRACTION, DEVICE_HEADROOM_MIN
+    c0, GB = torch.device("cuda", 0), 10**9
+    # 80 GB device, 78 GB free, 10 GB of the model already there: 15 % (12 GB) kept back
+    assert default_device_budget(c0, None, 10 * GB, mem_info=(78 * GB, 80 * GB)) == \
+        88 * GB - int(80 * GB * DEVICE_HEADROOM_FRACTION)
+    # small device: at least DEVICE_HEADROOM_MIN, never below half of what is available
+    assert default_device_budget(c0, None, 0, mem_info=(7 * GB, 8 * GB)) == \
+        7 * GB - DEVICE_HEADROOM_MIN
+    assert default_device_budget(c0, None, 0, mem_info=(3 * GB, 8 * GB)) == 3 * GB // 2
+    assert default_device_budget(c0, 5 * GB, 0, mem_info=(1, 2)) == 5 * GB   # configured
+
+
+def test_pool_tells_its_owner_when_a_buffer_leaves():
+    """The CUDA tier forgets the last-use event of a buffer the pool drops, so a new
+    allocation at the same address never waits on a stale event."""
+    dropped = []
+    pool = BufferPool("device", None, Accounting(), on_drop=lambda raw: dropped.append(
+        raw.untyped_storage().data_ptr()))
+    a, b = pool.lease(4096, torch.uint8), pool.lease(8192, torch.uint8)
+    pa, pb = a.untyped_storage().data_ptr(), b.untyped_storage().data_ptr()
+    pool.give_back(a)
+    pool.give_back(b)
+    assert dropped == []                       # free, still the pool's
+    pool.trim()
+    assert sorted(dropped) == sorted([pa, pb])
+    c = pool.lease(4096, torch.uint8)
+    pool.detach(c)
+    assert dropped[-1] == c.untyped_storage().data_ptr()
+
+
+def test_transfer_seconds_are_device_timed_when_there_is_a_timing_event():
+    from infinity.memory.device import Transfer
+
+    class Ev:
+        def query(self):
+            return True
+
+        def elapsed_time(self, end):           # milliseconds, as torch.cuda.Event
+            return 250.0
+    x = torch.zeros(4)
+    t = Transfer(x, x, Ev(), "h2d", t0=100.0, start=Ev())
+    assert t.ready() and t.seconds() == 0.25 and t.t_end == 100.25
+    untimed = Transfer(x, x, Ev(), "h2d", t0=0.0)
+    assert untimed.ready() and untimed.seconds() == untimed.t_done
+
+
+@pytest.mark.parametrize("params", ["none", "nvme"])
+def test_simulate_device_env_at_world_size_one(swap_dir, monkeypatch, params):
+    """INFINITY_SIMULATE_DEVICE=1 alone (no patching) gives a single process the simulated
+    device tier with the configured budget: same numbers as the CPU path, device traffic."""
+    l_ref, sd_ref, *_ = _run(params, "fp32", swap_dir)
+    monkeypatch.setenv("INFINITY_SIMULATE_DEVICE", "1")
+    l_sim, sd_sim, st, _, _ = _run(params, "fp32", swap_dir)
+    assert st["h2d_bytes"] > 0 and st["d2h_bytes"] > 0
+    assert abs(st["device_cap_bytes"] - _budget_gb(params) * 1e9) < 1
+    assert 0 < st["device_peak_bytes"] <= st["device_cap_bytes"]
+    assert st["device_budget_overflows"] == 0
+    assert l_sim == l_ref
+    assert all(torch.equal(sd_sim[k], sd_ref[k]) for k in sd_ref)

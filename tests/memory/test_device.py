@@ -346,11 +346,10 @@ def test_engine_grad_d2h_consumed_before_its_event_is_caught(swap_dir, monkeypat
     import infinity.engine.build as eng_mod
     from infinity.grads.d2h import GradD2H
 
-    def eager_poll(self):
-        while self._queue:
-            self._consume(self._queue.popleft())
-    monkeypatch.setattr(GradD2H, "poll", eager_poll)
-    monkeypatch.setattr(GradD2H, "drain", eager_poll)
+    def eager(self, x, g, slots, staging):     # no x.wait_host(): reads stale staging
+        for s in slots:
+            self.sink(g, s, staging[s.offset:s.offset + s.numel].view(s.shape))
+    monkeypatch.setattr(GradD2H, "_accumulate", eager)
 
     monkeypatch.setattr(eng_mod, "make_device",
                         lambda device, budget, acct: SimulatedDevice(None, acct, delay=NEVER))
@@ -390,3 +389,55 @@ def test_released_param_placeholder_stays_on_the_params_device():
                     torch.float32, "cpu")
     h.set_home_state()
     assert q.device.type == "cpu" and torch.isnan(q).all()
+
+
+def test_staging_lease_exhausted_in_a_prefetch_leaks_nothing(swap_dir):
+    """fetch_async leases a device buffer, then pinned staging (NVMe home, separate device
+    memory): when the staging lease fails (host budget full) the device buffer and its
+    budget go back, the group stays at home and can be fetched once there is room."""
+    from infinity.memory.pool import PoolExhausted
+    groups, values = _groups(2, "nvme")
+    size = max(g.nbytes for g in groups)
+    mm, dev, acct, swap, aio = _manager(groups, "nvme", swap_dir, delay=1,
+                                        host_budget=4096 * ((size + 4095) // 4096))
+    try:
+        g = groups[0]
+        blocker = mm.host_pool.lease(size, torch.uint8)     # the host budget is now full
+        leased_before = mm.device_pool.leased
+        with pytest.raises(PoolExhausted):
+            mm.fetch_async(g, allow_overflow=False)
+        assert mm.device_pool.leased == leased_before      # the device buffer went back
+        assert not mm.fetch_pending(g) and g.device_buf is None
+        mm.host_pool.give_back(blocker)
+        mm.fetch_async(g, allow_overflow=False)
+        mm.wait_resident(g)
+        assert torch.equal(g.slots[0].param.detach(), values[0])
+        mm.release(g)
+        assert mm.device_pool.leased == leased_before
+    finally:
+        _close(mm, swap, aio)
+
+
+def test_fetch_waits_for_a_step_still_writing_the_home(swap_dir):
+    """A group stepped early by the overlapped optimizer step may be fetched again if the
+    order diverges from the trace: the fetch must wait for that step (home_busy) before it
+    reads the home, or it would read half-written values."""
+    groups, values = _groups(2, "cpu")
+    mm, dev, acct, swap, aio = _manager(groups, "cpu", swap_dir, delay=1)
+    try:
+        g = groups[0]
+        order = []
+
+        def running_step():
+            order.append("waited for the step")
+            g.host_buf.add_(1.0)                 # the step's update lands before the read
+        mm.home_busy[g.gid] = running_step
+        mm.fetch_async(g, allow_overflow=False)
+        order.append("fetch started")
+        mm.wait_resident(g)
+        assert order == ["waited for the step", "fetch started"]
+        assert torch.equal(g.slots[0].param.detach(), values[0] + 1.0)
+        assert g.gid not in mm.home_busy
+        mm.release(g)
+    finally:
+        _close(mm, swap, aio)

@@ -1,6 +1,6 @@
 """One rank of a ZeRO test run (spawned by harness.run_ranks). Spec (JSON):
 
-    {"runs": [{"name", "config", "steps", "batch", "model"}...], "fail_rank": int|None,
+    {"runs": [{"name", "config", "steps", "batch", "model", "env"}...], "fail_rank": int|None,
      "fail_after_steps": int}
 
 For each run: build the seeded model, train ``steps`` steps with this rank's slice of a
@@ -45,7 +45,18 @@ def main():
             assert all(is_managed(p) for p in model.parameters())
         else:
             model = make_model(run["model"])
-        eng = make_engine(model, cfg, force_spill=run.get("spill", False))
+        saved_env = {k: os.environ.get(k) for k in run.get("env", {})}
+        os.environ.update(run.get("env", {}))       # e.g. INFINITY_SIMULATE_DEVICE per run
+        try:
+            eng = make_engine(model, cfg, force_spill=run.get("spill", False))
+        finally:
+            for k, v in saved_env.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+        device_kind = eng.mm.dev.kind
+        grad_full_bytes = sum(4 * g.padded_numel for g in eng.grouping.groups if g.trainable)
         if run.get("spill") and not eng.zero.spill:
             raise AssertionError("gradient spill was requested but not taken")
         losses = []
@@ -63,7 +74,7 @@ def main():
                 n = x.shape[0] // ws
                 xs, ys = x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]
                 out = eng(xs)
-                loss = torch.nn.functional.mse_loss(out.float(), ys)
+                loss = torch.nn.functional.mse_loss(out.float(), ys.to(out.device))
                 eng.backward(loss)
                 eng.step()
                 t = loss.detach().clone().reshape(1)
@@ -93,7 +104,12 @@ def main():
                                        "allgather_bytes": stats.get("allgather_bytes", 0),
                                        "reduce_scatter_bytes": stats.get("reduce_scatter_bytes", 0),
                                        "prefetched_fetches": stats.get("prefetched_fetches", 0),
-                                       "on_demand_fetches": stats.get("on_demand_fetches", 0)}
+                                       "on_demand_fetches": stats.get("on_demand_fetches", 0),
+                                       **{k: stats.get(k, 0) for k in (
+                                           "h2d_bytes", "d2h_bytes", "device_peak_bytes",
+                                           "device_cap_bytes", "device_budget_overflows")},
+                                       "device_kind": device_kind,
+                                       "grad_full_bytes": grad_full_bytes}
     with open(out_path, "w") as f:
         json.dump(result, f)
     dist.destroy_process_group()

@@ -41,3 +41,27 @@ def test_comm_needs_a_process_group():
     with pytest.raises(RuntimeError, match="process group"):
         Comm()
 
+
+
+# ------------------------------------------------------------------ the backends facade
+def test_backend_map_and_what_to_create():
+    from infinity.zero.comm import check_backends
+    cpu, c0 = torch.device("cpu"), torch.device("cuda", 0)
+    both = {"cpu": "gloo", "cuda": "nccl"}
+    check_backends(both, c0, 8)                         # what infinity creates on GPUs
+    check_backends({"cpu": "gloo", "cuda": "gloo"}, cpu, 2)
+    with pytest.raises(RuntimeError, match=r"no backend for cpu tensors.*"
+                                           r"init_process_group\('cpu:gloo,cuda:nccl'\)"):
+        check_backends({"cuda": "nccl"}, c0, 8)         # a plain NCCL group: no host side
+    with pytest.raises(RuntimeError, match=r"no backend for cpu tensors.*'gloo'"):
+        check_backends({"cuda": "nccl"}, cpu, 2)
+
+
+def test_backend_parsing(monkeypatch):
+    import torch.distributed as dist
+    from infinity.zero import comm
+    for cfg, want in [("cpu:gloo,cuda:nccl", {"cpu": "gloo", "cuda": "nccl"}),
+                      ("nccl", {"cuda": "nccl"}), ("gloo", {"cpu": "gloo", "cuda": "gloo"}),
+                      ("cpu:gloo,cuda:gloo", {"cpu": "gloo", "cuda": "gloo"})]:
+        monkeypatch.setattr(dist, "get_backend_config", lambda group=None, c=cfg: c)
+        assert comm.backend_map() == want, cfg

@@ -65,6 +65,8 @@ def parse_args(argv=None):
     ap.add_argument("--nvme-path", default=None,
                     help="directory for DeepSpeed's swap files (required with --offload nvme)")
     ap.add_argument("--offload", choices=("nvme", "cpu"), default="nvme")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="cuda: DeepSpeed's own accelerator on cuda:0 (NCCL); cpu: gloo")
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--weight-decay", type=float, default=0.0)
     ap.add_argument("--aio-block-size", type=int, default=1 << 20)
@@ -162,7 +164,7 @@ def run(args, swap_dir, res):
     res.update(deepspeed_version=deepspeed.__version__, torch_version=torch.__version__,
                torch_threads=torch.get_num_threads())
     t0 = time.perf_counter()
-    deepspeed.init_distributed(dist_backend="gloo")
+    deepspeed.init_distributed(dist_backend="nccl" if args.device == "cuda" else "gloo")
 
     ffn = args.ffn_mult * args.hidden
     cfg = ds_config(args, swap_dir, largest_param=args.hidden * ffn)
@@ -186,17 +188,26 @@ def run(args, swap_dir, res):
         f"{res['rss_after_init_bytes'] / 1e9:.2f} GB, optimizer {res['optimizer_class']}")
 
     x, y = e2e_model.make_batch(args.tokens, args.hidden)
+    if args.device == "cuda":
+        x, y = x.to(engine.device), y.to(engine.device)
+
+    def sync():
+        if args.device == "cuda":
+            torch.cuda.synchronize()
     steps, fwd_bwd, opt_step, losses, io_rd, io_wr = [], [], [], [], [], []
     cpu0 = None
     for i in range(args.warmup + args.steps):
         if i == args.warmup:
             cpu0 = os.times()
         io0 = e2e_model.proc_io()
+        sync()
         ta = time.perf_counter()
         loss = e2e_model.loss_fn(engine(x), y)
         engine.backward(loss)
+        sync()
         tb = time.perf_counter()
         engine.step()
+        sync()
         tc = time.perf_counter()
         io1 = e2e_model.proc_io()
         if io0 and io1:
