@@ -165,25 +165,23 @@ class PlacementPlan:
         if not fp32 and self.param_home == "nvme":  # updated low-precision params
             wr += sum(g.nbytes for g in trainable)
         if self.grad_home == "nvme":                # written per micro-step, read-modify-
-            wr += self.grad_window_bytes(n_grad_nvme, grad_accum, "write")   # written across
-            rd += self.grad_window_bytes(n_grad_nvme, grad_accum, "read")    # micro-steps
+            window = self.grad_window_bytes(n_grad_nvme, grad_accum)   # written across
+            wr += window                                               # micro-steps, and
+            rd += window                                               # as much read
         self.links = {"nvme_read": rd, "nvme_write": wr}
         return self
 
-    def grad_window_bytes(self, numel: int, grad_accum: int, op: str) -> int:
-        """NVMe bytes of the gradient home over one accumulation window of ``grad_accum``
-        micro-steps for ``numel`` NVMe-homed gradient elements (``op`` "read"/"write"),
-        including the optimizer's read of the final fp32 sums.  fp32: the first micro-step
-        writes 4 B/elem, each later one reads and writes them back.  bf16 partial sums: 2
-        B/elem between micro-steps, the last one reads the bf16 sum and writes fp32."""
+    def grad_window_bytes(self, numel: int, grad_accum: int) -> int:
+        """NVMe bytes the gradient home writes over one accumulation window of
+        ``grad_accum`` micro-steps for ``numel`` NVMe-homed gradient elements, and as many
+        it reads (the optimizer's read of the final fp32 sums included).  fp32: the first
+        micro-step writes 4 B/elem, each later one reads and writes them back.  bf16
+        partial sums: 2 B/elem between micro-steps, the last one reads the bf16 sum and
+        writes fp32."""
         k = max(1, grad_accum)
         if self.grad_accum_dtype == "bf16" and k > 1:
-            if op == "write":
-                return 2 * numel * (k - 1) + 4 * numel
             return 2 * numel * (k - 1) + 4 * numel
-        if op == "write":
-            return 4 * numel * k
-        return 4 * numel * (k - 1) + 4 * numel
+        return 4 * numel * k
 
     @property
     def grad_d2h_bytes(self) -> int:
