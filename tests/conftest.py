@@ -1,9 +1,14 @@
 """Shared fixtures. Area-specific fixtures live in tests/<area>/conftest.py."""
 import os
 import subprocess
+import sys
 
 import pytest
 import torch
+
+# helpers shared across areas (tests/injected_failure.py) import by name; the tests run
+# with --import-mode=importlib, which does not put tests/ on sys.path by itself
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(autouse=True)

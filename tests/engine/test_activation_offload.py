@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 import infinity
 from infinity.runtime.activations import ActivationBudgetError
+from injected_failure import boom_function
 
 HOMES = ["cpu", "nvme"]
 SCOPES = ["checkpoints", "all"]
@@ -136,18 +137,7 @@ def test_with_params_and_optimizer_on_nvme_and_accumulation(harness, swap_dir):
     assert s["activation_offload_bytes"] > 0 and s["step"] == 2
 
 
-class _Boom(torch.autograd.Function):
-    armed = False
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, g):
-        if _Boom.armed:
-            raise RuntimeError("boom in backward")
-        return g
+_Boom = boom_function("boom in backward")
 
 
 class BoomNet(nn.Module):

@@ -12,21 +12,12 @@ import torch
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from injected_failure import boom_function  # noqa: E402
 from zero_harness import child_entry  # noqa: E402
 
 
-class Boom(torch.autograd.Function):
-    armed = False
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, g):
-        if Boom.armed:
-            raise RuntimeError("injected backward failure")
-        return g
+Boom = boom_function("injected backward failure")
 
 
 class Net(nn.Module):
