@@ -72,9 +72,17 @@ class Engine:
         self._worker = None               # runs commits shielded from signals
         self._warned: set[str] = set()
         self._nonfinite_warned_at = -1.0
+        # the parts build.assemble sets, in data-path order (None until built, so close()
+        # frees whatever a failure part-way left built)
         self.aio = self.swap = None
         self.mm = self.opt = self.hooks = self.zero = None
+        self.store = self.host_pool = self.grouping = self.placement = self.coord = None
         self.overlap = None
+        self.device_budget: int | None = None
+        self.undo_budget: int | None = None
+        self._created_dirs: list = []
+        self._last_on_demand = 0          # on-demand fetches of the last step / so far
+        self._od_at_last_step = 0
         # overlap each group's optimizer update with backward where that cannot change
         # results (infinity.engine.overlap); set False to always step at the boundary
         self.overlap_optimizer_step = True
@@ -198,8 +206,7 @@ class Engine:
                          f"engine is unusable: reload a checkpoint")
 
     def _rollback_window(self) -> None:
-        self.mm.abandoning = True          # buffers in flight between owners: see _give_back
-        try:
+        with self.mm.lenient_returns():    # buffers in flight between owners
             if self.overlap is not None:
                 self.overlap.abandon()
             txn, self._txn = self._txn, None
@@ -209,8 +216,6 @@ class Engine:
                 self._after_rollback(keys)
             self.opt.abandon_window()
             self.mm.abandon_all()
-        finally:
-            self.mm.abandoning = False
         self.micro_steps = self.opt.boundaries * self.gas
         self._has_grads = False
         self.phase = Phase.IDLE
@@ -383,7 +388,7 @@ class Engine:
                 if applied:
                     self.mm.refresh_resident()     # separate device: resident copies from mirrors
                 self.timeline.mark_step(self.opt.boundaries)
-                self._last_on_demand = od - getattr(self, "_od_at_last_step", 0)
+                self._last_on_demand = od - self._od_at_last_step
                 self._od_at_last_step = od
                 self.phase = Phase.IDLE
             except BaseException as e:
@@ -464,9 +469,9 @@ class Engine:
             "phase": self.phase.value,
             "grad_norm": float(self.opt.last_grad_norm),
             "optimizer_step_seconds": float(self.opt.last_step_seconds),
-            "on_demand_fetches_last_step": int(getattr(self, "_last_on_demand", 0)),
+            "on_demand_fetches_last_step": int(self._last_on_demand),
             "host_cap_bytes": self.cfg.host_memory_bytes or 0,
-            "device_cap_bytes": getattr(self, "device_budget", None) or 0,
+            "device_cap_bytes": self.device_budget or 0,
             "groups": len(self.mm.groups),
         })
         return d
@@ -525,7 +530,7 @@ class Engine:
                          ("hooks", getattr(self.hooks, "remove", None)),
                          ("memory", getattr(self.mm, "close", None)),
                          ("device", getattr(self._dev_tier, "close", None)),
-                         ("optimizer", getattr(getattr(self, "store", None), "close", None)),
+                         ("optimizer", getattr(self.store, "close", None)),
                          ("swap", getattr(self.swap, "close", None)),
                          ("aio", getattr(self.aio, "close", None))):
             if fn is None:
@@ -535,14 +540,14 @@ class Engine:
             except Exception as e:  # keep closing the rest; report the first failure
                 errors.append((what, e))
                 log.error("engine.close: closing %s failed: %s", what, e)
-        if getattr(self, "host_pool", None) is not None:
+        if self.host_pool is not None:
             self.host_pool.close()
-        if getattr(self, "zero", None) is not None:
+        if self.zero is not None:
             try:
                 self.zero.close()
             except Exception as e:
                 errors.append(("zero", e))
-        remove_if_empty(getattr(self, "_created_dirs", []))
+        remove_if_empty(self._created_dirs)
         if errors:
             what, e = errors[0]
             raise RuntimeError(f"engine.close: closing {what} failed: {e}") from e

@@ -181,7 +181,7 @@ class OverlappedStep:
         for f, g, buf in finished:
             if buf is not None:
                 self.mm.give_back_device(buf)
-            self.mm.pinned.discard(g.gid)
+            self.mm.unpin(g.gid)
             if f.exception() is None:
                 self.opt.release_grad(g)
 
@@ -236,9 +236,10 @@ class OverlappedStep:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="infinity-step")
         self.done[g.gid] = n * n
         if item.master_buf is not None and buf is None:
-            self.mm.pinned.add(g.gid)        # a cached copy the step updates in place
+            # a cached copy the step updates in place (Note [Cache write-through])
+            self.mm.pin(g.gid)
         fut = self._pool.submit(self.opt.store.step, [item], **kw)
-        self.mm.home_busy[g.gid] = lambda f=fut: _wait_quietly(f)
+        self.mm.mark_home_busy(g.gid, lambda f=fut: _wait_quietly(f))   # Note [Overlap safety]
         self._futures.append(fut)
         self._stepping.append((fut, g, buf))
         self.acct.count("optimizer_groups_overlapped")
@@ -277,7 +278,7 @@ class OverlappedStep:
             e = f.exception()             # done: returns at once
             if e is not None:             # wait for the rest before raising
                 err = err or e
-        self.mm.home_busy.clear()
+        self.mm.clear_home_busy()
         self._reap()                    # every step ended: all buffers go back
         if err is not None:
             err.add_note(f"infinity: an optimizer group step overlapped with backward failed "
@@ -297,12 +298,12 @@ class OverlappedStep:
             wait(futures)
         if self._pool is not None:     # a barrier: a step submitted but not yet recorded
             self._pool.submit(int).result()   # (interrupted in between) has ended too
-        self.mm.home_busy.clear()
+        self.mm.clear_home_busy()
         self._reap()
         for _, g, buf in self._stepping:     # (all done) nothing may stay held
             if buf is not None:
                 self.mm.give_back_device(buf)
-            self.mm.pinned.discard(g.gid)
+            self.mm.unpin(g.gid)
         self._stepping = []
         self.done = {}
         self.txn = None

@@ -81,12 +81,12 @@ class MemoryManager:
         # parameter cache (see enable_cache): NVMe-homed groups that keep a clean host
         # copy between uses, in host-pool memory nothing else needs at the moment
         self.cache_on = False
-        self.pinned: set[int] = set()      # gids whose cached copy a running step updates
+        self._pinned: set[int] = set()     # gids whose cached copy a running step updates
         # gid -> callable waiting for a running optimizer step that writes the group's
-        # home (overlapped step): a fetch of that group waits for it first
-        self.home_busy: dict = {}
+        # home (overlapped step, mark_home_busy): a fetch of that group waits for it first
+        self._home_busy: dict = {}
         self._failed: dict[int, BaseException] = {}   # gid -> error of its abandoned fetch
-        self.abandoning = False          # inside abandon_all (lenient returns, see _give_back)
+        self._abandoning = False         # inside lenient_returns() (see _give_back)
         if cache:
             self.enable_cache()
 
@@ -150,9 +150,9 @@ class MemoryManager:
         (only possible with ``allow_overflow=False``)."""
         if g.state in (Location.DEVICE, Location.READING, Location.TO_DEVICE):
             return True
-        wait = self.home_busy.pop(g.gid, None)
+        wait = self._home_busy.pop(g.gid, None)
         if wait is not None:
-            wait()                                # a running step still writes its home
+            wait()          # a running step still writes its home (Note [Overlap safety])
         self._failed.pop(g.gid, None)
         if g.state in (Location.HOST, Location.CACHED) and self.dev.zero_copy:
             # the host home (or a cached copy of an NVMe home) is directly usable by CPU
@@ -345,7 +345,7 @@ class MemoryManager:
         their NVMe home holds the committed values)."""
         for g in self.groups:
             if g.gid in gids and self.cached(g) and g.state is Location.CACHED:
-                self.pinned.discard(g.gid)
+                self._pinned.discard(g.gid)
                 self._evict(g)
 
     # ------------------------------------------------------------------ parameter cache
@@ -407,9 +407,9 @@ class MemoryManager:
             for g in reversed(self.groups):
                 if need <= 0:
                     return
-                if self.cached(g) and g.gid not in self.pinned:
+                if self.cached(g) and g.gid not in self._pinned:
                     need -= self._evict(g)
-            if need <= 0 or attempt or self._listener is None or not self.pinned:
+            if need <= 0 or attempt or self._listener is None or not self._pinned:
                 return
             self._listener.reclaim_blocked()
 
@@ -419,7 +419,7 @@ class MemoryManager:
         for g in self.groups:
             if not self.cached(g):
                 continue
-            if g.state is not Location.CACHED or g.gid in self.pinned:
+            if g.state is not Location.CACHED or g.gid in self._pinned:
                 raise RuntimeError(f"memory: cannot drop the cached copy of group {g.gid} "
                                    f"({g.name}) in state {g.state.name}; release it first")
             self._evict(g)
@@ -441,7 +441,7 @@ class MemoryManager:
         buffer's return and its owner forgetting it: the pool, which knows what is on
         lease, decides, so nothing is returned twice."""
         pool = getattr(owner, "pool", owner)
-        if self.abandoning and not pool.is_leased(buf):
+        if self._abandoning and not pool.is_leased(buf):
             log.debug("memory: a buffer was already back in its pool (interrupted return)")
             return
         owner.give_back(buf)
@@ -459,6 +459,42 @@ class MemoryManager:
     def give_back_device(self, buf: torch.Tensor) -> None:
         """Return a device buffer the listener's ``on_release`` took over."""
         self._give_back(self.dev, buf)
+
+    # ------------------------------------------------------------------ running steps
+    # what the overlapped step (infinity.engine.overlap) tells the manager about the
+    # group steps it runs on its worker (Note [Overlap safety], Note [Cache write-through])
+    def mark_home_busy(self, gid: int, wait) -> None:
+        """A running optimizer step writes group ``gid``'s home: a fetch of it calls
+        ``wait()`` first (once)."""
+        self._home_busy[gid] = wait
+
+    def home_busy(self, gid: int) -> bool:
+        return gid in self._home_busy
+
+    def clear_home_busy(self) -> None:
+        """Every running step ended: no fetch needs to wait."""
+        self._home_busy.clear()
+
+    def pin(self, gid: int) -> None:
+        """A running step updates group ``gid``'s cached copy in place: never reclaim it."""
+        self._pinned.add(gid)
+
+    def unpin(self, gid: int) -> None:
+        self._pinned.discard(gid)
+
+    def pinned(self, gid: int) -> bool:
+        return gid in self._pinned
+
+    @contextlib.contextmanager
+    def lenient_returns(self):
+        """While a failed window is abandoned (Note [window abort]): a buffer already back
+        in its pool (an interrupt landed between its return and its owner forgetting it)
+        is not returned twice (:meth:`_give_back`)."""
+        self._abandoning = True
+        try:
+            yield
+        finally:
+            self._abandoning = False
 
     # ------------------------------------------------------------------ host updates
     def mirrored(self) -> list[GroupRecord]:
@@ -523,6 +559,6 @@ class MemoryManager:
                 else:
                     g.forget_host_copy()
                 self.host_pool.give_back(buf)
-        self.pinned.clear()
+        self._pinned.clear()
         self.host_pool.set_reclaimer(None)
         self.dev.close()

@@ -431,13 +431,13 @@ def test_fetch_waits_for_a_step_still_writing_the_home(swap_dir):
         def running_step():
             order.append("waited for the step")
             g.host_buf.add_(1.0)                 # the step's update lands before the read
-        mm.home_busy[g.gid] = running_step
+        mm.mark_home_busy(g.gid, running_step)
         mm.fetch_async(g, allow_overflow=False)
         order.append("fetch started")
         mm.wait_resident(g)
         assert order == ["waited for the step", "fetch started"]
         assert torch.equal(g.slots[0].param.detach(), values[0] + 1.0)
-        assert g.gid not in mm.home_busy
+        assert not mm.home_busy(g.gid)
         mm.release(g)
     finally:
         _close(mm, swap, aio)
