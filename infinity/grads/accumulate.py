@@ -120,7 +120,7 @@ class GradAccumulation:
 
     def before_backward(self, final_micro: bool) -> None:
         if self.nvme_grads is not None:
-            self.nvme_grads.final_micro = final_micro
+            self.nvme_grads.begin_backward(final_micro)
 
     def end_backward(self) -> None:
         if self.grad_d2h is not None:

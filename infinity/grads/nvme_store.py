@@ -17,14 +17,11 @@ got no gradient on the last micro-step is converted at :meth:`finish_window`.
 """
 from __future__ import annotations
 
-import logging
 import time
 
 import torch
 
 from infinity.memory.record import GroupRecord
-
-log = logging.getLogger("infinity.memory")
 
 __all__ = ["NvmeGradStore"]
 
@@ -51,7 +48,7 @@ class NvmeGradStore:
         self.on_nvme: set[int] = set()        # extents holding this window's partial sums
         self.normed: set[int] = set()         # groups whose final sum entered sumsq
         self.sumsq = 0.0
-        self.final_micro = True               # set by the engine before each backward
+        self.final_micro = True               # the coming backward ends a window (begin_backward)
 
     # ------------------------------------------------------------------ I/O helpers
     def _io(self, op: str, gid: int, buf: torch.Tensor, ext=None) -> None:
@@ -79,6 +76,11 @@ class NvmeGradStore:
         return buf
 
     # ------------------------------------------------------------------ API
+    def begin_backward(self, final_micro: bool) -> None:
+        """A backward starts; ``final_micro``: it is the last micro-step of its window
+        (its sums are final: written in fp32 and normed)."""
+        self.final_micro = bool(final_micro)
+
     def accumulate(self, g: GroupRecord, index: int, grad: torch.Tensor) -> None:
         s = g.slots[index]
         buf = self._stage(g)

@@ -15,7 +15,6 @@ rules, ``optimizer.param_groups``): each step item's segments carry the ``lr`` a
 """
 from __future__ import annotations
 
-import logging
 import math
 import time
 
@@ -24,8 +23,6 @@ import torch
 from infinity.grads.accumulate import GradAccumulation
 from infinity.memory.record import GroupRecord
 from infinity.optim.loss_scaler import DynamicLossScaler, StaticLossScaler
-
-log = logging.getLogger("infinity.engine")
 
 __all__ = ["EngineOptimizer"]
 
