@@ -101,7 +101,7 @@ class EngineCheckpoint:
         self.opt = engine.opt
         self.store = engine.opt.store
         self.groups = list(engine.mm.groups)
-        z = getattr(engine, "zero", None)
+        z = engine.zero
         self.zero = z if (z is not None and z.world_size > 1) else None
         self.rank = self.zero.rank if self.zero else 0
         self.world = self.zero.world_size if self.zero else 1
@@ -371,7 +371,7 @@ def save_engine_checkpoint(engine, directory, tag=None, **kw):
     they are not added to its link accounting (that counts swap traffic per step).
     Collective at world size > 1: every rank calls it (see ``save_checkpoint``)."""
     from infinity.checkpoint.api import save_checkpoint
-    kw.setdefault("timeline", getattr(engine, "timeline", None))
+    kw.setdefault("timeline", engine.timeline)
     return save_checkpoint(EngineCheckpoint(engine), directory, tag, **kw)
 
 

@@ -71,12 +71,12 @@ def _slot_of(engine, p) -> tuple[GroupRecord, ParamSlot]:
 
 def read_param(engine, p: torch.nn.Parameter) -> torch.Tensor:
     """The current value of ``p`` (its original dtype), read from where it lives."""
-    zero = getattr(engine, "zero", None)
+    zero = engine.zero
+    out_dtype = engine._orig_dtypes.get(id(p), torch.float32)
     if zero is not None and zero.world_size > 1:   # ZeRO shards: gather (collective)
         from infinity.zero.distributed import read_param_gathered
-        return read_param_gathered(engine, p)
+        return read_param_gathered(engine, p, out_dtype)
     g, s = _slot_of(engine, p)
-    out_dtype = engine._orig_dtypes.get(id(p), torch.float32)
     if s.trainable and engine.dtype != torch.float32:
         out = torch.empty(s.numel, dtype=torch.float32)
         engine.store.read_master(engine.opt.key(g), out, start=s.offset)
@@ -108,7 +108,7 @@ def save_pretrained(engine, directory, *, max_shard_bytes: int = 2 * 10 ** 9) ->
     from infinity.checkpoint.dtypes import to_st
     from infinity.checkpoint.safetensors_stream import (SafetensorsStreamWriter,
                                                          header_reserve_for)
-    zero = getattr(engine, "zero", None)
+    zero = engine.zero
     writer = zero is None or zero.rank == 0   # at world size > 1 every rank gathers, rank 0 writes
     if writer:
         makedirs(directory)

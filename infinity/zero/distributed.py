@@ -185,10 +185,12 @@ def _shard_values_single(engine, g) -> torch.Tensor:
     return full
 
 
-def read_param_gathered(engine, p: torch.nn.Parameter) -> torch.Tensor:
-    """The full current value of parameter ``p`` (its original dtype) assembled from every
-    rank's shard of its group.  Collective: every rank reads the same parameters in the
-    same order (``engine.state_dict()`` iterates in model order on every rank)."""
+def read_param_gathered(engine, p: torch.nn.Parameter,
+                        out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The full current value of parameter ``p`` (as ``out_dtype``: the engine passes the
+    parameter's original dtype) assembled from every rank's shard of its group.
+    Collective: every rank reads the same parameters in the same order
+    (``engine.state_dict()`` iterates in model order on every rank)."""
     zero = engine.zero
     g = engine.grouping.param_group[id(p)]
     slot = next(s for s in g.slots if s.param is p)
@@ -196,5 +198,4 @@ def read_param_gathered(engine, p: torch.nn.Parameter) -> torch.Tensor:
     mine = _shard_values(engine, g, lo, hi)
     full = torch.empty(g.padded_numel, dtype=torch.float32)
     zero.comm.all_gather_into(full, mine, group="default", name=f"parameter {slot.name}")
-    out_dtype = engine._orig_dtypes.get(id(p), torch.float32)
     return full[slot.offset:slot.offset + slot.numel].view(slot.shape).to(out_dtype).clone()
