@@ -31,7 +31,7 @@ from infinity.runtime.groups import Grouping
 from infinity.runtime.interrupts import InterruptGate, never_raise_in
 from infinity.runtime.prefetch import PrefetchCoordinator
 
-log = logging.getLogger("infinity.zero")
+log = logging.getLogger("infinity.runtime")
 
 __all__ = ["ParamHooks", "in_backward"]
 

@@ -20,7 +20,7 @@ from bisect import bisect_left
 from infinity.memory.manager import MemoryManager
 from infinity.memory.record import GroupRecord, Location
 
-log = logging.getLogger("infinity.zero")
+log = logging.getLogger("infinity.runtime")
 
 __all__ = ["PrefetchCoordinator"]
 

@@ -69,7 +69,7 @@ def test_dynamic_control_flow_trains_like_pytorch(harness, swap_dir, caplog):
         loss.backward()
         opt.step()
         opt.zero_grad()
-    with caplog.at_level(logging.DEBUG, logger="infinity.zero"):
+    with caplog.at_level(logging.DEBUG, logger="infinity.runtime"):
         with infinity.initialize(model, _cfg(swap_dir)) as eng:
             for x, y, flag in data:
                 loss = nn.functional.mse_loss(eng(x, flag), y)
