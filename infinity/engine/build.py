@@ -68,9 +68,8 @@ def assemble(engine, lr_scheduler) -> None:
     engine.device_budget = device_budget = device_budget_for(engine.device, cfg, model)
     engine._dev_tier = make_device(engine.device, device_budget, engine.acct)
     separate = not engine._dev_tier.zero_copy
-    gp = build_groups(model, engine.dtype, param_home, world_size=ws)
-    engine.grouping = gp
-    if not gp.groups:
+    engine.grouping = grouping = build_groups(model, engine.dtype, param_home, world_size=ws)
+    if not grouping.groups:
         raise ValueError(f"initialize: {type(model).__name__} has no parameters")
     # low-precision compute: floating buffers follow the compute dtype (as module.to())
     if engine.dtype != torch.float32:
@@ -88,7 +87,7 @@ def assemble(engine, lr_scheduler) -> None:
         engine.swap = SwapSpace(cfg.offload.nvme_paths, engine.aio, rank=rank,
                                accounting=engine.acct)
     from infinity.optim.offload_step import DEFAULT_TILE_NUMEL, OptimizerStateStore
-    largest_trainable = max((g.padded_numel // ws for g in gp.groups if g.trainable),
+    largest_trainable = max((g.padded_numel // ws for g in grouping.groups if g.trainable),
                             default=1)
     tile = min(DEFAULT_TILE_NUMEL, largest_trainable)
     if cfg.host_memory_bytes is not None:
@@ -99,11 +98,11 @@ def assemble(engine, lr_scheduler) -> None:
                                      tile_numel=tile, accounting=engine.acct,
                                      timeline=engine.timeline, sink_dtype=sink)
     placement = PlacementPlan(cfg.precision, param_home, cfg.offload.optimizer,
-                              cfg.prefetch.depth, gp.groups, cfg.host_memory_bytes,
+                              cfg.prefetch.depth, grouping.groups, cfg.host_memory_bytes,
                               device_budget,
                               optimizer_ring_bytes=engine.store.host_bytes(),
-                              separate_device=separate)
-    placement.grad_accum_dtype = cfg.gradient_accumulation_dtype
+                              separate_device=separate,
+                              grad_accum_dtype=cfg.gradient_accumulation_dtype)
     placement.compute(engine.gas)
     if cfg.host_memory_bytes is not None and placement.host_total > cfg.host_memory_bytes \
             and engine.swap is not None and engine.zero is None:
@@ -111,7 +110,7 @@ def assemble(engine, lr_scheduler) -> None:
         placement.compute(engine.gas)
     if engine.zero is not None:             # per-rank shares; spill grad shards if needed
         from infinity.zero.distributed import partition_placement
-        engine.zero = ZeroSetup.with_grad_spill(engine.zero, cfg, gp.groups)
+        engine.zero = ZeroSetup.with_grad_spill(engine.zero, cfg, grouping.groups)
         partition_placement(placement, engine.zero)
     placement.check()
     if cfg.precision == "fp32" and param_home == "nvme" and engine.zero is None \
@@ -145,20 +144,20 @@ def assemble(engine, lr_scheduler) -> None:
                   accounting=engine.acct, timeline=engine.timeline, lr_scheduler=lr_scheduler)
     if engine.zero is None:
         cache = bool(placement.param_cache_budget)
-        engine.mm = MemoryManager(gp.groups, cache=cache, **mm_kw)
+        engine.mm = MemoryManager(grouping.groups, cache=cache, **mm_kw)
         # with the cache, gradient buffers are leased only while they hold one
-        engine.opt = EngineOptimizer(model, cfg, gp.groups, gp.names, lazy_grads=cache,
+        engine.opt = EngineOptimizer(model, cfg, grouping.groups, grouping.names, lazy_grads=cache,
                                      **opt_kw)
     else:
-        engine.mm = engine.zero.memory_manager(gp.groups, **mm_kw)
-        engine.opt = engine.zero.optimizer(model, cfg, gp.groups, gp.names, **opt_kw)
+        engine.mm = engine.zero.memory_manager(grouping.groups, **mm_kw)
+        engine.opt = engine.zero.optimizer(model, cfg, grouping.groups, grouping.names, **opt_kw)
     engine._dev_tier = None                 # owned (and closed) by the manager now
-    paged_nvme = [g for g in gp.groups if g.home == "nvme"]
+    paged_nvme = [g for g in grouping.groups if g.home == "nvme"]
     from infinity.zero.init import adopting   # params built under infinity.Init
     with contextlib.ExitStack() as scope:
         staging = scope.enter_context(engine.host_pool.scoped(
             max(g.nbytes for g in paged_nvme), torch.uint8)) if paged_nvme else None
-        for g in gp.groups:
+        for g in grouping.groups:
             with adopting(g.slots):
                 init = None
                 if g.trainable and engine.dtype != torch.float32:
@@ -189,13 +188,13 @@ def assemble(engine, lr_scheduler) -> None:
         engine.overlap = OverlappedStep(engine.opt, engine.mm, engine.coord, engine.acct,
                                         undo_budget=engine.undo_budget)
         after = engine.overlap.grad_arrived
-    on_grad = grad_sink(engine.opt.accumulate, gp.groups, after=after)
+    on_grad = grad_sink(engine.opt.accumulate, grouping.groups, after=after)
     acts = None
     if act_home != "none":                  # saved activations on the host tier or NVMe
         from infinity.runtime.activations import ActivationOffload
         acts = ActivationOffload(act_home, cfg.activation_offload.scope, swap=engine.swap,
                                  accounting=engine.acct, timeline=engine.timeline,
                                  host_budget=engine.undo_budget, depth=cfg.prefetch.depth)
-    engine.hooks = ParamHooks(model, gp, engine.mm, engine.coord, on_grad, gate=engine.gate,
+    engine.hooks = ParamHooks(model, grouping, engine.mm, engine.coord, on_grad, gate=engine.gate,
                               activations=acts)
     engine.hooks.install()
