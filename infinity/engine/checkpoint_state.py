@@ -185,7 +185,7 @@ class EngineCheckpoint:
             if self.e.mm.paged(g) and g.state not in (Location.NVME, Location.HOST,
                                                       Location.CACHED):
                 self.e.mm.release(g)
-        self.e.mm.drop_cache()          # clean copies of NVMe homes about to be rewritten
+        self.e.mm.drop_cache()          # Note [Cache write-through]: homes about to be rewritten
 
     # -- Checkpointable: save ------------------------------------------------------
     def checkpoint_tensors(self):

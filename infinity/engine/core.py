@@ -162,7 +162,8 @@ class Engine:
     def _drop_open_window(self, why: str) -> None:
         """``why`` needs the parameters while optimizer steps of the window are held in
         its transaction (backward of the last micro-batch ran, step() not yet): the window
-        is dropped so everything reads the last completed update."""
+        is dropped so everything reads the last completed update (and no home is read while
+        an overlapped step writes it: Note [Overlap safety] in infinity/engine/overlap.py)."""
         if not self._txn and not (self.overlap is not None and self.overlap.busy):
             return                        # nothing was stepped early: nothing to drop
         self._warn_once("drop-" + why,
@@ -228,7 +229,7 @@ class Engine:
             return
         by_key = {self.opt.key(g): g for g in self.opt.groups}
         groups = [by_key[k] for k in keys if k in by_key]
-        self.mm.discard_cached({g.gid for g in groups})
+        self.mm.discard_cached({g.gid for g in groups})   # Note [Cache write-through]
         if self.dtype == torch.float32:
             return                        # the master IS the parameter: restored with it
         for g in groups:
@@ -273,7 +274,7 @@ class Engine:
     # ------------------------------------------------------------------ training API
     def forward(self, *args, **kwargs):
         self._enter("forward")
-        self._drop_open_window("forward")   # a fetch must not read a home being updated
+        self._drop_open_window("forward")   # Note [Overlap safety]: no home being updated
         if self.device.type != "cpu":     # inputs follow the parameters (top-level tensors)
             args = tuple(self._to_device(a) for a in args)
             kwargs = {k: self._to_device(v) for k, v in kwargs.items()}
@@ -364,6 +365,7 @@ class Engine:
                 self.phase = Phase.STEPPING
                 self.mm.wait_host_reads()      # no copy may still read a home being updated
                 with self.timeline.span("optimizer", "step"):
+                    # Note [Overlap safety]: every early step ended before homes are read
                     done = self.overlap.finish() if self.overlap is not None else None
                     txn = self._txn
 

@@ -50,8 +50,11 @@ log = logging.getLogger("infinity.engine")
 # device tier); (2) the group is released and nothing can fetch it again in this
 # backward (_safe(): not in use, prefetched, being read or holding saved views, and the
 # prefetch trace does not use it again, PrefetchCoordinator.may_use_again); (3) anything
-# that reads homes outside backward waits for the worker first (Engine._drain_overlap
-# in forward, weights out and checkpoints; OverlappedStep.finish in engine.step()).
+# that reads homes outside backward waits for the worker first: engine.step() through
+# OverlappedStep.finish; forward, backward, weights out and checkpoints before step()
+# through Engine._drop_open_window (the window is dropped, OverlappedStep.abandon waits);
+# a fetch of a group whose step still runs calls the wait MemoryManager.mark_home_busy
+# registered (the trace was wrong about it).
 #
 # Note [Master hand-off]
 # ~~~~~~~~~~~~~~~~~~~~~~
@@ -144,8 +147,8 @@ class OverlappedStep:
 
     def on_release(self, g: GroupRecord, buf: torch.Tensor | None) -> bool:
         """The manager released NVMe-homed ``g`` (``buf`` None: it stayed cached); take
-        the buffer over when it can serve as the master of ``g``'s early step.  Also
-        submits ``g`` if its gradient was already final."""
+        the buffer over when it can serve as the master of ``g``'s early step (Note
+        [Master hand-off]).  Also submits ``g`` if its gradient was already final."""
         if not self.active:
             return False
         self._reap()

@@ -13,8 +13,9 @@ Device items are per GPU (per rank). Host and NVMe items are per node (r ranks).
 On a CPU-only node the device tier *is* host memory: its items are added to the
 host total when checking the fit.
 
-The data path follows the engine (``infinity/engine.py``, ``infinity/memory``,
-``infinity/zero``, ``infinity/optim/offload_step.py``):
+The data path follows the engine (``infinity/engine/build.py``, ``infinity/memory``,
+``infinity/runtime``, ``infinity/grads``, ``infinity/optim/offload_step.py``,
+``infinity/zero``):
 
 * parameters are flattened per module into groups; a group is fetched whole into a
   device-tier buffer (NVMe-homed groups are read straight into it on a CPU-only node,
@@ -389,7 +390,7 @@ def grad_spill_decision(pl, machine, knobs, shard):
     ``pl`` holds every item except activations, with the gradients still in host memory.
     The engine has two rules (``knobs.grad_spill == "auto"``):
 
-    * one process (``infinity/engine.py``): after computing its placement plan with the
+    * one process (``infinity/engine/build.py``): after computing its placement plan with the
       gradients in host memory, if ``offload.host_memory_gb`` is set, the plan's host
       total exceeds it and an NVMe swap space exists (params or optimizer on NVMe), the
       gradients get an NVMe home (``infinity/grads/nvme_store.py``). The host total is

@@ -551,7 +551,7 @@ class MemoryManager:
             if isinstance(f, _Fetch) and f.xfer is not None:
                 f.xfer.wait_host()
         self._inflight.clear()
-        for g in self.groups:          # cached copies: dropped (never dirty: write-through)
+        for g in self.groups:          # cached copies: dropped (Note [Cache write-through])
             if self.cached(g):
                 buf = g.host_buf
                 if g.state is Location.CACHED:

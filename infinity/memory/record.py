@@ -21,6 +21,8 @@ States (``Location``)::
                                  an NVMe-homed group keeping a clean host copy -> CACHED)
     CACHED --drop_host_copy--> NVME     (an NVMe-homed group forgets its cached host copy)
     DEVICE --forget_host_copy--> DEVICE  (in use: its buffer stops being a cached copy)
+    READING | TO_DEVICE --abort_fetch--> NVME | HOST | CACHED   (a failed read, or the
+                                          window it was for failed: back to the home state)
 
 A ZeRO-3 group (``sharded``) keeps only this rank's shard at its home, whichever it is,
 and is gathered into a full compute buffer before every use: NVMe home as above; a host
@@ -111,7 +113,7 @@ class GroupRecord:
     #                                          cached copy of an NVMe home (CACHED)
     extent: object | None = None             # SwapSpace extent when home == "nvme"
     pending: object | None = None            # in-flight fetch (READING/TO_DEVICE)
-    # bookkeeping used by the hooks
+    # bookkeeping used by the hooks (and by Note [Overlap safety] in infinity/engine/overlap.py)
     users: int = 0                    # modules currently executing with this group
     saved_refs: int = 0               # autograd saved tensors that reference the buffer
     grads_pending: set = field(default_factory=set)  # slot indices awaiting grads (backward)

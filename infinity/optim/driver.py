@@ -163,7 +163,8 @@ class EngineOptimizer(GradAccumulation):
         """The step item and ``store.step`` keywords of ``g``'s update at the coming
         boundary (overlapped with backward: no clipping, loss scale 1).  ``master_buf``:
         a buffer holding ``g``'s current fp32 values (its master), updated in place
-        instead of reading the master from NVMe."""
+        instead of reading the master from NVMe (Note [Master hand-off] in
+        infinity/engine/overlap.py)."""
         lrs, wds = self._next_hparams()
         kw = dict(step=self.step_count + 1, beta1=self.beta1, beta2=self.beta2,
                   eps=self.eps, adamw=self.adamw, bias_correction=True,
@@ -301,7 +302,8 @@ class EngineOptimizer(GradAccumulation):
                     return swap.write(_ext, tile, offset=elem_offset * _es)
         grad = self.nvme_grads.extent[g.gid] if self._on_nvme(g) else g.grad_buf
         # fp32 NVMe home with a cached host copy (MemoryManager.enable_cache): the copy is
-        # the master in hand, updated in place and written through
+        # the master in hand, updated in place and written through (Note [Cache
+        # write-through] in infinity/memory/manager.py)
         master_buf = g.host_buf if self.precision == "fp32" and g.home == "nvme" else None
         return StepItem(self.key(g), grad, segs, param_out=param_out, param_sink=sink,
                         master_buf=master_buf)

@@ -83,7 +83,9 @@ class TileTask:
     segs: List[tuple]
     grad: Any = None               # flat host tensor or Extent
     param_out: Optional[torch.Tensor] = None   # flat, or None
-    master_buf: Optional[torch.Tensor] = None  # flat fp32 holding the master (no read), or None
+    # flat fp32 holding the master (no read), or None: Note [Master hand-off] in
+    # infinity/engine/overlap.py, Note [Cache write-through] in infinity/memory/manager.py
+    master_buf: Optional[torch.Tensor] = None
 
 
 @dataclass
