@@ -35,10 +35,10 @@ from .record import GroupRecord, Location
 
 log = logging.getLogger("infinity.memory")
 
-__all__ = ["MemoryManager"]
+__all__ = ["Fetch", "MemoryManager"]
 
 
-class _Fetch:
+class Fetch:
     """What is in flight for one group between ``fetch_async`` and ``wait_resident``."""
     __slots__ = ("handle", "t0", "t_read", "staging", "xfer")
 
@@ -69,7 +69,7 @@ class MemoryManager:
         self.dev = device_tier if device_tier is not None else \
             make_device(device, device_budget, accounting)
         self.device_pool: BufferPool = self.dev.pool
-        self._inflight: dict[int, GroupRecord] = {}   # gid -> group with a _Fetch pending
+        self._inflight: dict[int, GroupRecord] = {}   # gid -> group with a Fetch pending
         self._by_storage: dict[int, GroupRecord] = {}
         self.closed = False
         # the overlapped step (infinity.engine.overlap) listens, attached with
@@ -170,12 +170,12 @@ class MemoryManager:
         staging = None
         try:
             if g.home == "cpu":                       # separate device memory: H2D copy
-                g.begin_to_device(buf, _Fetch(None, t0, xfer=self.dev.h2d(buf, g.host_buf)))
+                g.begin_to_device(buf, Fetch(None, t0, xfer=self.dev.h2d(buf, g.host_buf)))
             elif self.dev.zero_copy:                  # read straight into the compute buffer
-                g.begin_read(buf, _Fetch(self.swap.read(g.extent, buf), t0))
+                g.begin_read(buf, Fetch(self.swap.read(g.extent, buf), t0))
             else:                                     # NVMe -> pinned staging -> H2D
                 staging = self.host_pool.lease(g.nbytes, g.dtype)
-                g.begin_read(buf, _Fetch(self.swap.read(g.extent, staging), t0, staging=staging))
+                g.begin_read(buf, Fetch(self.swap.read(g.extent, staging), t0, staging=staging))
         except BaseException:
             # nothing was submitted (or the submission failed): no buffer may leak
             if staging is not None:
@@ -206,7 +206,7 @@ class MemoryManager:
         back, it returns to its home state, and ``err`` is what waiting for it raises."""
         f = g.pending
         self._inflight.pop(g.gid, None)
-        if isinstance(f, _Fetch):
+        if isinstance(f, Fetch):
             if f.handle is not None:
                 try:
                     f.handle.wait()
@@ -223,14 +223,14 @@ class MemoryManager:
         if err is not None:
             self._failed[g.gid] = err
 
-    def _start_h2d(self, g: GroupRecord, f: _Fetch) -> None:
+    def _start_h2d(self, g: GroupRecord, f: Fetch) -> None:
         """READING -> TO_DEVICE (CUDA path): the read landed in staging; copy it up."""
         f.handle.wait()                       # already complete: returns or raises AioError
         self._link("nvme_read", g.nbytes, f.t0, f.t_read)
         f.xfer = self.dev.h2d(g.device_buf, f.staging)
         g.read_landed(f)
 
-    def _finish_h2d(self, g: GroupRecord, f: _Fetch) -> None:
+    def _finish_h2d(self, g: GroupRecord, f: Fetch) -> None:
         """Compute waits on the H2D event; staging is given back once the copy is done."""
         x = f.xfer
         self.dev.compute_waits(x)
@@ -297,7 +297,7 @@ class MemoryManager:
         if g.state is Location.DEVICE and g.device_buf is None:
             g.set_home_state()            # an interrupt landed inside an earlier release
             return
-        if g.state is Location.TO_DEVICE and isinstance(g.pending, _Fetch) \
+        if g.state is Location.TO_DEVICE and isinstance(g.pending, Fetch) \
                 and g.pending.xfer is not None and g.pending.staging is None:
             # fetched but never used: the host home may be updated (optimizer) right
             # after this, so its H2D must have finished reading it
@@ -506,7 +506,7 @@ class MemoryManager:
         (or a checkpoint load) may write them: in-flight H2D fetches and refreshes."""
         for g in self._inflight.values():
             f = g.pending
-            if isinstance(f, _Fetch) and f.xfer is not None:
+            if isinstance(f, Fetch) and f.xfer is not None:
                 f.xfer.wait_host()
         self.dev.drain()
 
@@ -543,12 +543,12 @@ class MemoryManager:
         self.closed = True
         for g in self._inflight.values():
             f = g.pending
-            if isinstance(f, _Fetch) and f.handle is not None:
+            if isinstance(f, Fetch) and f.handle is not None:
                 try:
                     f.handle.wait()
                 except Exception:  # the close path must not mask the original error
                     log.debug("memory: pending read of group %d failed during close", g.gid)
-            if isinstance(f, _Fetch) and f.xfer is not None:
+            if isinstance(f, Fetch) and f.xfer is not None:
                 f.xfer.wait_host()
         self._inflight.clear()
         for g in self.groups:          # cached copies: dropped (Note [Cache write-through])

@@ -2,7 +2,7 @@
 
 :class:`PartitionedMemoryManager` is a :class:`infinity.memory.manager.MemoryManager`
 (the same ``place``/``fetch_async``/``wait_resident``/``release``/``close``, the same
-``_Fetch`` records and the same :class:`~infinity.memory.device.DeviceTier` protocol), so
+``Fetch`` records and the same :class:`~infinity.memory.device.DeviceTier` protocol), so
 the hooks and the prefetch coordinator drive it unchanged; what differs is what a fetch
 does:
 
@@ -35,7 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from infinity.memory.manager import MemoryManager, _Fetch
+from infinity.memory.manager import Fetch, MemoryManager
 from infinity.memory.record import GroupRecord, Location
 from infinity.zero.comm import Comm
 from infinity.zero.partition import Partition
@@ -46,7 +46,7 @@ __all__ = ["PartitionedMemoryManager"]
 
 
 class _Gather:
-    """The fetch worker's job for one group: the ``handle`` of the manager's ``_Fetch``
+    """The fetch worker's job for one group: the ``handle`` of the manager's ``Fetch``
     (``done()``/``wait()`` like an NVMe read handle).  ``staging``: pinned host staging
     of an NVMe shard on separate device memory (given back once the job is done);
     ``marker``: after ``wait()``, the device-side completion compute waits on."""
@@ -137,7 +137,7 @@ class PartitionedMemoryManager(MemoryManager):
         try:
             if g.home == "nvme" and not self.dev.zero_copy:
                 staging = self.host_pool.lease(self._shard_bytes(g), g.dtype)
-            f = _Fetch(_Gather(self._worker.submit(self._gather, g, buf, staging), staging), t0)
+            f = Fetch(_Gather(self._worker.submit(self._gather, g, buf, staging), staging), t0)
         except BaseException:
             if staging is not None:
                 self.host_pool.give_back(staging)
@@ -203,7 +203,7 @@ class PartitionedMemoryManager(MemoryManager):
             self._by_storage[g.device_buf.untyped_storage().data_ptr()] = g
 
     def _drop_staging(self, f) -> None:
-        h = f.handle if isinstance(f, _Fetch) else None
+        h = f.handle if isinstance(f, Fetch) else None
         if isinstance(h, _Gather) and h.staging is not None and h.fut.done():
             staging, h.staging = h.staging, None
             self._give_back(self.host_pool, staging)
@@ -236,7 +236,7 @@ class PartitionedMemoryManager(MemoryManager):
         """No gather in flight still reads a home the optimizer is about to update."""
         for g in list(self._inflight.values()):
             f = g.pending
-            if isinstance(f, _Fetch) and isinstance(f.handle, _Gather):
+            if isinstance(f, Fetch) and isinstance(f.handle, _Gather):
                 try:
                     f.handle.fut.exception()   # finished (its error is raised by its wait)
                 except BaseException:  # noqa: BLE001 - cancelled: nothing in flight
