@@ -29,6 +29,7 @@ does:
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -89,9 +90,9 @@ class PartitionedMemoryManager(MemoryManager):
         lo, hi = self.shard(g)
         shard_bytes = self._shard_bytes(g)
         own = staging is None or staging.numel() < g.nbytes
-        full = self.host_pool.lease(g.nbytes, g.dtype) if own else \
-            staging.view(g.dtype)[: g.padded_numel]
-        try:
+        with contextlib.ExitStack() as scope:
+            full = scope.enter_context(self.host_pool.scoped(g.nbytes, g.dtype)) if own \
+                else staging.view(g.dtype)[: g.padded_numel]
             self._fill(g, full)
             if g.home == "device" and self.dev.zero_copy:
                 # the shard lives in the device tier's memory (host memory on CPU)
@@ -117,9 +118,6 @@ class PartitionedMemoryManager(MemoryManager):
                 self._link("nvme_write", shard_bytes, t0)
             else:
                 raise ValueError(f"memory: unknown home {g.home!r}")
-        finally:
-            if own:
-                self.host_pool.give_back(full)
         g.set_home_state()
 
     # ------------------------------------------------------------------ fetch
