@@ -160,7 +160,7 @@ def _shard_values(engine, g, lo: int, hi: int) -> torch.Tensor:
 def gathered_state_dict(engine) -> dict[str, torch.Tensor]:
     """``{name: fp32 tensor}`` of every parameter (first name of tied ones), gathered from
     all ranks group by group.  Collective: call it on every rank."""
-    zero = getattr(engine, "zero", None)
+    zero = engine.zero
     res: dict[str, torch.Tensor] = {}
     for g in engine.grouping.groups:
         if zero is None:
