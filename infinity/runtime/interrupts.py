@@ -21,7 +21,12 @@ the outermost hook body, or the gate's closing at the end of the call.  So the i
 surfaces microseconds to milliseconds later, where the window abort can undo everything.
 A signal landing in the user's code (the model's forward, a custom backward) runs its
 handler at once, so a model stuck in its own code stays interruptible; so does one
-inside :meth:`allow` (the engine's long boundary step, which rolls back by itself).  A
+inside :meth:`allow` (the engine's long boundary step, which rolls back by itself) —
+except on a ``with`` statement of infinity's own code: Python calls ``__exit__`` only for
+an exception raised *inside* the block, so one raised while the statement enters or
+leaves it (after ``lock.acquire``, before ``lock.release``) would leave a lock held for
+good and the next use of it (the next NVMe submit, the next link count) would deadlock;
+such a signal is held until the call ends.  A
 body entered from a destructor (:meth:`quiet`) never raises: its held signal waits for
 the next safe point; so does a signal landing in a destructor's own frame
 (:func:`never_raise_in`), where Python would drop the exception.  Off the main thread
@@ -30,6 +35,7 @@ does nothing.
 """
 from __future__ import annotations
 
+import linecache
 import os
 import signal
 import sys
@@ -85,6 +91,16 @@ def in_own_code(frame) -> bool:
             return False                  # the user's code: interruptible
         frame = frame.f_back
     return False
+
+
+def _at_with_statement(frame) -> bool:
+    """Whether ``frame`` (infinity's own) stands on a ``with`` statement: entering or
+    leaving its block (Note [held interrupts])."""
+    fn = frame.f_code.co_filename
+    if not fn.startswith(_OWN):
+        return False
+    line = linecache.getline(fn, frame.f_lineno).lstrip()
+    return line.startswith(("with ", "async with "))
 
 
 class InterruptGate:
@@ -154,7 +170,9 @@ class InterruptGate:
             return self._depth > 0
         if frame.f_code in _NO_RAISE:
             return True
-        return not self._allow and in_own_code(frame)
+        if self._allow:                   # interruptible, but never between acquire/release
+            return _at_with_statement(frame)
+        return in_own_code(frame)
 
     def _handler(self, signum, frame) -> None:
         if self._holds(frame):

@@ -122,3 +122,65 @@ def test_other_threads_neither_hold_nor_raise(usr1):
         t.start()
         t.join()
     assert out == [0]                            # the main thread's count is untouched
+
+
+def _signal_at_with_exit(fn, *args):
+    """Run ``fn(*args)`` (infinity's own code with one ``with lock:``) with the SIGUSR1
+    handler run — as Python runs it for a pending signal — at the line event where the
+    ``with`` statement leaves its block (its line seen the second time)."""
+    import sys
+    code = fn.__code__
+    seen = []
+
+    def tracer(frame, event, arg):
+        if frame.f_code is not code:
+            return tracer if event == "call" and frame.f_code is code else None
+        if event == "line":
+            seen.append(frame.f_lineno)
+            if len(seen) > 1 and frame.f_lineno == seen[0]:
+                signal.getsignal(signal.SIGUSR1)(signal.SIGUSR1, frame)
+        return tracer
+    sys.settrace(tracer)
+    try:
+        fn(*args)
+    finally:
+        sys.settrace(None)
+    return seen
+
+
+def test_signal_leaving_a_with_block_in_allow_is_held_so_no_lock_stays_taken(usr1):
+    """Inside allow() a signal in infinity's code raises at once, but not on a ``with``
+    statement: raised where it leaves the block, the exception skips ``__exit__`` and the
+    lock stays held (the next NVMe submit or link count deadlocked; Note [held
+    interrupts]).  Held instead, it is raised when the call ends."""
+    from infinity.memory.accounting import Accounting
+    acct = Accounting()
+    gate = InterruptGate()
+    with pytest.raises(Stop):
+        with gate.open():
+            with gate.allow():
+                seen = _signal_at_with_exit(Accounting.link, acct, "h2d", 8, 0.5)
+                assert len(set(seen)) > 1 and usr1 == []   # the block ran; signal held
+                assert not acct._lock.locked()
+                acct.link("h2d", 8)                     # the lock is usable again
+            assert usr1 == []
+    assert usr1 == [signal.SIGUSR1] and acct.link_bytes["h2d"] == 16
+
+
+def test_the_with_exit_line_is_where_an_exception_leaves_a_lock_taken():
+    """Why the rule above exists (CPython 3.11+): an exception raised at the line event of
+    a ``with`` statement's exit is not covered by its ``__exit__``."""
+    import threading as th
+    from infinity.memory.accounting import Accounting
+    acct = Accounting()
+    acct._lock = th.Lock()
+
+    def boom(signum, frame):
+        raise Stop
+    old = signal.signal(signal.SIGUSR1, boom)
+    try:
+        with pytest.raises(Stop):
+            _signal_at_with_exit(Accounting.link, acct, "h2d", 8, 0.5)
+    finally:
+        signal.signal(signal.SIGUSR1, old)
+    assert acct._lock.locked()
