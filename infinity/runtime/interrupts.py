@@ -240,15 +240,17 @@ class _Open:
 
     def __enter__(self):
         g = self.g
-        g._opened += 1
-        if g._opened == 1:
+        # installed before counted: until the handlers are wrapped Python's own handler
+        # raises anywhere, and a KeyboardInterrupt between the count and the install left
+        # the gate counted open with nothing installed (every later call ran unguarded)
+        if g._opened == 0:
             g._allow = 0                  # (an earlier call interrupted inside allow())
             try:
                 g._install()
             except BaseException:     # a signal raised by a handler wrapped already
-                g._opened -= 1
                 g._uninstall()
                 raise
+        g._opened += 1                    # (a signal landing here is held: installed)
 
     def __exit__(self, *exc):
         g = self.g

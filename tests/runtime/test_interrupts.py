@@ -184,3 +184,39 @@ def test_the_with_exit_line_is_where_an_exception_leaves_a_lock_taken():
     finally:
         signal.signal(signal.SIGUSR1, old)
     assert acct._lock.locked()
+
+
+def test_an_interrupt_while_opening_leaves_the_gate_closed(usr1):
+    """Python's own handler runs until the gate has wrapped it: an interrupt landing on
+    any line of open() before that must leave the gate closed (not counted open with
+    nothing installed, so that every later call ran unguarded)."""
+    import sys
+    from infinity.runtime import interrupts
+    gate = InterruptGate()
+    code = interrupts._Open.__enter__.__code__
+    for target in range(1, 8):
+        seen = []
+
+        def tracer(frame, event, arg):
+            if frame.f_code is code and event == "line":
+                seen.append(frame.f_lineno)
+                if len(seen) == target:
+                    signal.getsignal(signal.SIGUSR1)(signal.SIGUSR1, frame)
+            return tracer
+        usr1.clear()
+        try:
+            sys.settrace(tracer)
+            try:
+                with gate.open():
+                    pass
+            finally:
+                sys.settrace(None)
+        except Stop:
+            pass
+        assert gate._opened == 0, f"interrupt at line {seen[-1]}: the gate stayed counted open"
+        assert signal.getsignal(signal.SIGUSR1) != gate._handler
+        with pytest.raises(Stop):                 # and the next call is guarded again
+            with gate.open():
+                with gate:
+                    _raise_signal()
+                    assert usr1 == []
