@@ -87,8 +87,10 @@ class PlacementPlan:
         self.device["resident params"] = sum(g.nbytes for g in self.groups if g.home == "device")
         if self.param_home == "nvme" or (sep and self.param_home == "cpu"):
             self.device["fetch window (largest group x (depth + 2))"] = largest * (self.depth + 2)
-        if sep and trainable:     # GradD2H: groups assembled for their one D2H each
-            self.device["gradient D2H sources"] = self.grad_d2h_bytes
+        if sep and trainable:     # GradD2H: groups assembled for their one D2H each (two:
+            # the current one and one open across backward, e.g. tied weights) and the
+            # sources of the copies in flight (as many as the staging bound)
+            self.device["gradient D2H sources"] = 2 * self.grad_d2h_bytes
         # host tier
         if self.param_home == "cpu":
             self.host["param home"] = param_bytes
