@@ -127,6 +127,11 @@ class PlacementPlan:
                     used += size
             self.grad_host_gids = frozenset(keep)
             n_grad_nvme = sum(g.padded_numel for g in trainable if g.gid not in keep)
+            # staging serves only the groups homed on NVMe (the kept ones add in place)
+            largest_nvme = max((4 * g.padded_numel for g in trainable if g.gid not in keep),
+                               default=0)
+            self.host["gradient staging (grads on NVMe)"] = 2 * largest_nvme + (
+                largest_nvme // 2 if self.grad_accum_dtype == "bf16" and grad_accum > 1 else 0)
             if keep:
                 self.host["fp32 gradient accumulation (groups that fit)"] = used
             self.nvme["fp32 gradients"] = 4 * n_grad_nvme
