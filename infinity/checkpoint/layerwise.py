@@ -86,7 +86,7 @@ class LayerwiseModel:
         if isinstance(getattr(one, "layer_types", None), list):
             one.layer_types = one.layer_types[:1]
         one.use_cache = False
-        self.shell = AutoModelForCausalLM.from_config(one, torch_dtype=dtype).eval()
+        self.shell = AutoModelForCausalLM.from_config(one, dtype=dtype).eval()
         self.block = dict(self.shell.named_modules())[self.prefix + "0"]
         pat = re.compile(re.escape(self.prefix) + r"(\d+)\.(.+)")
         self.block_names: list[dict[str, str]] = [dict() for _ in range(self.n_layers)]
