@@ -49,6 +49,10 @@ def export_quantized(ckpt_dir, out_dir, tag=None, *, options: QuantOptions,
                 f"quantized export needs it to know which tensors are Linear weights. Save the "
                 f"checkpoint with extra_meta=model_meta(model) (infinity finetune does)")
         names = model_names(r)
+        if options.include_lm_head and cfg.get("tie_word_embeddings", True) \
+                and "lm_head.weight" not in names:
+            raise CheckpointError(f"{r.path}: the LM head is tied to the input embedding (one "
+                                  f"tensor), which stays 16-bit; drop --quantize-lm-head")
         plan = plan_linears(linear_modules(meta_model(cfg)), options)
         absent = [n for n in plan.layers if n not in r]
         if absent:

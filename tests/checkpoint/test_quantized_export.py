@@ -198,3 +198,62 @@ def test_refusals(trained, tmp_path):
     assert r.returncode != 0 and "need --quantize" in r.stderr
     r = _cli("export", str(trained / "ck"), str(tmp_path / "o3"), "--quantize", "int4", "--group-size", "0")
     assert r.returncode != 0 and "positive integer" in r.stderr
+
+
+_RSS_CHILD = r"""
+import json, resource, sys, torch
+from infinity.checkpoint import CheckpointReader
+from infinity.checkpoint.compressed import QuantOptions
+from infinity.checkpoint.layerwise import meta_model
+from infinity.checkpoint.quantized_export import export_quantized
+ck, out, mode = sys.argv[1:4]
+with CheckpointReader(ck) as r:
+    meta_model(r.meta["model_config"])
+    if mode == "baseline":          # the same imports and model skeleton, the largest tensor read
+        big = max(r.names(), key=r.numel)
+        t = r.read(big)
+        q = torch.empty(t.shape, dtype=torch.int8)
+if mode == "export":
+    export_quantized(ck, out, options=QuantOptions("int4", 128), verify=False)
+print(json.dumps({"maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+"""
+
+
+def test_quantized_export_memory_is_bounded_by_a_layer_not_the_model(tmp_path):
+    """ru_maxrss of the export minus that of a child doing everything but the export (same
+    imports, the model skeleton, the largest tensor read) stays under two decoder blocks
+    while the model is eight."""
+    from infinity.checkpoint import model_meta
+    from infinity.checkpoint.layerwise import meta_model
+    cfg = dict(model_type="llama", vocab_size=512, hidden_size=768, intermediate_size=2048,
+               num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=8,
+               max_position_embeddings=128, tie_word_embeddings=False)
+    skel = meta_model(cfg)
+
+    class Lazy:       # one random tensor at a time: the test process never holds the model
+        def checkpoint_tensors(self):
+            g = torch.Generator().manual_seed(0)
+            for n, p in skel.named_parameters():
+                yield n, torch.randn(p.shape, generator=g) * 0.02
+
+        def checkpoint_meta(self):
+            return {"step": 1, **model_meta(skel)}
+
+    save_checkpoint(Lazy(), tmp_path / "ck")
+    total = sum(p.numel() * 4 for p in skel.parameters())
+    block = sum(p.numel() * 4 for p in skel.model.layers[0].parameters())
+    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="2")
+
+    def child(mode):
+        r = subprocess.run([sys.executable, "-c", _RSS_CHILD, str(tmp_path / "ck"),
+                            str(tmp_path / "out"), mode], capture_output=True, text=True,
+                           env=env, timeout=600)
+        assert r.returncode == 0, r.stderr
+        return json.loads(r.stdout.strip().splitlines()[-1])["maxrss"]
+
+    base, peak = child("baseline"), child("export")
+    assert os.path.getsize(tmp_path / "out" / "model.safetensors") < total / 5
+    extra = peak - base
+    print(f"model {total / 1e6:.0f} MB fp32, block {block / 1e6:.0f} MB, export peak RSS "
+          f"{extra / 1e6:.0f} MB above the baseline")
+    assert extra < 2 * block, (extra, block, total)
