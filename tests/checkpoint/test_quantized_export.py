@@ -138,6 +138,40 @@ def test_lkd_lowers_every_block_error_and_loads(trained, tmp_path):
         _load(tmp_path / mode)
 
 
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_layerwise_model_matches_the_whole_model(tmp_path, kind):
+    """One block at a time from the checkpoint gives the whole model's logits and block
+    inputs (what LKD and self-generated calibration run on)."""
+    from infinity.checkpoint import model_meta
+    from infinity.checkpoint.layerwise import LayerwiseModel
+    torch.manual_seed(0)
+    kw = {k: v for k, v in TINY.items() if k != "model_type"}
+    cfg = (transformers.LlamaConfig if kind == "llama" else transformers.Qwen2Config)(**kw)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+
+    class P:
+        def checkpoint_tensors(self):
+            for n, p in model.named_parameters():
+                yield n, p.detach()
+
+        def checkpoint_meta(self):
+            return {"step": 1, **model_meta(model)}
+
+    save_checkpoint(P(), tmp_path / "ck")
+    with CheckpointReader(str(tmp_path / "ck")) as r:
+        lw = LayerwiseModel(r.meta["model_config"], r.read, r.names())
+        ids = _held_out_ids(2, 24)
+        with torch.no_grad():
+            ref = model(ids, output_hidden_states=True)
+        torch.testing.assert_close(lw.logits(ids), ref.logits, rtol=1e-4, atol=1e-4)
+        hidden, kwargs = lw.block_inputs(ids)
+        torch.testing.assert_close(hidden, ref.hidden_states[0])
+        out = lw.run_block(lw.load_block(1), lw.run_block(lw.load_block(0), hidden, kwargs), kwargs)
+        assert not torch.equal(out, hidden)
+        gen = lw.generate(2, 6, bos=257, vocab=264, generator=torch.Generator().manual_seed(0))
+        assert gen.shape == (2, 6) and int(gen.max()) < 264
+
+
 def test_engine_save_pretrained_quantized(tmp_path):
     import infinity
     torch.manual_seed(0)
