@@ -12,7 +12,7 @@ INT4 + layer-by-layer distillation (LKD), each loaded back with plain
    INT4 gap closed by LKD (``(ppl_int4 - ppl_lkd) / (ppl_int4 - ppl_bf16)``), the export
    times and sizes.
 
-    .venv/bin/python tools/bench_quantized_export.py --workdir /tmp/bq            # ~15 min
+    .venv/bin/python tools/bench_quantized_export.py --workdir /tmp/bq            # ~20 min on a loaded 2-core VM
     .venv/bin/python tools/bench_quantized_export.py --workdir /tmp/bq --reuse    # exports only
 """
 from __future__ import annotations
@@ -69,8 +69,9 @@ def main(argv=None):
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--group-size", type=int, default=128)
     ap.add_argument("--eval-windows", type=int, default=64)
-    ap.add_argument("--lkd-steps", type=int, default=200)
-    ap.add_argument("--calib-samples", type=int, default=16)
+    ap.add_argument("--lkd-steps", type=int, default=40)
+    ap.add_argument("--calib-samples", type=int, default=4)
+    ap.add_argument("--calib-len", type=int, default=128)
     ap.add_argument("--reuse", action="store_true", help="keep an existing checkpoint")
     a = ap.parse_args(argv)
     import torch
@@ -102,7 +103,7 @@ def main(argv=None):
         print(f"finetune: {a.steps} steps in {secs:.0f} s", file=sys.stderr)
     g = str(a.group_size)
     lkd = ["--lkd", "--lkd-steps", str(a.lkd_steps), "--calib-samples", str(a.calib_samples),
-           "--calib-len", str(a.seq_len)]
+           "--calib-len", str(a.calib_len)]
     variants = [
         ("bf16", ["--dtype", "bf16"]),
         ("int8", ["--quantize", "int8", "--group-size", g]),
@@ -123,7 +124,7 @@ def main(argv=None):
     int4 = rows[2][1]
     print(f"\nheld-out: {n} x {a.seq_len} tokens; model hidden {a.hidden}, inter {a.inter}, "
           f"{a.layers} layers; group {a.group_size}; LKD {a.lkd_steps} steps, "
-          f"{a.calib_samples} x {a.seq_len} calibration tokens\n")
+          f"{a.calib_samples} x {a.calib_len} calibration tokens\n")
     print("| export | held-out ppl | vs 16-bit | INT4 gap closed | weights MB | export s |")
     print("|---|---|---|---|---|---|")
     for name, ppl, nbytes, secs in rows:
