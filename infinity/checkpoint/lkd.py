@@ -10,7 +10,7 @@ calibration batch each step). Two ways to train, both measured in docs/benchmark
 - ``"scale"``: the weights stay, the per-group scales are trained (initialised to
   absmax / qmax) and written as learned.
 
-The result per weight is a :class:`~infinity.quant.QuantizedTensor`, written as is.
+The result per weight is an :class:`infinity.quant.QuantizedTensor`, written as is.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch.func import functional_call
 
-from infinity.quant import QuantizedTensor, fake_quantize, group_scales, quantize
+from infinity.quant import fake_quantize, group_scales, quantize
 
 from .errors import CheckpointError
 
@@ -114,4 +114,4 @@ def quantized_mse(block, hidden, kwargs, target, weights, *, scale_dtype=torch.f
         return torch.nn.functional.mse_loss(out.float(), target.float()).item()
 
 
-__all__ = ["LKDOptions", "MODES", "QuantizedTensor", "distil_block", "quantized_mse"]
+__all__ = ["LKDOptions", "MODES", "distil_block", "quantized_mse"]

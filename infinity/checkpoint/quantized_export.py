@@ -16,12 +16,12 @@ import time
 import torch
 
 from infinity.fsmode import makedirs
-from infinity.quant import QuantizedTensor, pack_bits
+from infinity.quant import QuantizedTensor
 
 from .compressed import (LinearPlan, QuantOptions, output_dtype, plan_linears,
                          quantization_config, set_quantization_config, write_quantized)
 from .errors import CheckpointError
-from .export import CONFIG_NAME, DEFAULT_MAX_SHARD_BYTES, model_names, write_model_config
+from .export import DEFAULT_MAX_SHARD_BYTES, model_names, write_model_config
 from .lkd import LKDOptions, distil_block, quantized_mse
 from .reader import CheckpointReader
 
@@ -37,7 +37,7 @@ def export_quantized(ckpt_dir, out_dir, tag=None, *, options: QuantOptions,
     block on ``calib_ids`` (``(n, T)`` token ids) or, when None, on ``calib_generate``
     = (sequences, length) tokens sampled from the model itself. ``report`` (a dict)
     receives per-block LKD losses and timings."""
-    from .layerwise import LayerwiseModel, linear_modules, meta_model
+    from .layerwise import linear_modules, meta_model
     t0 = time.monotonic()
     with CheckpointReader(ckpt_dir, tag) as r:
         if verify:
