@@ -45,8 +45,8 @@ class LKDOptions:
 def distil_block(block, hidden, kwargs, target, weights: dict[str, tuple[int, int]],
                  opts: LKDOptions, *, scale_dtype=torch.float32, name=""):
     """Train ``block``'s quantized weights (``weights``: local name -> (bits, group size))
-    to map ``hidden`` to ``target``. Returns ({local name: QuantizedTensor}, first loss,
-    last loss); the block's own parameters are left as they were."""
+    to map ``hidden`` to ``target``. Returns ({local name: QuantizedTensor} of the best step,
+    first loss, best loss); the block's own parameters are left as they were."""
     params = dict(block.named_parameters())
     for k in weights:
         if k not in params:
@@ -74,7 +74,8 @@ def distil_block(block, hidden, kwargs, target, weights: dict[str, tuple[int, in
                 out[k] = fake_quantize(orig[k], b, g, scale=train[k].exp()).to(params[k].dtype)
         return out
 
-    first = last = None
+    first = best = None
+    snap = {}
     for step in range(opts.steps + 1):
         with torch.set_grad_enabled(step < opts.steps):
             out = functional_call(block, {**frozen, **quantized()}, (hidden,), kwargs)
@@ -85,7 +86,9 @@ def distil_block(block, hidden, kwargs, target, weights: dict[str, tuple[int, in
                                   f"--lkd-lr or use fewer --lkd-steps")
         if first is None:
             first = loss.item()
-        last = loss.item()
+        if best is None or loss.item() < best:        # keep the best state seen, not the last
+            best = loss.item()
+            snap = {k: v.detach().clone() for k, v in train.items()}
         if step < opts.steps:
             optim.zero_grad(set_to_none=True)
             loss.backward()
@@ -94,24 +97,29 @@ def distil_block(block, hidden, kwargs, target, weights: dict[str, tuple[int, in
     with torch.no_grad():
         for k, (b, g) in weights.items():
             if opts.mode == "ste":
-                result[k] = quantize(train[k].detach(), b, g, scale_dtype=scale_dtype,
-                                     name=f"{name}.{k}")
+                result[k] = quantize(snap[k], b, g, scale_dtype=scale_dtype, name=f"{name}.{k}")
             else:
-                s = train[k].detach().exp().to(scale_dtype)
+                s = snap[k].exp().to(scale_dtype)
                 result[k] = quantize(orig[k], b, g, scale=s, name=f"{name}.{k}")
-    return result, first, last
+    return result, first, best
 
 
-def quantized_mse(block, hidden, kwargs, target, weights, *, scale_dtype=torch.float32):
-    """The block's output error with round-to-nearest quantized weights (LKD's start)."""
+def round_to_nearest(block, weights, *, scale_dtype=torch.float32):
+    """Plain absmax quantization of the block's ``weights`` (LKD's starting point)."""
     params = dict(block.named_parameters())
-    q = {k: quantize(params[k].detach().float(), b, g, scale_dtype=scale_dtype).dequantize(params[k].dtype)
-         for k, (b, g) in weights.items()}
-    frozen = {k: p.detach() for k, p in params.items() if k not in weights}
+    return {k: quantize(params[k].detach().float(), b, g, scale_dtype=scale_dtype)
+            for k, (b, g) in weights.items()}
+
+
+def quantized_mse(block, hidden, kwargs, target, qts) -> float:
+    """The block's output error with its weights ``qts`` (local name -> QuantizedTensor)."""
+    params = dict(block.named_parameters())
+    q = {k: qt.dequantize(params[k].dtype) for k, qt in qts.items()}
+    frozen = {k: p.detach() for k, p in params.items() if k not in qts}
     with torch.no_grad():
         out = functional_call(block, {**frozen, **q}, (hidden,), kwargs)
         out = out[0] if isinstance(out, (tuple, list)) else out
         return torch.nn.functional.mse_loss(out.float(), target.float()).item()
 
 
-__all__ = ["LKDOptions", "MODES", "distil_block", "quantized_mse"]
+__all__ = ["LKDOptions", "MODES", "distil_block", "quantized_mse", "round_to_nearest"]

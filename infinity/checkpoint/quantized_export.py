@@ -22,7 +22,7 @@ from .compressed import (LinearPlan, QuantOptions, output_dtype, plan_linears,
                          quantization_config, set_quantization_config, write_quantized)
 from .errors import CheckpointError
 from .export import DEFAULT_MAX_SHARD_BYTES, model_names, write_model_config
-from .lkd import LKDOptions, distil_block, quantized_mse
+from .lkd import LKDOptions, distil_block, quantized_mse, round_to_nearest
 from .reader import CheckpointReader
 
 log = logging.getLogger("infinity.checkpoint")
@@ -140,13 +140,19 @@ class _LKDSource:
             if full in self.plan.layers:
                 _, _strategy, g = self.plan.layers[full]
                 weights[local] = (self.opts.bits, g)
-        rtn = quantized_mse(block, self.hidden, self.kwargs, target, weights, scale_dtype=self.dtype16)
-        result, first, last = distil_block(block, self.hidden, self.kwargs, target, weights,
-                                           self.lkd, scale_dtype=self.dtype16, name=f"block {i}")
-        self.report["blocks"].append({"block": i, "mse_rtn": rtn, "mse_lkd": last,
+        rtn_q = round_to_nearest(block, weights, scale_dtype=self.dtype16)
+        rtn = quantized_mse(block, self.hidden, self.kwargs, target, rtn_q)
+        result, _first, _best = distil_block(block, self.hidden, self.kwargs, target, weights,
+                                             self.lkd, scale_dtype=self.dtype16, name=f"block {i}")
+        mse = quantized_mse(block, self.hidden, self.kwargs, target, result)
+        kept = "distilled"
+        if mse > rtn:       # never write a block worse (on the calibration data) than plain rounding
+            result, mse, kept = rtn_q, rtn, "round-to-nearest kept (distillation did not help)"
+        self.report["blocks"].append({"block": i, "mse_rtn": rtn, "mse_lkd": mse, "kept": kept,
                                       "seconds": time.monotonic() - t})
-        log.info("LKD block %d/%d: output MSE %.3g (round-to-nearest) -> %.3g in %d steps (%.1f s)",
-                 i + 1, self.lw.n_layers, rtn, last, self.lkd.steps, time.monotonic() - t)
+        log.info("LKD block %d/%d: output MSE %.3g (round-to-nearest) -> %.3g in %d steps, %s "
+                 "(%.1f s)", i + 1, self.lw.n_layers, rtn, mse, self.lkd.steps, kept,
+                 time.monotonic() - t)
         self.cache = result
         self.cached_block = i
         self.hidden = target            # the 16-bit model's activations feed the next block
