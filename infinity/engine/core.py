@@ -510,10 +510,19 @@ class Engine:
         self._drop_open_window("state_dict")
         return StreamedStateDict(self)
 
-    def save_pretrained(self, directory, *, max_shard_bytes: int = 2 * 10 ** 9) -> list[str]:
-        from infinity.engine.weights import save_pretrained
+    def save_pretrained(self, directory, *, max_shard_bytes: int = 2 * 10 ** 9,
+                        quantize: str | None = None, group_size: int = 128,
+                        quantize_lm_head: bool = False) -> list[str]:
+        """Hugging Face directory of the current weights; ``quantize="int8"|"int4"``:
+        group-wise symmetric weight-only quantization of the Linear layers in the
+        compressed-tensors format (docs/checkpoints.md)."""
+        from infinity.engine.weights import save_pretrained, save_pretrained_quantized
         self._enter("save_pretrained")
         self._drop_open_window("save_pretrained")
+        if quantize is not None:
+            return save_pretrained_quantized(self, directory, quantize=quantize,
+                                             group_size=group_size, max_shard_bytes=max_shard_bytes,
+                                             quantize_lm_head=quantize_lm_head)
         return save_pretrained(self, directory, max_shard_bytes=max_shard_bytes)
 
     # ------------------------------------------------------------------ checkpoints

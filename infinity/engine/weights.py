@@ -7,6 +7,9 @@ tensors also when the model trains on a GPU.
 ``save_pretrained(dir)`` writes ``model.safetensors`` (or shards
 ``model-0000i-of-0000n.safetensors`` plus ``model.safetensors.index.json``) with the
 model's own parameter names, and the Hugging Face ``config.json`` when there is one.
+``save_pretrained_quantized`` writes the same with the ``nn.Linear`` weights quantized
+(compressed-tensors format, :mod:`infinity.checkpoint.compressed`), still one tensor at a
+time.
 """
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ from infinity.fsmode import makedirs
 
 log = logging.getLogger("infinity.engine")
 
-__all__ = ["StreamedStateDict", "save_pretrained"]
+__all__ = ["StreamedStateDict", "save_pretrained", "save_pretrained_quantized"]
 
 
 class StreamedStateDict(Mapping):
@@ -197,6 +200,80 @@ def save_pretrained(engine, directory, *, max_shard_bytes: int = 2 * 10 ** 9) ->
             except Exception as e:  # generation config is optional metadata
                 log.debug("save_pretrained: generation_config not written: %s", e)
     log.info("save_pretrained: wrote %d file(s) to %s", len(files), directory)
+    if zero is not None and zero.world_size > 1:
+        zero.comm.barrier("save_pretrained")
+    return files
+
+
+def _unique_names(sd: StreamedStateDict) -> list[str]:
+    seen: set[int] = set()
+    names: list[str] = []
+    for name in sd:
+        t = sd._params.get(name)
+        if t is not None:
+            if id(t) in seen:
+                continue
+            seen.add(id(t))
+        names.append(name)
+    return names
+
+
+def save_pretrained_quantized(engine, directory, *, quantize: str, group_size: int = 128,
+                              max_shard_bytes: int = 2 * 10 ** 9,
+                              quantize_lm_head: bool = False) -> list[str]:
+    """``save_pretrained`` with the Linear weights quantized (``quantize``: "int8" |
+    "int4", groups of ``group_size`` along the input dimension); the embeddings and the LM
+    head (unless ``quantize_lm_head``) and every other tensor in 16-bit. Needs the model's
+    Hugging Face config (``engine.module.config``) for ``config.json``."""
+    from infinity.checkpoint.compressed import (QuantOptions, output_dtype, plan_linears,
+                                                quantization_config, set_quantization_config,
+                                                write_quantized)
+    from infinity.checkpoint.layerwise import linear_modules
+    if quantize not in ("int8", "int4"):
+        raise ValueError(f"save_pretrained: quantize must be 'int8' or 'int4', got {quantize!r}")
+    if not isinstance(group_size, int) or group_size < 1:
+        raise ValueError(f"save_pretrained: group_size must be a positive integer, got {group_size!r}")
+    cfg = getattr(engine.module, "config", None)
+    if cfg is None or not hasattr(cfg, "save_pretrained"):
+        raise ValueError("save_pretrained(quantize=...) needs a Hugging Face model (with a "
+                         "config) to write config.json with its quantization_config; "
+                         f"{type(engine.module).__name__} has none")
+    opts = QuantOptions(quantize, group_size=group_size, include_lm_head=quantize_lm_head)
+    plan = plan_linears(linear_modules(engine.module), opts)
+    zero = getattr(engine, "zero", None)
+    writer = zero is None or zero.rank == 0
+    sd = StreamedStateDict(engine)
+    names = _unique_names(sd)
+
+    def info(name):
+        t = sd._params.get(name)
+        if t is None:
+            t = sd._buffers[name]
+        return tuple(t.shape), engine._orig_dtypes.get(id(t), t.dtype)
+
+    if not writer:                      # the gathers are collectives: every rank reads
+        for n in names:
+            del_ = sd[n]
+            del del_
+        zero.comm.barrier("save_pretrained")
+        return []
+    makedirs(directory)
+    files, _ = write_quantized(directory, names, info, lambda n: sd[n], plan, opts,
+                               max_shard_bytes=max_shard_bytes)
+    cfg.save_pretrained(directory)
+    src = next((info(n)[1] for n in plan.layers), torch.float32)
+    set_quantization_config(os.path.join(directory, "config.json"),
+                            quantization_config(plan, opts), output_dtype(src, opts))
+    files = [os.path.basename(f) for f in files] + ["config.json"]
+    gen = getattr(engine.module, "generation_config", None)
+    if gen is not None and hasattr(gen, "save_pretrained"):
+        try:
+            gen.save_pretrained(directory)
+            files.append("generation_config.json")
+        except Exception as e:  # generation config is optional metadata
+            log.debug("save_pretrained: generation_config not written: %s", e)
+    log.info("save_pretrained(quantize=%s): %d Linear layers quantized, wrote %d file(s) to %s",
+             quantize, len(plan.layers), len(files), directory)
     if zero is not None and zero.world_size > 1:
         zero.comm.barrier("save_pretrained")
     return files
