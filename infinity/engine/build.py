@@ -104,6 +104,10 @@ def assemble(engine, lr_scheduler) -> None:
                               optimizer_ring_bytes=engine.store.host_bytes(),
                               separate_device=separate)
     placement.grad_accum_dtype = cfg.gradient_accumulation_dtype
+    # Note [Streamed gradients]: what infinity.engine.overlap.eligible will allow
+    placement.stream_grads = engine.zero is None and cfg.precision in ("fp32", "bf16") \
+        and not separate
+    placement.clipping = float(cfg.gradient_clipping) > 0
     placement.compute(engine.gas)
     if cfg.host_memory_bytes is not None and placement.host_total > cfg.host_memory_bytes \
             and engine.swap is not None and engine.zero is None:

@@ -16,9 +16,12 @@ from infinity.fsmode import existing_ancestor, makedirs
 
 log = logging.getLogger("infinity.memory")
 
-__all__ = ["PlacementPlan", "WorkingSetError", "mem_available_bytes"]
+__all__ = ["PlacementPlan", "WorkingSetError", "mem_available_bytes", "STREAM_GRAD_WINDOW"]
 
 GB = 10 ** 9
+# gradients homed on NVMe kept in memory for their group's early optimizer step at once
+# (Note [Streamed gradients] in infinity/engine/overlap.py)
+STREAM_GRAD_WINDOW = 2
 
 
 class WorkingSetError(MemoryError):
@@ -67,6 +70,10 @@ class PlacementPlan:
     # keep them there (no NVMe round trip); set by compute()
     grad_host_gids: frozenset = frozenset()
     separate_device: bool = False   # device tier is not host memory (CUDA): copies + staging
+    # grad_home "nvme": groups are updated as their gradient arrives (the overlapped step,
+    # Note [Streamed gradients]): the final sums never go to NVMe and back
+    stream_grads: bool = False
+    clipping: bool = False          # gradient_clipping > 0: streamed sums are written (redo)
     param_cache_budget: int = 0     # host bytes for clean copies of NVMe params (fp32, CPU)
     host: dict = field(default_factory=dict)      # item -> bytes
     device: dict = field(default_factory=dict)
@@ -108,6 +115,9 @@ class PlacementPlan:
             self.host["gradient staging (grads on NVMe)"] = 2 * largest_trainable
             if self.grad_accum_dtype == "bf16" and grad_accum > 1:
                 self.host["gradient staging (grads on NVMe)"] += largest_trainable // 2
+            if self.stream_grads:
+                self.host["gradients in hand for their early step (grads on NVMe)"] = \
+                    STREAM_GRAD_WINDOW * round_up(largest_trainable, ALIGN)
         states = 2 if fp32 else 3            # fp32: the param home is the master
         if self.optimizer_home in ("none", "cpu"):
             self.host["optimizer states (fp32 m, v" + ("" if fp32 else ", master") + ")"] = \
@@ -168,6 +178,9 @@ class PlacementPlan:
             window = self.grad_window_bytes(n_grad_nvme, grad_accum)   # written across
             wr += window                                               # micro-steps, and
             rd += window                                               # as much read
+            if self.stream_grads:   # the final sums are stepped from memory: not written
+                rd -= 4 * n_grad_nvme                 # (unless a clipped step may redo them)
+                wr -= 0 if self.clipping else 4 * n_grad_nvme   # nor read by the optimizer
         self.links = {"nvme_read": rd, "nvme_write": wr}
         return self
 
