@@ -191,7 +191,8 @@ def assemble(engine, lr_scheduler) -> None:
     after = None
     if eligible(engine):
         engine.overlap = OverlappedStep(engine.opt, engine.mm, engine.coord, engine.acct,
-                                        undo_budget=engine.undo_budget)
+                                        undo_budget=engine.undo_budget,
+                                        grad_window=placement.stream_window)
         after = engine.overlap.grad_arrived
     on_grad = grad_sink(engine.opt.accumulate, gp.groups, after=after)
     acts = None

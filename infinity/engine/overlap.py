@@ -63,11 +63,13 @@ log = logging.getLogger("infinity.engine")
 # of being written to NVMe, stepped early from it, and the buffer goes back when the step
 # ended (_reap): the gradient never makes the NVMe round trip (4 + 4 B/param per step less)
 # and the group's master/m/v stream through CPU Adam while backward goes on.  Memory stays
-# bounded: at most GRAD_WINDOW kept buffers at once; beyond that backward waits for the
-# oldest group step (the step is disk-bound: waiting is the disk's speed, spilling would
-# add I/O), and when every kept buffer still waits for its group's release the gradient is
-# written to NVMe as before.  A kept group not stepped early (unsafe, clip reached, no undo
-# room) is flushed to NVMe (NvmeGradStore.flush_held) and stepped at the boundary.
+# bounded: at most grad_window kept buffers at once (PlacementPlan.stream_window: up to
+# GRAD_WINDOW, what the host cap leaves room for; 0: no streaming).  Beyond that backward
+# waits for the oldest group step (the step is disk-bound: waiting is the disk's speed,
+# spilling would add I/O); when every kept buffer still waits for its group's release the
+# gradient is written to NVMe as before.  A kept group not stepped early (unsafe, clip
+# reached, no undo room) is flushed to NVMe (NvmeGradStore.flush_held) and stepped at the
+# boundary.
 #
 # Note [Speculative clipping]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -93,7 +95,8 @@ log = logging.getLogger("infinity.engine")
 __all__ = ["OverlappedStep", "eligible", "MAX_HANDOFF", "GRAD_WINDOW"]
 
 MAX_HANDOFF = 3      # released parameter buffers held for their group's step at once
-# kept NVMe-homed gradients (Note [Streamed gradients]) at once (the plan reserves them)
+# kept NVMe-homed gradients (Note [Streamed gradients]) at most at once; the plan reserves
+# what the cap can hold (PlacementPlan.stream_window)
 GRAD_WINDOW = STREAM_GRAD_WINDOW
 
 
@@ -117,7 +120,8 @@ def eligible(engine) -> bool:
 class OverlappedStep:
     _undo_planned = 0
 
-    def __init__(self, opt, mm, coord, accounting, *, undo_budget: int | None = None):
+    def __init__(self, opt, mm, coord, accounting, *, undo_budget: int | None = None,
+                 grad_window: int = GRAD_WINDOW):
         self.opt = opt
         self.mm = mm
         self.coord = coord
@@ -142,7 +146,8 @@ class OverlappedStep:
         self.keep_grads = self.clip > 0
         # skip speculation after a clipped update (False: always speculate; tests, A/B runs)
         self.predict = True
-        if opt.nvme_grads is not None:   # Note [Streamed gradients]
+        self.grad_window = grad_window     # kept NVMe-homed gradients at once
+        if opt.nvme_grads is not None and grad_window > 0:   # Note [Streamed gradients]
             opt.nvme_grads.keep = self.keep_grad
         mm.attach_listener(self)          # on_release, reclaim_blocked
 
@@ -248,11 +253,11 @@ class OverlappedStep:
     def keep_grad(self, g: GroupRecord) -> bool:
         """The NVMe gradient home asks whether to keep ``g``'s complete final sum in memory
         for its early step (Note [Streamed gradients]); waits for the oldest group step
-        when GRAD_WINDOW buffers are kept."""
+        when ``grad_window`` buffers are kept."""
         if not self.active or g.gid not in self._pending:
             return False
         held = self.opt.nvme_grads.held
-        while len(held) >= GRAD_WINDOW:
+        while len(held) >= self.grad_window:
             oldest = next((e for e in self._stepping if e[1].gid in held), None)
             if oldest is None:
                 return False               # the kept ones wait for their release

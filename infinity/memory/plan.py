@@ -74,6 +74,7 @@ class PlacementPlan:
     # Note [Streamed gradients]): the final sums never go to NVMe and back
     stream_grads: bool = False
     clipping: bool = False          # gradient_clipping > 0: streamed sums are written (redo)
+    stream_window: int = 0          # final sums in hand at once (compute(); 0: no streaming)
     param_cache_budget: int = 0     # host bytes for clean copies of NVMe params (fp32, CPU)
     host: dict = field(default_factory=dict)      # item -> bytes
     device: dict = field(default_factory=dict)
@@ -115,14 +116,22 @@ class PlacementPlan:
             self.host["gradient staging (grads on NVMe)"] = 2 * largest_trainable
             if self.grad_accum_dtype == "bf16" and grad_accum > 1:
                 self.host["gradient staging (grads on NVMe)"] += largest_trainable // 2
-            if self.stream_grads:
-                self.host["gradients in hand for their early step (grads on NVMe)"] = \
-                    STREAM_GRAD_WINDOW * round_up(largest_trainable, ALIGN)
         states = 2 if fp32 else 3            # fp32: the param home is the master
         if self.optimizer_home in ("none", "cpu"):
             self.host["optimizer states (fp32 m, v" + ("" if fp32 else ", master") + ")"] = \
                 states * 4 * n_train
         self.host["optimizer tile ring"] = self.optimizer_ring_bytes
+        self.stream_window = 0
+        if self.grad_home == "nvme" and self.stream_grads and trainable:
+            # Note [Streamed gradients]: up to STREAM_GRAD_WINDOW final sums in hand for
+            # their group's early step, in what the cap leaves (none: no streaming)
+            size = round_up(largest_trainable, ALIGN)
+            spare = None if self.host_cap is None else self.host_cap - sum(self.host.values())
+            self.stream_window = STREAM_GRAD_WINDOW if spare is None else \
+                max(0, min(STREAM_GRAD_WINDOW, spare // size))
+            if self.stream_window:
+                self.host["gradients in hand for their early step (grads on NVMe)"] = \
+                    self.stream_window * size
         if self.grad_home == "nvme":
             # lossless: the groups whose fp32 accumulators fit in what the cap leaves stay
             # in host memory (module order); only the rest make NVMe round trips
@@ -178,7 +187,7 @@ class PlacementPlan:
             window = self.grad_window_bytes(n_grad_nvme, grad_accum)   # written across
             wr += window                                               # micro-steps, and
             rd += window                                               # as much read
-            if self.stream_grads:   # the final sums are stepped from memory: not written
+            if self.stream_window:  # the final sums are stepped from memory: not written
                 rd -= 4 * n_grad_nvme                 # (unless a clipped step may redo them)
                 wr -= 0 if self.clipping else 4 * n_grad_nvme   # nor read by the optimizer
         self.links = {"nvme_read": rd, "nvme_write": wr}
