@@ -146,12 +146,17 @@ def main(argv=None) -> int:
                   "backward_s": t2 - t1, "optimizer_s": t3 - t2,
                   "nvme_read_bytes": s1["nvme_read_bytes"] - s0["nvme_read_bytes"],
                   "nvme_write_bytes": s1["nvme_write_bytes"] - s0["nvme_write_bytes"],
-                  "rss_peak": rss_peak()}
+                  "rss_peak": rss_peak(),
+                  "groups_overlapped": s1.get("optimizer_groups_overlapped", 0)
+                  - s0.get("optimizer_groups_overlapped", 0),
+                  "stream_waits": s1.get("optimizer_stream_waits", 0)
+                  - s0.get("optimizer_stream_waits", 0)}
             steps.append(st)
             print(f"step {i}: loss {st['loss']:.4f}, {st['step_s']:.1f} s (fwd {st['forward_s']:.1f}, "
                   f"bwd {st['backward_s']:.1f}, opt {st['optimizer_s']:.1f}), NVMe read "
                   f"{st['nvme_read_bytes'] / 1e9:.1f} GB, written {st['nvme_write_bytes'] / 1e9:.1f} GB, "
-                  f"peak RSS {st['rss_peak'] / 2**30:.2f} GiB", flush=True)
+                  f"peak RSS {st['rss_peak'] / 2**30:.2f} GiB, groups stepped during backward "
+                  f"{st['groups_overlapped']}", flush=True)
     finally:
         eng.close()
     res["steps"] = steps

@@ -280,3 +280,9 @@ def test_failure_in_backward_after_streamed_updates_rolls_back(harness, swap_dir
         more, _ = _train(eng, data[3:])        # and training goes on, at parity
         perr = harness.param_rel_err(ref, eng)
     assert _rel(losses + more, ref_l) < 1e-5 and perr < 1e-5
+
+
+def test_estimator_models_the_streamed_window():
+    from infinity.estimate import memory_plan
+    from infinity.memory import plan
+    assert memory_plan.STREAM_GRAD_WINDOW == plan.STREAM_GRAD_WINDOW
