@@ -365,6 +365,8 @@ def plan_memory(spec, machine, knobs, params_home, optimizer_home):
                     - pl.tier_total("pageable") - stage_b
                 window = max(0, min(window, spare // (G * 4))) if G else 0
                 spare -= window * G * 4
+                if window and knobs.grad_accum == 1:
+                    spare = 0      # streamed, one micro-step: no round trip to save
                 keep = max(0, min(grad_item.nbytes, spare // 4096 * 4096))
             if window:
                 add(Item("pageable", "gradients in hand for their early step (grads on NVMe)",

@@ -136,7 +136,9 @@ class PlacementPlan:
             # lossless: the groups whose fp32 accumulators fit in what the cap leaves stay
             # in host memory (module order); only the rest make NVMe round trips
             spare = None if self.host_cap is None else self.host_cap - sum(self.host.values())
-            keep, used = set(), 0
+            if self.stream_window and grad_accum == 1:
+                spare = 0     # streamed, one micro-step (Note [Streamed gradients]): no
+            keep, used = set(), 0   # round trip to save, the cap's rest stays free (RSS)
             for g in trainable:
                 size = round_up(4 * g.padded_numel, ALIGN)
                 if spare is not None and used + size <= spare:
