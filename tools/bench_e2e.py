@@ -100,6 +100,8 @@ def run_infinity(args, swap_dir, host_gb):
     with infinity.initialize(model, cfg) as eng:
         if args.no_commit_point:
             eng.commit_point = False             # A/B: updates in place (not all-or-nothing)
+        if args.no_overlap:
+            eng.overlap_optimizer_step = False   # A/B: every group stepped after backward
         if args.no_master_handoff and eng.overlap is not None:
             eng.overlap.handoff = False          # A/B: the overlapped step reads its master
         for i in range(args.warmup + args.steps):
@@ -296,6 +298,9 @@ def main(argv=None):
     ap.add_argument("--no-master-handoff", action="store_true",
                     help="A/B: the overlapped optimizer step reads each fp32 master from NVMe "
                          "instead of reusing the parameter buffer backward fetched")
+    ap.add_argument("--no-overlap", action="store_true",
+                    help="A/B: the optimizer step after backward (engine.overlap_optimizer_step "
+                         "= False), as with clipping before speculative clipping")
     ap.add_argument("--clip", type=float, default=0.0,
                     help="infinity's gradient_clipping (0: none); prints how often it triggered")
     ap.add_argument("--deepspeed-python", default=DEFAULT_DS_PYTHON,
