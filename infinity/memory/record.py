@@ -37,11 +37,13 @@ raises :class:`StateError` naming the group and the actual state.
 from __future__ import annotations
 
 import enum
+import weakref
 from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["Location", "StateError", "ParamSlot", "GroupRecord", "placeholder"]
+__all__ = ["Location", "StateError", "ParamSlot", "GroupRecord", "placeholder", "holder_of",
+           "register_holder", "unregister_holder"]
 
 _PLACEHOLDERS: dict[tuple, torch.Tensor] = {}
 
@@ -65,9 +67,33 @@ def is_placeholder(t: torch.Tensor) -> bool:
     if ph is None or t.numel() == 0:
         return False
     try:
-        return t.untyped_storage().data_ptr() == ph.untyped_storage().data_ptr()
-    except RuntimeError:            # meta / exotic tensors have no storage pointer
-        return False
+        ptr = t.untyped_storage().data_ptr()
+        return ptr != 0 and ptr == ph.untyped_storage().data_ptr()
+    except RuntimeError:            # exotic tensors have no storage pointer
+        return False                # (and every meta tensor's pointer is 0: not ours)
+
+
+# Note [held parameters]: an engine that has released its model's parameters (``.data`` =
+# placeholder) registers here, so code below the engine (``infinity.GatheredParameters``) can
+# find who holds a parameter and read its value without importing the engine.  A holder has
+# ``holds(p) -> bool`` and ``read_held(p) -> Tensor`` (collective at world size > 1).
+_HOLDERS: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def register_holder(holder) -> None:
+    _HOLDERS.add(holder)
+
+
+def unregister_holder(holder) -> None:
+    _HOLDERS.discard(holder)
+
+
+def holder_of(p: torch.Tensor):
+    """The live engine holding parameter ``p``, or None."""
+    for h in list(_HOLDERS):
+        if h.holds(p):
+            return h
+    return None
 
 
 class Location(enum.Enum):
