@@ -240,7 +240,7 @@ def test_overlap_with_clipping_fp32_parity(harness, swap_dir, params):
     assert st.get("optimizer_clip_redos", 0) + st.get("optimizer_speculation_stopped", 0) > 0
 
 
-@pytest.mark.parametrize("params", ["cpu", "nvme"])
+@pytest.mark.parametrize("params", [pytest.param("cpu", marks=pytest.mark.slow), "nvme"])
 def test_overlap_with_clipping_bf16_matches_boundary_step(harness, swap_dir, params):
     norms = _mlp_norms(harness)
     clip = sorted(norms)[len(norms) // 2]
