@@ -10,8 +10,13 @@ Model states counted as DeepSpeed does for mixed precision: fp32 master + Adam m
 (12 B/param) + bf16 params + bf16 grads (4 B/param) = 16 B/param.
 
 Refuses (exit 2, clear message) when the NVMe path lacks the free space the run needs:
-engine homes (bf16 params 2 B + fp32 master/m/v 12 B + spilled fp32 grads 4 B per param)
-plus the Init copy (4 B/param, freed as it is adopted).
+engine homes (bf16 params 2 B + fp32 master/m/v 12 B + their commit shadows 12 B + spilled
+fp32 grads 4 B per param) plus the Init copy (4 B/param, freed as it is adopted).
+
+``--ab``: alternate the optimizer step overlapped with backward (gradients streamed: each
+group updated as its gradient arrives, Note [Streamed gradients]) and the serial step
+(``engine.overlap_optimizer_step = False``) from step to step in the same process, and
+print the medians of each.
 
     .venv/bin/python tools/bench_big_model.py --nvme-path /work/big-swap          # ~2.5B params
     .venv/bin/python tools/bench_big_model.py --layers 2 --hidden 512 --dry-run   # plan only
@@ -67,13 +72,15 @@ def main(argv=None) -> int:
     ap.add_argument("--device-gb", type=float, default=1.5, help="offload.device_memory_gb")
     ap.add_argument("--prefetch", type=int, default=2)
     ap.add_argument("--dry-run", action="store_true", help="print the plan and checks only")
+    ap.add_argument("--ab", action="store_true",
+                    help="alternate overlapped (even steps) and serial (odd steps) optimizer steps")
     ap.add_argument("--json", action="store_true", help="print one JSON line at the end")
     a = ap.parse_args(argv)
 
     n = count_params(a)
     states = 16 * n
     ram = mem_total()
-    need_disk = int(1.05 * (2 + 12 + 4 + 4) * n)
+    need_disk = int(1.05 * (2 + 12 + 12 + 4 + 4) * n)
     os.makedirs(a.nvme_path, exist_ok=True)
     free = shutil.disk_usage(a.nvme_path).free
     print(f"model: Llama {a.layers} layers, hidden {a.hidden}, intermediate {a.intermediate}, "
@@ -83,7 +90,7 @@ def main(argv=None) -> int:
     print(f"NVMe: needs {need_disk / 1e9:.1f} GB free at {a.nvme_path}, has {free / 1e9:.1f} GB")
     if free < need_disk:
         print(f"refusing: {a.nvme_path} has {free / 1e9:.1f} GB free but this run needs "
-              f"{need_disk / 1e9:.1f} GB (engine homes 18 B/param + Init copy 4 B/param + 5%); "
+              f"{need_disk / 1e9:.1f} GB (engine homes 30 B/param + Init copy 4 B/param + 5%); "
               f"free space, pick another --nvme-path, or shrink the model (--layers/--hidden)",
               file=sys.stderr)
         return 2
@@ -133,6 +140,8 @@ def main(argv=None) -> int:
     try:
         for i in range(a.steps):
             ids = torch.randint(0, a.vocab, (a.batch, a.seq), generator=g)
+            overlap = not (a.ab and i % 2)
+            eng.overlap_optimizer_step = overlap
             s0 = eng.stats()
             t0 = time.perf_counter()
             out = eng(input_ids=ids, labels=ids)
@@ -146,16 +155,36 @@ def main(argv=None) -> int:
                   "backward_s": t2 - t1, "optimizer_s": t3 - t2,
                   "nvme_read_bytes": s1["nvme_read_bytes"] - s0["nvme_read_bytes"],
                   "nvme_write_bytes": s1["nvme_write_bytes"] - s0["nvme_write_bytes"],
-                  "rss_peak": rss_peak()}
+                  "rss_peak": rss_peak(), "overlap": overlap,
+                  "groups_overlapped": s1.get("optimizer_groups_overlapped", 0)
+                  - s0.get("optimizer_groups_overlapped", 0),
+                  "stream_waits": s1.get("optimizer_stream_waits", 0)
+                  - s0.get("optimizer_stream_waits", 0)}
             steps.append(st)
             print(f"step {i}: loss {st['loss']:.4f}, {st['step_s']:.1f} s (fwd {st['forward_s']:.1f}, "
                   f"bwd {st['backward_s']:.1f}, opt {st['optimizer_s']:.1f}), NVMe read "
                   f"{st['nvme_read_bytes'] / 1e9:.1f} GB, written {st['nvme_write_bytes'] / 1e9:.1f} GB, "
-                  f"peak RSS {st['rss_peak'] / 2**30:.2f} GiB", flush=True)
+                  f"peak RSS {st['rss_peak'] / 2**30:.2f} GiB, groups stepped during backward "
+                  f"{st['groups_overlapped']}", flush=True)
     finally:
         eng.close()
     res["steps"] = steps
     res["rss_peak"] = rss_peak()
+    for name, sel in (("overlapped", True), ("serial", False)):
+        # (step 0 has no prefetch trace and step 1 is still warming up: medians from step 2)
+        ss = [st for st in steps[2:] if st["overlap"] == sel]
+        if not ss:
+            continue
+        import statistics
+        med = {k: statistics.median(st[k] for st in ss)
+               for k in ("step_s", "forward_s", "backward_s", "optimizer_s", "nvme_read_bytes",
+                         "nvme_write_bytes")}
+        res[name] = med
+        print(f"{name} ({len(ss)} steps from step 2, medians): step {med['step_s']:.1f} s (fwd "
+              f"{med['forward_s']:.1f}, bwd {med['backward_s']:.1f}, optimizer exposed "
+              f"{med['optimizer_s']:.1f} s = {med['optimizer_s'] / med['step_s']:.0%}); NVMe "
+              f"{(med['nvme_read_bytes'] + med['nvme_write_bytes']) / n:.1f} B/param ("
+              f"read {med['nvme_read_bytes'] / n:.1f} + written {med['nvme_write_bytes'] / n:.1f})")
     print(f"peak RSS {res['rss_peak'] / 2**30:.2f} GiB for {n / 1e9:.2f} B params "
           f"({states / 1e9:.1f} GB of model states, {states / ram:.2f}x host RAM)")
     if a.json:

@@ -80,7 +80,9 @@ def run_torch(args):
 
 
 LINKS = ("nvme_read", "nvme_write", "h2d", "d2h")
-DELTA_KEYS = tuple(f"{k}_{u}" for k in LINKS for u in ("bytes", "seconds")) + ("on_demand_fetches",)
+DELTA_KEYS = tuple(f"{k}_{u}" for k in LINKS for u in ("bytes", "seconds")) + (
+    "on_demand_fetches", "optimizer_groups_overlapped", "optimizer_clip_redos",
+    "optimizer_speculation_skipped", "optimizer_speculation_stopped")
 
 
 def run_infinity(args, swap_dir, host_gb):
@@ -91,12 +93,15 @@ def run_infinity(args, swap_dir, host_gb):
                        "host_memory_gb": host_gb},
            "prefetch": {"depth": args.depth},
            "aio": {"queue_depth": 32, "threads": args.aio_threads},
-           "optimizer": {"lr": 1e-4, "weight_decay": 0.0}}
+           "optimizer": {"lr": 1e-4, "weight_decay": 0.0},
+           "gradient_clipping": args.clip}
     x, y = (t.to(args.device) for t in batch(args.d, args.tokens))
     times, moved = [], []
     with infinity.initialize(model, cfg) as eng:
         if args.no_commit_point:
             eng.commit_point = False             # A/B: updates in place (not all-or-nothing)
+        if args.no_overlap:
+            eng.overlap_optimizer_step = False   # A/B: every group stepped after backward
         if args.no_master_handoff and eng.overlap is not None:
             eng.overlap.handoff = False          # A/B: the overlapped step reads its master
         for i in range(args.warmup + args.steps):
@@ -116,7 +121,8 @@ def run_infinity(args, swap_dir, host_gb):
             s1 = eng.stats()
             k1 = proc_io()
             times.append((t2 - t0, t1 - t0, t2 - t1))
-            moved.append({k: s1[k] - s0[k] for k in DELTA_KEYS})
+            moved.append({k: s1.get(k, 0) - s0.get(k, 0) for k in DELTA_KEYS})
+            moved[-1]["grad_norm"] = s1["grad_norm"]
             if k0 and k1:  # what the kernel saw this process read/write from storage
                 moved[-1].update(kernel_read_bytes=k1["read_bytes"] - k0["read_bytes"],
                                  kernel_write_bytes=k1["write_bytes"] - k0["write_bytes"])
@@ -292,6 +298,11 @@ def main(argv=None):
     ap.add_argument("--no-master-handoff", action="store_true",
                     help="A/B: the overlapped optimizer step reads each fp32 master from NVMe "
                          "instead of reusing the parameter buffer backward fetched")
+    ap.add_argument("--no-overlap", action="store_true",
+                    help="A/B: the optimizer step after backward (engine.overlap_optimizer_step "
+                         "= False), as with clipping before speculative clipping")
+    ap.add_argument("--clip", type=float, default=0.0,
+                    help="infinity's gradient_clipping (0: none); prints how often it triggered")
     ap.add_argument("--deepspeed-python", default=DEFAULT_DS_PYTHON,
                     help="python of the DeepSpeed venv ('' to skip; default %(default)s)")
     ap.add_argument("--ds-max-in-cpu", default=str(int(1e9)),
@@ -328,6 +339,15 @@ def main(argv=None):
     print(f"(b) infinity params+optimizer on NVMe: median step {t_inf:.2f} s "
           f"(forward+backward {fb:.2f} s, optimizer step {st:.2f} s)  "
           f"{[round(t[0], 2) for t in ti]}")
+    if args.clip:
+        clipped = sum(1 for m in moved if m["grad_norm"] + 1e-6 > args.clip)
+        print(f"    gradient_clipping {args.clip}: the norm was above it in {clipped} of "
+              f"{len(moved)} measured steps (norms {[round(m['grad_norm'], 3) for m in moved]}); "
+              f"per step: groups stepped during backward "
+              f"{[m['optimizer_groups_overlapped'] for m in moved]}, redone "
+              f"{[m['optimizer_clip_redos'] for m in moved]}, speculation skipped "
+              f"{[m['optimizer_speculation_skipped'] for m in moved]} / stopped "
+              f"{[m['optimizer_speculation_stopped'] for m in moved]}")
     print("    per step (median), engine.stats() deltas: link, bytes, busy seconds, bytes/busy s")
     for k in LINKS:
         b = statistics.median(m[f"{k}_bytes"] for m in moved)

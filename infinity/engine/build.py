@@ -103,6 +103,10 @@ def assemble(engine, lr_scheduler) -> None:
                               optimizer_ring_bytes=engine.store.host_bytes(),
                               separate_device=separate,
                               grad_accum_dtype=cfg.gradient_accumulation_dtype)
+    # Note [Streamed gradients]: what infinity.engine.overlap.eligible will allow
+    placement.stream_grads = engine.zero is None and cfg.precision in ("fp32", "bf16") \
+        and not separate
+    placement.clipping = float(cfg.gradient_clipping) > 0
     placement.compute(engine.gas)
     if cfg.host_memory_bytes is not None and placement.host_total > cfg.host_memory_bytes \
             and engine.swap is not None and engine.zero is None:
@@ -190,7 +194,8 @@ def assemble(engine, lr_scheduler) -> None:
     after = None
     if eligible(engine):
         engine.overlap = OverlappedStep(engine.opt, engine.mm, engine.coord, engine.acct,
-                                        undo_budget=engine.undo_budget)
+                                        undo_budget=engine.undo_budget,
+                                        grad_window=placement.stream_window)
         after = engine.overlap.grad_arrived
     on_grad = grad_sink(engine.opt.accumulate, grouping.groups, after=after)
     acts = None

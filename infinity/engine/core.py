@@ -385,7 +385,8 @@ class Engine:
                         applied = self.opt.boundary_step(done or None, txn=txn,
                                                          shield=self._shield,
                                                          on_commit=on_commit,
-                                                         on_rollback=on_rollback)
+                                                         on_rollback=on_rollback,
+                                                         on_undo=self._after_rollback)
                     if not applied and txn is None:
                         on_rollback(())
                     self._txn = None

@@ -7,10 +7,11 @@ worker thread while backward continues.  ``engine.step()`` then waits for those 
 steps the remaining groups and does the bookkeeping once
 (:meth:`infinity.optim.driver.EngineOptimizer.boundary_step` with ``done=``).
 
-Only when it cannot change results (:func:`eligible`): no ZeRO partitioning, no gradient
-clipping (the clip coefficient needs every group's gradient), fp32 or bf16 (fp16's loss
-scaler needs the global overflow check), gradients homed in host memory, the device tier
-is host memory itself (zero copy).  A group is stepped early only when nothing can read
+Only when it cannot change results (:func:`eligible`): no ZeRO partitioning, fp32 or bf16
+(fp16's loss scaler needs the global overflow check), the device tier is host memory
+itself (zero copy).  Gradients homed on NVMe are stepped from memory as they arrive
+(Note [Streamed gradients]); with clipping the early steps are speculative (Note
+[Speculative clipping]).  A group is stepped early only when nothing can read
 its parameters again in this backward (:meth:`OverlappedStep.grad_arrived`): paged home
 (cpu / NVMe), used by exactly one module call in this forward (no tied weights, reused
 modules or external registrations), not recomputed (activation checkpointing), every
@@ -32,11 +33,13 @@ their step finished (polled at every release and gradient).
 from __future__ import annotations
 
 import logging
+import math
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from infinity.memory.plan import STREAM_GRAD_WINDOW
 from infinity.memory.record import GroupRecord, Location
 
 log = logging.getLogger("infinity.engine")
@@ -56,6 +59,33 @@ log = logging.getLogger("infinity.engine")
 # a fetch of a group whose step still runs calls the wait MemoryManager.mark_home_busy
 # registered (the trace was wrong about it).
 #
+# Note [Streamed gradients]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~
+# When the host cap cannot hold the fp32 gradients (NvmeGradStore), the group whose final
+# sum is complete on the last micro-step is kept in its staging buffer (keep_grad) instead
+# of being written to NVMe, stepped early from it, and the buffer goes back when the step
+# ended (_reap): the gradient never makes the NVMe round trip (4 + 4 B/param per step less)
+# and the group's master/m/v stream through CPU Adam while backward goes on.  Memory stays
+# bounded: at most grad_window kept buffers at once (PlacementPlan.stream_window: up to
+# GRAD_WINDOW, what the host cap leaves room for; 0: no streaming).  Beyond that backward
+# waits for the oldest group step (the step is disk-bound: waiting is the disk's speed,
+# spilling would add I/O); when every kept buffer still waits for its group's release the
+# gradient is written to NVMe as before.  A kept group not stepped early (unsafe, clip
+# reached, no undo room) is flushed to NVMe (NvmeGradStore.flush_held) and stepped at the
+# boundary.
+#
+# Note [Speculative clipping]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The clip coefficient needs the global norm, known when backward ended.  Early steps use
+# coefficient 1 into the window's transaction (Note [commit point]); when the norm turns
+# out above the clip, EngineOptimizer.boundary_step rolls the transaction back and steps
+# every group with the clipped gradients.  So the gradients of early-stepped groups are
+# kept: host buffers until the boundary, NVMe-homed ones written to their extent by the
+# worker after the step.  Two rules limit wasted work: no speculation in a window when the
+# previous update's norm was above the clip (norms are correlated from step to step), and
+# speculation stops as soon as the running norm of the groups stepped so far exceeds it
+# (the norm only grows).  Results equal the unclipped-then-clipped boundary step exactly.
+#
 # Note [Master hand-off]
 # ~~~~~~~~~~~~~~~~~~~~~~
 # In fp32 an NVMe-homed group's parameter buffer IS its master, and backward just read
@@ -65,9 +95,12 @@ log = logging.getLogger("infinity.engine")
 # a cached copy needs none: the copy is its master (Note [Cache write-through] in
 # infinity/memory/manager.py).  At most MAX_HANDOFF buffers are held at once.
 
-__all__ = ["OverlappedStep", "eligible", "MAX_HANDOFF"]
+__all__ = ["OverlappedStep", "eligible", "MAX_HANDOFF", "GRAD_WINDOW"]
 
 MAX_HANDOFF = 3      # released parameter buffers held for their group's step at once
+# kept NVMe-homed gradients (Note [Streamed gradients]) at most at once; the plan reserves
+# what the cap can hold (PlacementPlan.stream_window)
+GRAD_WINDOW = STREAM_GRAD_WINDOW
 
 
 def _wait_quietly(fut: Future) -> None:
@@ -83,16 +116,15 @@ def eligible(engine) -> bool:
     [Overlap safety])."""
     cfg = engine.cfg
     opt = engine.opt
-    return (engine.zero is None and float(cfg.gradient_clipping) == 0.0
-            and cfg.precision in ("fp32", "bf16")
-            and opt.nvme_grads is None and opt.grad_d2h is None
-            and bool(engine.mm.dev.zero_copy))
+    return (engine.zero is None and cfg.precision in ("fp32", "bf16")
+            and opt.grad_d2h is None and bool(engine.mm.dev.zero_copy))
 
 
 class OverlappedStep:
     _undo_planned = 0
 
-    def __init__(self, opt, mm, coord, accounting, *, undo_budget: int | None = None):
+    def __init__(self, opt, mm, coord, accounting, *, undo_budget: int | None = None,
+                 grad_window: int = GRAD_WINDOW):
         self.opt = opt
         self.mm = mm
         self.coord = coord
@@ -112,6 +144,14 @@ class OverlappedStep:
         # undo copies; the engine commits or rolls back at the boundary
         self.txn = None
         self.undo_budget = undo_budget   # host bytes of undo copies allowed (None: any)
+        # Note [Speculative clipping]: early steps are speculative; their gradients are kept
+        self.clip = float(opt.clip)
+        self.keep_grads = self.clip > 0
+        # skip speculation after a clipped update (False: always speculate; tests, A/B runs)
+        self.predict = True
+        self.grad_window = grad_window     # kept NVMe-homed gradients at once
+        if opt.nvme_grads is not None and grad_window > 0:   # Note [Streamed gradients]
+            opt.nvme_grads.keep = self.keep_grad
         mm.attach_listener(self)          # on_release, reclaim_blocked
 
     # ------------------------------------------------------------------ backward
@@ -122,6 +162,13 @@ class OverlappedStep:
         self.txn = txn
         if not self.coord.in_pass:
             self.active = False
+            return
+        if self.clip > 0 and (txn is None or (self.predict and self.opt.boundaries and not
+                                               self.opt.last_grad_norm + 1e-6 <= self.clip)):
+            # Note [Speculative clipping]: the last update was clipped (or nothing could
+            # roll a speculative step back): no speculation in this window
+            self.active = False
+            self.acct.count("optimizer_speculation_skipped")
             return
         uses = Counter(self.coord.recorded_uses())   # this forward's uses per group
         self._single_use = {gid for gid, n in uses.items() if n == 1}
@@ -138,6 +185,10 @@ class OverlappedStep:
         held, self._held = self._held, {}     # forgotten before returned: Note [held interrupts]
         for buf in held.values():
             self.mm.give_back_device(buf)
+        nv = self.opt.nvme_grads
+        if nv is not None:                     # kept but not stepped: to NVMe as before
+            for gid in [gid for gid in nv.held if gid not in self.done]:
+                nv.flush_held(gid)
         self._reap()
 
     def reclaim_blocked(self) -> None:
@@ -185,8 +236,8 @@ class OverlappedStep:
             if buf is not None:
                 self.mm.give_back_device(buf)
             self.mm.unpin(g.gid)
-            if f.exception() is None:
-                self.opt.release_grad(g)
+            if f.exception() is None:       # (speculative: the host gradient stays)
+                self.opt.release_grad(g, host=not self.keep_grads)
 
     def grad_arrived(self, g: GroupRecord, slot_index: int) -> None:
         """Called after slot ``slot_index`` of ``g`` accumulated its gradient."""
@@ -202,6 +253,31 @@ class OverlappedStep:
         del self._pending[g.gid]
         self._submit(g)
 
+    def keep_grad(self, g: GroupRecord) -> bool:
+        """The NVMe gradient home asks whether to keep ``g``'s complete final sum in memory
+        for its early step (Note [Streamed gradients]); waits for the oldest group step
+        when ``grad_window`` buffers are kept."""
+        if not self.active or g.gid not in self._pending:
+            return False
+        held = self.opt.nvme_grads.held
+        while len(held) >= self.grad_window:
+            oldest = next((e for e in self._stepping if e[1].gid in held), None)
+            if oldest is None:
+                return False               # the kept ones wait for their release
+            if not oldest[0].done():
+                self.acct.count("optimizer_stream_waits")
+                _wait_quietly(oldest[0])
+            self._reap()
+            if oldest[0].exception() is not None:
+                return False               # (the error surfaces at step())
+        return True
+
+    def _decline(self, g: GroupRecord) -> None:
+        """``g`` is not stepped early after all: a kept gradient goes to NVMe now."""
+        nv = self.opt.nvme_grads
+        if nv is not None and g.gid in nv.held and g.gid not in self.done:
+            nv.flush_held(g.gid)
+
     def _safe(self, g: GroupRecord) -> bool:
         """Nothing reads ``g``'s home or values again in this backward (Note [Overlap
         safety])."""
@@ -214,6 +290,19 @@ class OverlappedStep:
         return not self.coord.may_use_again(g)
 
     def _submit(self, g: GroupRecord) -> None:
+        grad = self.opt.grad_in_hand(g)
+        if grad is None:                     # (its gradient went to NVMe: the boundary steps it)
+            buf = self._held.pop(g.gid, None)
+            if buf is not None:
+                self.mm.give_back_device(buf)
+            return
+        n = float(torch.linalg.vector_norm(grad))
+        if self.clip > 0 and math.sqrt(sum(self.done.values()) + n * n) + 1e-6 > self.clip:
+            # Note [Speculative clipping]: this update clips; stop speculating
+            self.acct.count("optimizer_speculation_stopped")
+            self._decline(g)
+            self.end()
+            return
         buf = self._held.pop(g.gid, None)
         if buf is not None and self.mm.cached(g):   # Note [Master hand-off]
             # released twice in this backward, cached the second time: the cached copy is
@@ -229,19 +318,28 @@ class OverlappedStep:
             if buf is not None:
                 self.mm.give_back_device(buf)
             self.acct.count("optimizer_groups_not_overlapped_undo")
+            self._decline(g)
             return
         if self.txn is not None:        # (None: Engine.commit_point off, benchmarks only)
             self._undo_planned += undo
             store.prepare(self.txn, item.key)
             kw["txn"] = self.txn
-        n = float(torch.linalg.vector_norm(g.grad_buf))
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="infinity-step")
         self.done[g.gid] = n * n
         if item.master_buf is not None and buf is None:
             # a cached copy the step updates in place (Note [Cache write-through])
             self.mm.pin(g.gid)
-        fut = self._pool.submit(self.opt.store.step, [item], **kw)
+        nv = self.opt.nvme_grads
+        if self.keep_grads and nv is not None and g.gid in nv.held:
+            nv.will_write(g.gid)             # Note [Speculative clipping]: kept for a redo
+
+            def run(item=item, kw=kw, gid=g.gid, grad=grad):
+                self.opt.store.step([item], **kw)
+                nv.write_held(gid, grad)
+            fut = self._pool.submit(run)
+        else:
+            fut = self._pool.submit(self.opt.store.step, [item], **kw)
         self.mm.mark_home_busy(g.gid, lambda f=fut: _wait_quietly(f))   # Note [Overlap safety]
         self._futures.append(fut)
         self._stepping.append((fut, g, buf))

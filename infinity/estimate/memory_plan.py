@@ -44,6 +44,10 @@ from dataclasses import asdict, dataclass, field
 
 from .machine import GB
 
+# infinity.memory.plan.STREAM_GRAD_WINDOW (not imported: the estimator does not load torch;
+# tests/engine/test_streamed_step.py checks they agree)
+STREAM_GRAD_WINDOW = 2
+
 # Where the engine homes fp32 gradients (see grad_spill_decision)
 GRAD_SPILL_MODES = ("auto", "on", "off")
 SPILL_NOTE = ("infinity's engine pages them itself: single process when the host tier exceeds "
@@ -127,6 +131,7 @@ class MemoryPlan:
     grad_host_bytes: int = 0      # grads on NVMe: fp32 accumulators that still fit the cap
     notes: list = field(default_factory=list)
     grads_on_nvme: bool = False
+    grads_streamed: bool = False  # grads on NVMe, final sums stepped from memory (no round trip)
     master_is_param: bool = False
 
     def tier_total(self, tier):
@@ -350,12 +355,25 @@ def plan_memory(spec, machine, knobs, params_home, optimizer_home):
             # lossless (engine: PlacementPlan.grad_host_gids): the accumulators that fit in
             # what the host cap leaves stay in host memory (one process, cap set)
             keep = 0
+            # engine: one process, zero-copy device, fp32/bf16: groups are updated as their
+            # final gradient arrives, up to STREAM_GRAD_WINDOW of them in hand (what the cap
+            # leaves), so the final sums never go to NVMe (Note [Streamed gradients])
+            streams = machine.ranks == 1 and machine.cpu_only and knobs.precision != "fp16"
+            window = STREAM_GRAD_WINDOW if streams else 0
             if machine.ranks == 1 and knobs.host_cap_gb is not None:
                 stage_b = 2 * G * 4 + (G * 2 if knobs.grad_accum_dtype == "bf16"
                                        and knobs.grad_accum > 1 else 0)
                 spare = int(knobs.host_cap_gb * GB) - pl.tier_total("pinned") \
                     - pl.tier_total("pageable") - stage_b
+                window = max(0, min(window, spare // (G * 4))) if G else 0
+                spare -= window * G * 4
+                if window and knobs.grad_accum == 1:
+                    spare = 0      # streamed, one micro-step: no round trip to save
                 keep = max(0, min(grad_item.nbytes, spare // 4096 * 4096))
+            if window:
+                add(Item("pageable", "gradients in hand for their early step (grads on NVMe)",
+                         window * G * 4, f"{window}*Gmax*4"))
+            pl.grads_streamed = bool(window)
             pl.grad_host_bytes = keep
             if keep:
                 add(Item("pageable", "grad accumulation (fp32, host: what fits the cap)", keep,
@@ -393,7 +411,7 @@ def undo_items(pl, machine, knobs, shard, states, params_home, optimizer_home):
     """Note [commit point]: an update is all-or-nothing; optimizer states updated in place
     in host memory get an undo copy each until the window commits.  The engine takes them
     when the step can be rolled back half-way (an NVMe swap space exists, or the step
-    overlaps backward: one process, CPU, no clipping, gradients in host memory), within
+    overlaps backward: one process, CPU, fp32 or bf16), within
     what the host cap leaves (the overlapped step steps early only as far as they fit;
     the boundary step takes none when they do not all fit)."""
     host_states = (states if optimizer_home in ("none", "cpu") else 0) + \
@@ -401,8 +419,9 @@ def undo_items(pl, machine, knobs, shard, states, params_home, optimizer_home):
     if not host_states:
         return
     swap = params_home == "nvme" or optimizer_home == "nvme" or knobs.activation_home == "nvme"
-    overlap = (machine.cpu_only and machine.ranks == 1 and not knobs.gradient_clipping
-               and knobs.precision in ("fp32", "bf16") and not pl.grads_on_nvme)
+    # (clipping: speculative; gradients on NVMe: streamed -- Note [Speculative clipping],
+    # Note [Streamed gradients])
+    overlap = machine.cpu_only and machine.ranks == 1 and knobs.precision in ("fp32", "bf16")
     if not (swap or overlap):
         return
     cap = int(knobs.host_cap_gb * GB) if knobs.host_cap_gb is not None else \

@@ -166,16 +166,22 @@ def traffic_per_step(spec, machine, knobs, plan):
         A = knobs.grad_accum
         gn = node_params * 4 - plan.grad_host_bytes      # bytes of fp32 grads homed on NVMe
         g = "fp32 grads N*4" + (" (minus the part in host memory)" if plan.grad_host_bytes else "")
+        # streamed (Note [Streamed gradients]): the last micro-batch's final sums are stepped
+        # from memory, not written (with clipping they are, for a redo) nor read back
+        last = 0 if plan.grads_streamed and not knobs.gradient_clipping else gn
         if knobs.grad_accum_dtype == "bf16" and A > 1:
             # bf16 partial sums between micro-batches, fp32 written by the last one
-            mb["nvme_write"].append(("grads: bf16 partials N*2*(A-1)/A + fp32 N*4/A",
-                                     (gn // 2 * (A - 1) + gn) // A))
+            mb["nvme_write"].append(("grads: bf16 partials N*2*(A-1)/A + fp32 N*4/A"
+                                     + (" (streamed: no fp32)" if not last else ""),
+                                     (gn // 2 * (A - 1) + last) // A))
             mb["nvme_read"].append(("bf16 partial grads N*2*(A-1)/A", gn // 2 * (A - 1) // A))
         else:
-            mb["nvme_write"].append((g, gn))
+            mb["nvme_write"].append((g + ("*(A-1)/A (streamed: not the last)" if not last else ""),
+                                     (gn * (A - 1) + last) // A))
             if A > 1:  # accumulating reads the partial sums back on all but the first one
                 mb["nvme_read"].append((g + "*(A-1)/A", gn * (A - 1) // A))
-        opt["nvme_read"].append((g, gn))
+        if not plan.grads_streamed:
+            opt["nvme_read"].append((g, gn))
     if o == "nvme":
         opt["nvme_read"].append((f"m+v N*2*{sb}", node_params * 2 * sb))
         opt["nvme_write"].append((f"m+v N*2*{sb}", node_params * 2 * sb))

@@ -76,9 +76,12 @@ class GradAccumulation:
         g.grad_buf = buf
         return buf
 
-    def release_grad(self, g: GroupRecord) -> None:
-        """``g`` was stepped: with lazy_grads its gradient buffer goes back to the pool."""
-        if self.lazy_grads and g.grad_buf is not None:
+    def release_grad(self, g: GroupRecord, *, host: bool = True) -> None:
+        """``g`` was stepped: a kept NVMe-homed gradient (Note [Streamed gradients]) and,
+        with lazy_grads and ``host``, its host gradient buffer go back to the pool."""
+        if self.nvme_grads is not None:
+            self.nvme_grads.release(g.gid)
+        if host and self.lazy_grads and g.grad_buf is not None:
             buf, g.grad_buf = g.grad_buf, None
             for s in g.slots:
                 self._written.discard(id(s))
@@ -119,6 +122,17 @@ class GradAccumulation:
         else:
             dst.copy_(grad.reshape(-1))
             self._written.add(id(slot))
+
+    def grad_in_hand(self, g: GroupRecord) -> torch.Tensor | None:
+        """``g``'s final gradient in host memory: its host buffer, or the kept buffer of an
+        NVMe-homed group (Note [Streamed gradients]); None when it is on NVMe."""
+        if self._on_nvme(g):
+            return self.nvme_grads.held.get(g.gid)
+        return g.grad_buf
+
+    def grad_source(self, g: GroupRecord):
+        """What the optimizer step reads as ``g``'s gradient: a host buffer or an extent."""
+        return self.nvme_grads.grad_of(g.gid) if self._on_nvme(g) else g.grad_buf
 
     def _on_nvme(self, g: GroupRecord) -> bool:
         return self.nvme_grads is not None and g.gid in self.nvme_grads.extent

@@ -14,12 +14,23 @@ the partial sums between micro-steps are written to a second, bf16 extent (half 
 bytes of each round trip); the sum is always formed in fp32 in the staging buffer, and the
 last micro-step of the window writes the fp32 extent the optimizer reads.  A group that
 got no gradient on the last micro-step is converted at :meth:`finish_window`.
+
+Update as gradients arrive (Note [Streamed gradients] in infinity/engine/overlap.py): on
+the last micro-step of a window, a group whose sum is complete is offered to ``keep``
+(the overlapped step).  A kept buffer stays in memory (:attr:`held`) and the group's
+early optimizer step reads it, so its final sum never goes to NVMe and is never read
+back; the overlapped step counts its norm.  With clipping the overlapped step writes it
+to the extent as well (:meth:`write_held`, on its worker) so that a rolled-back,
+speculative update can be redone from it.  A kept group the overlap does not step after
+all is flushed as usual (:meth:`flush_held`).
 """
 from __future__ import annotations
 
 import time
 
 import torch
+
+from typing import Callable
 
 from infinity.memory.record import GroupRecord
 
@@ -49,6 +60,12 @@ class NvmeGradStore:
         self.normed: set[int] = set()         # groups whose final sum entered sumsq
         self.sumsq = 0.0
         self.final_micro = True               # the coming backward ends a window (begin_backward)
+        # Note [Streamed gradients]: keep(g) -> True takes g's complete final sum for an
+        # early step (the overlapped step's keep_grad); held: gid -> that buffer; taken:
+        # gids whose final sum the overlapped step owns (its norm counted there)
+        self.keep: Callable[[GroupRecord], bool] | None = None
+        self.held: dict[int, torch.Tensor] = {}
+        self.taken: set[int] = set()
 
     # ------------------------------------------------------------------ I/O helpers
     def _io(self, op: str, gid: int, buf: torch.Tensor, ext=None) -> None:
@@ -87,7 +104,46 @@ class NvmeGradStore:
         buf[s.offset:s.offset + s.numel].add_(grad.reshape(-1))
         self.received[g.gid].add(index)
         if self.received[g.gid] >= self._need[g.gid]:
+            if self.final_micro and self.keep is not None and g.gid not in self.taken \
+                    and self.keep(g):
+                self.held[g.gid] = self.staging.pop(g.gid)     # (owned: Note [held interrupts])
+                self.received.pop(g.gid, None)
+                self.taken.add(g.gid)
+                self.normed.add(g.gid)          # the overlapped step counts its norm
+                return
             self._flush(g.gid)
+
+    # ------------------------------------------------------------------ streamed
+    def flush_held(self, gid: int) -> None:
+        """A kept group is not stepped early after all: write it to its extent as if it had
+        never been kept (norm counted here)."""
+        buf = self.held.pop(gid, None)
+        if buf is None:
+            return
+        self.taken.discard(gid)
+        self.normed.discard(gid)
+        self.staging[gid] = buf
+        self._flush(gid)
+
+    def will_write(self, gid: int) -> None:
+        """(main thread) The kept buffer of ``gid`` is going to be written to its extent by
+        :meth:`write_held` (clipping: a redo reads it there)."""
+        self.on_nvme.add(gid)
+
+    def write_held(self, gid: int, buf: torch.Tensor) -> None:
+        """Write ``gid``'s kept final sum to its extent (any thread: no pool access)."""
+        self._io("write", gid, buf)
+
+    def release(self, gid: int) -> None:
+        """(main thread) ``gid``'s early step ended: its kept buffer goes back."""
+        buf = self.held.pop(gid, None)
+        if buf is not None:
+            self.pool.give_back(buf)
+
+    def grad_of(self, gid: int):
+        """What the optimizer reads as ``gid``'s gradient: the kept buffer, else the extent."""
+        buf = self.held.get(gid)
+        return buf if buf is not None else self.extent[gid]
 
     def _read_partial(self, g: GroupRecord, buf: torch.Tensor) -> None:
         """The bf16 partial sum of ``g`` into the fp32 ``buf``."""
@@ -130,6 +186,8 @@ class NvmeGradStore:
         add the norms of groups not seen on the last micro-step; returns the squared norm."""
         self.end_backward()
         for gid, g in self.groups.items():
+            if gid in self.taken:               # stepped early (or in hand): nothing to do
+                continue
             if gid in self.in_partial:          # no gradient on the last micro-step: fp32 now
                 buf = self.pool.lease(g.padded_numel * 4, torch.float32)
                 try:
@@ -154,7 +212,13 @@ class NvmeGradStore:
         return self.sumsq
 
     def reset(self) -> None:
-        """After the step (or a skipped step): the next window starts from zero."""
+        """After the step (or a skipped step, or a dropped window): the next window starts
+        from zero; buffers still out (a window dropped mid-backward) go back."""
+        bufs = list(self.held.values()) + list(self.staging.values())
+        self.held, self.staging, self.received = {}, {}, {}   # forgotten before given back
+        for buf in bufs:
+            self.pool.give_back(buf)
+        self.taken.clear()
         self.on_nvme.clear()
         self.in_partial.clear()
         self.normed.clear()

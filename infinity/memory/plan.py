@@ -16,9 +16,12 @@ from infinity.fsmode import existing_ancestor, makedirs
 
 log = logging.getLogger("infinity.memory")
 
-__all__ = ["PlacementPlan", "WorkingSetError", "mem_available_bytes"]
+__all__ = ["PlacementPlan", "WorkingSetError", "mem_available_bytes", "STREAM_GRAD_WINDOW"]
 
 GB = 10 ** 9
+# gradients homed on NVMe kept in memory for their group's early optimizer step at once
+# (Note [Streamed gradients] in infinity/engine/overlap.py)
+STREAM_GRAD_WINDOW = 2
 
 
 class WorkingSetError(MemoryError):
@@ -67,6 +70,11 @@ class PlacementPlan:
     # keep them there (no NVMe round trip); set by compute()
     grad_host_gids: frozenset = frozenset()
     separate_device: bool = False   # device tier is not host memory (CUDA): copies + staging
+    # grad_home "nvme": groups are updated as their gradient arrives (the overlapped step,
+    # Note [Streamed gradients]): the final sums never go to NVMe and back
+    stream_grads: bool = False
+    clipping: bool = False          # gradient_clipping > 0: streamed sums are written (redo)
+    stream_window: int = 0          # final sums in hand at once (compute(); 0: no streaming)
     param_cache_budget: int = 0     # host bytes for clean copies of NVMe params (fp32, CPU)
     host: dict = field(default_factory=dict)      # item -> bytes
     device: dict = field(default_factory=dict)
@@ -115,11 +123,24 @@ class PlacementPlan:
             self.host["optimizer states (fp32 m, v" + ("" if fp32 else ", master") + ")"] = \
                 states * 4 * n_train
         self.host["optimizer tile ring"] = self.optimizer_ring_bytes
+        self.stream_window = 0
+        if self.grad_home == "nvme" and self.stream_grads and trainable:
+            # Note [Streamed gradients]: up to STREAM_GRAD_WINDOW final sums in hand for
+            # their group's early step, in what the cap leaves (none: no streaming)
+            size = round_up(largest_trainable, ALIGN)
+            spare = None if self.host_cap is None else self.host_cap - sum(self.host.values())
+            self.stream_window = STREAM_GRAD_WINDOW if spare is None else \
+                max(0, min(STREAM_GRAD_WINDOW, spare // size))
+            if self.stream_window:
+                self.host["gradients in hand for their early step (grads on NVMe)"] = \
+                    self.stream_window * size
         if self.grad_home == "nvme":
             # lossless: the groups whose fp32 accumulators fit in what the cap leaves stay
             # in host memory (module order); only the rest make NVMe round trips
             spare = None if self.host_cap is None else self.host_cap - sum(self.host.values())
-            keep, used = set(), 0
+            if self.stream_window and grad_accum == 1:
+                spare = 0     # streamed, one micro-step (Note [Streamed gradients]): no
+            keep, used = set(), 0   # round trip to save, the cap's rest stays free (RSS)
             for g in trainable:
                 size = round_up(4 * g.padded_numel, ALIGN)
                 if spare is not None and used + size <= spare:
@@ -175,6 +196,9 @@ class PlacementPlan:
             window = self.grad_window_bytes(n_grad_nvme, grad_accum)   # written across
             wr += window                                               # micro-steps, and
             rd += window                                               # as much read
+            if self.stream_window:  # the final sums are stepped from memory: not written
+                rd -= 4 * n_grad_nvme                 # (unless a clipped step may redo them)
+                wr -= 0 if self.clipping else 4 * n_grad_nvme   # nor read by the optimizer
         self.links = {"nvme_read": rd, "nvme_write": wr}
         return self
 

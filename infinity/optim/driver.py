@@ -161,7 +161,8 @@ class EngineOptimizer(GradAccumulation):
 
     def early_item(self, g: GroupRecord, master_buf: torch.Tensor | None = None):
         """The step item and ``store.step`` keywords of ``g``'s update at the coming
-        boundary (overlapped with backward: no clipping, loss scale 1).  ``master_buf``:
+        boundary (overlapped with backward: clip coefficient 1, speculative when clipping
+        is on, Note [Speculative clipping]; loss scale 1).  ``master_buf``:
         a buffer holding ``g``'s current fp32 values (its master), updated in place
         instead of reading the master from NVMe (Note [Master hand-off] in
         infinity/engine/overlap.py)."""
@@ -186,7 +187,7 @@ class EngineOptimizer(GradAccumulation):
     gathered_on_device: frozenset = frozenset()
 
     def boundary_step(self, done: dict[int, float] | None = None, *, txn=None,
-                      shield=None, on_commit=None, on_rollback=None) -> bool:
+                      shield=None, on_commit=None, on_rollback=None, on_undo=None) -> bool:
         """Apply (or skip) one optimizer step over the accumulated gradients.
         ``done``: ``{gid: squared grad norm}`` of groups already stepped (overlapped with
         backward, :mod:`infinity.engine.overlap`) into ``txn``; only the others are stepped
@@ -195,7 +196,9 @@ class EngineOptimizer(GradAccumulation):
         committed — or, when the step is skipped (fp16 overflow, non-finite gradients),
         rolled back.  ``shield(fn)`` runs the state-changing part (Note [window abort] in
         infinity.engine.phase); ``on_commit(moved_extents)`` / ``on_rollback(keys)`` let
-        the engine follow.  Returns True when the update was applied."""
+        the engine follow; ``on_undo(keys)``: the early steps of ``keys`` were rolled back
+        to be redone clipped (Note [Speculative clipping]).  Returns True when the update
+        was applied."""
         t0 = time.perf_counter()
         done = done or {}
         shield = shield or (lambda fn: fn())
@@ -227,8 +230,23 @@ class EngineOptimizer(GradAccumulation):
             clip_coef = min(1.0, self.clip / (norm + 1e-6))
         grad_scale = clip_coef / scale
         if done and grad_scale != 1.0 / scale:
-            raise RuntimeError("engine.step: groups were stepped during backward although "
-                               "the step clips gradients (internal error)")
+            # Note [Speculative clipping] (infinity/engine/overlap.py): the groups stepped
+            # during backward used coefficient 1 and the norm turned out above the clip:
+            # their updates are rolled back and every group is stepped here, clipped
+            if txn is None:
+                raise RuntimeError("engine.step: groups were stepped during backward without a "
+                                   "transaction although the step clips gradients (internal "
+                                   "error: the overlap needs the commit point)")
+            keys = set(txn.keys)
+
+            def undo():
+                self.store.rollback(txn)
+                if on_undo is not None:
+                    on_undo(keys)
+            shield(undo)
+            self.acct.count("optimizer_groups_redone", len(done))
+            self.acct.count("optimizer_clip_redos")
+            done = {}
         lrs, wds = self._next_hparams()
         step = self.step_count + 1
         items = [self._item(g, lrs, wds) for g in self.groups if g.gid not in done]
@@ -256,9 +274,8 @@ class EngineOptimizer(GradAccumulation):
             self.step_count = step
             for it in items:
                 self.count_master_in_hand(it)
-            for g in self.groups:
-                if g.gid not in done:
-                    self.release_grad(g)
+            for g in self.groups:     # (groups stepped early kept theirs for a redo)
+                self.release_grad(g)
             self.zero_grad()
             if self.torch_sched is not None:
                 self.sched_target.step()
@@ -304,7 +321,7 @@ class EngineOptimizer(GradAccumulation):
 
                 def sink(key, elem_offset, tile, _ext=ext, _es=esize):
                     return swap.write(_ext, tile, offset=elem_offset * _es)
-        grad = self.nvme_grads.extent[g.gid] if self._on_nvme(g) else g.grad_buf
+        grad = self.grad_source(g)
         # fp32 NVMe home with a cached host copy (MemoryManager.enable_cache): the copy is
         # the master in hand, updated in place and written through (Note [Cache
         # write-through] in infinity/memory/manager.py)

@@ -4,7 +4,7 @@ fp32 parity against plain PyTorch + torch.optim.AdamW (10 steps, accumulation 2,
 clipping: the case where groups are stepped during backward), bf16 bit-identical to the
 same engine with the overlap switched off, tied weights and activation checkpointing
 still correct (those groups wait for the boundary), the overlap really happening
-(``optimizer_groups_overlapped``) and not with clipping, a worker error surfacing at
+(``optimizer_groups_overlapped``), with clipping too (speculatively), a worker error surfacing at
 ``engine.step()``; the fp32 master hand-off (the parameter buffer backward read is the
 master of the group's step) bit-identical to reading the master again, with exactly that
 many fewer bytes read from NVMe.
@@ -80,9 +80,12 @@ def test_activation_checkpointing_still_correct(harness, swap_dir):
         plain["stats"]["optimizer_groups_overlapped"]
 
 
-def test_no_overlap_with_clipping(harness, swap_dir):
+def test_clipping_keeps_the_overlap(harness, swap_dir):
+    # (speculative: Note [Speculative clipping]; clip triggering or not at parity:
+    # tests/engine/test_streamed_step.py)
     r = _run(harness, swap_dir, "mlp", "nvme", "nvme", clip=1.0, steps=2)
-    assert r["stats"]["optimizer_groups_overlapped"] == 0
+    st = r["stats"]
+    assert st["optimizer_groups_overlapped"] + st.get("optimizer_speculation_stopped", 0) > 0
     assert r["lerr"] < 1e-5 and r["perr"] < 1e-5
 
 

@@ -283,15 +283,43 @@ def test_traffic_with_the_parameter_cache():
     assert t["nvme_read"] == 2 * N * 4 + 12 * N
 
 
+def test_streamed_gradients_make_no_round_trip():
+    # one CPU process, bf16, grads on NVMe (cap 4.5 MB): host items = init staging 100 kB +
+    # ring 3*51200*18 + grad staging 2*50000*4; the rest holds 2 in-hand gradients
+    # (2*Gmax*4 = 400 kB) and then host accumulators: the groups are updated as their
+    # gradient arrives, so the NVMe-homed fp32 grads are neither written nor read back
+    m = Machine(gpus=0, host_mem_gb=100, nvme_gb=100)
+    cap = 0.0045
+    est = {clip: estimate(small_spec(), machine=m, precision="bf16", host_cap_gb=cap,
+                          gradient_clipping=clip, configs=[("nvme", "nvme")])
+           for clip in (0.0, 1.0)}
+    pl = est[0.0].configs[0].plan
+    assert pl.grads_on_nvme and pl.grads_streamed
+    it = items(pl)
+    assert it[("pageable", "gradients in hand for their early step (grads on NVMe)")] == 2 * 50_000 * 4
+    gn = it[("nvme", "grad accumulation (fp32, NVMe)")]
+    assert gn > 0
+    N = 1_000_000
+    t = est[0.0].configs[0].steps["none"].traffic
+    assert t["nvme_read"] == 2 * (N * 2) + N * 12          # params fwd+bwd, master/m/v
+    assert t["nvme_write"] == N * 12 + N * 2                # master/m/v, bf16 params
+    # with clipping the final sums are written (a clipped step redoes from them), not read
+    tc = est[1.0].configs[0].steps["none"].traffic
+    assert tc["nvme_read"] == t["nvme_read"] and tc["nvme_write"] == t["nvme_write"] + gn
+
+
 def test_commit_undo_copies_follow_the_engine_rule():
     """Note [commit point]: undo copies of host states updated in place exist when the
     step can roll back half-way (swap space, or the overlapped step), within the cap."""
     m = Machine(gpus=0, host_mem_gb=100, nvme_gb=10)
     key = ("pageable", "commit undo copies (host states, per update)")
-    # clipping turns the overlap off and there is no swap space: no undo copies
+    # fp16 turns the overlap off (the loss scaler) and there is no swap space: no undo copies
+    pl = plan_memory(small_spec(), m, Knobs(precision="fp16"), "cpu", "cpu")
+    assert key not in items(pl)
+    # clipping keeps the (speculative) overlap: undo copies (Note [Speculative clipping])
     pl = plan_memory(small_spec(), m, Knobs(precision="fp32", gradient_clipping=1.0),
                      "cpu", "cpu")
-    assert key not in items(pl)
+    assert items(pl)[key] == 1_000_000 * 12
     # swap space (optimizer on NVMe): only the host part (fp32 master = param home) has copies
     pl = plan_memory(small_spec(), m, Knobs(precision="fp32", gradient_clipping=1.0),
                      "cpu", "nvme")
