@@ -277,3 +277,22 @@ def test_traffic_with_the_parameter_cache():
                        gradient_clipping=1.0, host_cap_gb=None)
     t = clipped.configs[0].steps["none"].traffic
     assert t["nvme_read"] == 2 * N * 4 + 12 * N
+
+
+def test_state_dtype_from_the_config_halves_the_moments():
+    """``optimizer.state_dtype: "bf16"`` in the config reaches the estimator (sb = 2): the
+    NVMe moments and their traffic are half of fp32's; ``state_dtype=`` overrides it."""
+    m = Machine(gpus=0, host_mem_gb=100, nvme_gb=100)
+    N = 1_000_000
+    got = {}
+    for sd in ("fp32", "bf16"):
+        est = estimate(small_spec(), machine=m, config={"precision": "bf16",
+                                                         "optimizer": {"state_dtype": sd}},
+                       configs=[("nvme", "nvme")], gradient_clipping=1.0)
+        assert est.knobs.state_dtype == sd
+        got[sd] = est.configs[0].steps["none"].traffic
+    for link in ("nvme_read", "nvme_write"):       # m + v: 8 -> 4 B per param, each way
+        assert got["fp32"][link] - got["bf16"][link] == 4 * N
+    est = estimate(small_spec(), machine=m, config={"optimizer": {"state_dtype": "bf16"}},
+                   state_dtype="fp32", configs=[("nvme", "nvme")])
+    assert est.knobs.state_dtype == "fp32"
