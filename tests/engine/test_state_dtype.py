@@ -189,3 +189,31 @@ def test_host_homed_moments_take_half_the_memory(harness, precision):
     assert "bf16 m, v" in next(iter(got["bf16"][1]))
     # the master is fp32 in both (bf16 params: it holds values a bf16 tensor cannot)
     assert torch.equal(got["fp32"][2], got["bf16"][2])
+
+
+@pytest.mark.parametrize("home", ["cpu", "nvme"])
+def test_rolled_back_update_restores_bf16_moments(harness, swap_dir, home):
+    """A non-finite gradient drops the update (Note [commit point]): groups already stepped
+    during backward are rolled back from their bf16 undo copies / shadows, so the masters
+    and the bf16 moments are bitwise what they were."""
+    from infinity.engine.checkpoint_state import EngineCheckpoint
+    torch.manual_seed(0)
+    cfg = {"offload": {"params": home, "optimizer": home, "nvme_paths": [swap_dir]},
+           "optimizer": {"lr": LR, "state_dtype": "bf16"}}
+    batches = harness.make_batches("mlp", 3)
+    with infinity.initialize(harness.MLPStack(), cfg) as eng:
+        harness.engine_run(eng, "mlp", batches[:2])
+        before = {n: t.clone() for n, t in EngineCheckpoint(eng).checkpoint_tensors()}
+        over0 = eng.stats().get("optimizer_groups_overlapped", 0)
+        b = batches[2]
+        loss = harness.loss_of("mlp", eng(harness.inputs_of("mlp", b)), b) * float("nan")
+        eng.backward(loss)
+        assert eng.step() is False
+        overlapped = eng.stats().get("optimizer_groups_overlapped", 0) - over0
+        after = {n: t.clone() for n, t in EngineCheckpoint(eng).checkpoint_tensors()}
+    moments = [n for n in before if n.startswith("optim.")]
+    assert moments and all(before[n].dtype == torch.bfloat16 for n in moments)
+    assert any(bool(before[n].any()) for n in moments)
+    for n in before:
+        assert torch.equal(before[n], after[n]), n
+    assert overlapped > 0      # groups were stepped during this backward, then undone
