@@ -188,6 +188,10 @@ def assemble(engine, lr_scheduler) -> None:
         engine.opt.alloc_grads()
     # separate device memory: grads leave by D2H, staging bounded as planned
     engine.opt.attach_device(engine.mm.dev, placement.grad_d2h_bytes)
+    # separate device memory: the pinned staging of the first steps' copies is allocated
+    # (and registered with CUDA) now, not inside the hooks of those steps
+    engine.host_pool.reserve(engine.mm.staging_sizes(cfg.prefetch.depth)
+                             + engine.opt.staging_sizes())
     engine.coord = PrefetchCoordinator(engine.mm, cfg.prefetch.depth, engine.acct)
     from infinity.engine.overlap import OverlappedStep, eligible
     after = None

@@ -381,7 +381,9 @@ class Engine:
                         on_rollback(())
                     self._txn = None
                 if applied:
-                    self.mm.refresh_resident()     # separate device: resident copies from mirrors
+                    # separate device: resident copies from mirrors (not those the
+                    # step gathered on the device)
+                    self.mm.refresh_resident(skip=self.opt.gathered_on_device)
                 self.timeline.mark_step(self.opt.boundaries)
                 self._last_on_demand = od - getattr(self, "_od_at_last_step", 0)
                 self._od_at_last_step = od

@@ -366,16 +366,53 @@ def plan_memory(spec, machine, knobs, params_home, optimizer_home):
             if stage >= 2 and R > 1:   # a rank stages its reduce-scattered 1/R of a group
                 add(Item("pageable", "grad staging (grads on NVMe)", r * 2 * -(-G // R) * 4,
                          "r*2*Gmax/R*4"))
+            elif keep >= G * 4:
+                # staging serves only NVMe-homed groups; the largest (an embedding, first
+                # in module order) keeps its accumulator in host memory: the rest are the
+                # other groups, of the average size of those
+                n_groups = max(1, int(spec.groups.get(knobs.grouping, 1)) - 1)
+                Grest = min(G, -(-(N - G) // n_groups))
+                add(Item("pageable", "grad staging (grads on NVMe)", 2 * Grest * 4,
+                         "2*Grest*4 (Grest: average group but the largest, kept in host)"))
             else:
                 add(Item("pageable", "grad staging (grads on NVMe)", r * 2 * G * 4, "r*2*Gmax*4"))
             pl.grads_on_nvme = True
         if why:
             pl.notes.append(why)
 
+    undo_items(pl, machine, knobs, shard, states, params_home, optimizer_home)
     act_model = knobs.activation_model or ("eager" if machine.cpu_only else "megatron")
     pl.activations = activation_items(spec, knobs, act_model)
     offload_activations(pl, spec, machine, knobs, act_model)
     return pl
+
+
+def undo_items(pl, machine, knobs, shard, states, params_home, optimizer_home):
+    """Note [commit point]: an update is all-or-nothing; optimizer states updated in place
+    in host memory get an undo copy each until the window commits.  The engine takes them
+    when the step can be rolled back half-way (an NVMe swap space exists, or the step
+    overlaps backward: one process, CPU, no clipping, gradients in host memory), within
+    what the host cap leaves (the overlapped step steps early only as far as they fit;
+    the boundary step takes none when they do not all fit)."""
+    host_states = (states if optimizer_home in ("none", "cpu") else 0) + \
+        (shard * 4 if pl.master_is_param and params_home != "nvme" else 0)
+    if not host_states:
+        return
+    swap = params_home == "nvme" or optimizer_home == "nvme"
+    overlap = (machine.cpu_only and machine.ranks == 1 and not knobs.gradient_clipping
+               and knobs.precision in ("fp32", "bf16") and not pl.grads_on_nvme)
+    if not (swap or overlap):
+        return
+    cap = int(knobs.host_cap_gb * GB) if knobs.host_cap_gb is not None else \
+        int(machine.host_mem_gb * GB) - host_reserve_bytes(machine) if machine.host_mem_gb \
+        else None
+    undo = machine.ranks_per_node * host_states
+    if cap is not None:
+        left = max(0, cap - pl.tier_total("pinned") - pl.tier_total("pageable"))
+        undo = min(undo, left) if overlap else (undo if undo <= left else 0)
+    if undo:
+        pl.items.append(Item("pageable", "commit undo copies (host states, per update)", undo,
+                             "r*(host states updated in place), within the cap's room"))
 
 
 def _host_cap(machine, knobs):

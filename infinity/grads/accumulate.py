@@ -96,6 +96,11 @@ class GradAccumulation:
             self.grad_d2h = GradD2H(device_tier, self.host_pool, self._accumulate_host,
                                     max_inflight_bytes, threaded=threaded)
 
+    def staging_sizes(self) -> list[int]:
+        """Pinned host staging the gradients leaving a separate device lease (reserved at
+        ``initialize``); nothing on a zero-copy tier."""
+        return self.grad_d2h.staging_sizes(self.groups) if self.grad_d2h is not None else []
+
     def accumulate(self, g: GroupRecord, slot: ParamSlot, grad: torch.Tensor) -> None:
         if self.grad_d2h is not None:
             self.grad_d2h.push(g, slot, grad)

@@ -91,6 +91,24 @@ class GradD2H:
             if self._worker is not None:
                 self._worker.shutdown(wait=True)
 
+    def staging_sizes(self, groups) -> list[int]:
+        """The pinned staging the D2H copies of ``groups``' gradients lease: per size class,
+        as many buffers as ``max_inflight_bytes`` lets be outstanding (at least one), to be
+        reserved at ``initialize`` (see ``BufferPool.reserve``)."""
+        counts: dict[int, int] = {}
+        for g in groups:
+            if not g.trainable:
+                continue
+            span = max(s.offset + s.numel for s in g.slots if s.trainable)
+            n = span * g.dtype.itemsize
+            counts[n] = counts.get(n, 0) + 1
+        cap = self.max_inflight_bytes
+        out = []
+        for n, c in counts.items():
+            fit = c if cap is None else max(1, cap // round_up(n, ALIGN))
+            out += [n] * min(c, fit)
+        return out
+
     def __len__(self) -> int:
         return len(self._queue) + len(self._open)
 

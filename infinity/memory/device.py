@@ -289,7 +289,8 @@ class CudaDevice(DeviceTier):
         t0 = time.perf_counter()
         s = self.h2d_stream
         prev = self._free_after.pop(dst.untyped_storage().data_ptr(), None)
-        with torch.cuda.stream(s):
+        # (also issued from the manager's lander thread: Note [H2D on landing])
+        with torch.cuda.device(self.device), torch.cuda.stream(s):
             if prev is not None:          # compute's last use of this buffer comes first
                 s.wait_event(prev)
             start = torch.cuda.Event(enable_timing=True)

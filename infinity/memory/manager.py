@@ -13,6 +13,18 @@ only once that event completed.  A device-homed group (``offload.params = "none"
 separate device keeps a host mirror for the CPU optimizer and a resident device copy
 that :meth:`refresh_resident` updates after each step.
 
+Note [H2D on landing]
+~~~~~~~~~~~~~~~~~~~~~
+On separate device memory an NVMe-homed group's read lands in pinned host staging and
+must then be copied H2D.  The main thread is busy with compute (it only reaches the
+manager at the next hook), so a one-thread *lander* waits for each such read (in issue
+order, the I/O itself stays concurrent) and issues its H2D on the copy stream the moment
+it landed; its job returns the :class:`~infinity.memory.device.Transfer`.  The group's
+state changes only on the main thread (``_land``, at the next poll or wait), which also
+raises a failed read for that group alone.  The lander touches nothing but the read
+handle, the staging buffer and the device tier's copy call; abandoning a fetch waits for
+its job first, so staging never goes back while a copy may still read it.
+
 Link timings: an NVMe read is timed from issue to the first moment its completion is
 observed (completions are polled at every fetch/wait/release), not to when compute
 happens to wait for it, so the ``nvme_read`` lane shows the device's busy time.
@@ -25,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -40,7 +53,7 @@ __all__ = ["MemoryManager"]
 
 class _Fetch:
     """What is in flight for one group between ``fetch_async`` and ``wait_resident``."""
-    __slots__ = ("handle", "t0", "t_read", "staging", "xfer")
+    __slots__ = ("handle", "t0", "t_read", "staging", "xfer", "landing")
 
     def __init__(self, handle, t0: float, staging=None, xfer=None):
         self.handle = handle          # NVMe read handle (None for a host-homed group)
@@ -48,8 +61,11 @@ class _Fetch:
         self.t_read = None            # first time the read was seen complete
         self.staging = staging        # pinned host buffer the read lands in (CUDA path)
         self.xfer = xfer              # the H2D Transfer (CUDA path)
+        self.landing = None           # the lander's job (Note [H2D on landing])
 
     def poll_read(self) -> bool:
+        if self.landing is not None:  # the lander waits for the read and stamps t_read
+            return self.landing.done()
         if self.t_read is None and self.handle is not None and self.handle.done():
             self.t_read = time.perf_counter()
         return self.t_read is not None
@@ -86,6 +102,7 @@ class MemoryManager:
         # home (overlapped step): a fetch of that group waits for it first
         self.home_busy: dict = {}
         self._failed: dict[int, BaseException] = {}   # gid -> error of its abandoned fetch
+        self._lander: ThreadPoolExecutor | None = None   # Note [H2D on landing]
         self.abandoning = False          # inside abandon_all (lenient returns, see _give_back)
         if cache:
             self.enable_cache()
@@ -167,7 +184,7 @@ class MemoryManager:
         if buf is None:
             return False
         t0 = time.perf_counter()
-        staging = None
+        staging = f = None
         try:
             if g.home == "cpu":                       # separate device memory: H2D copy
                 g.begin_to_device(buf, _Fetch(None, t0, xfer=self.dev.h2d(buf, g.host_buf)))
@@ -175,15 +192,68 @@ class MemoryManager:
                 g.begin_read(buf, _Fetch(self.swap.read(g.extent, buf), t0))
             else:                                     # NVMe -> pinned staging -> H2D
                 staging = self.host_pool.lease(g.nbytes, g.dtype)
-                g.begin_read(buf, _Fetch(self.swap.read(g.extent, staging), t0, staging=staging))
+                f = _Fetch(self.swap.read(g.extent, staging), t0, staging=staging)
+                f.landing = self._landing_thread().submit(self._land_job, f, buf)
+                g.begin_read(buf, f)
         except BaseException:
-            # nothing was submitted (or the submission failed): no buffer may leak
+            # nothing was recorded: what was submitted finishes first, no buffer may leak
+            if f is not None:
+                self._settle(f)
             if staging is not None:
                 self.host_pool.give_back(staging)
             self.dev.give_back(buf)
             raise
         self._inflight[g.gid] = g
         return True
+
+    def _landing_thread(self) -> ThreadPoolExecutor:
+        if self._lander is None:
+            self._lander = ThreadPoolExecutor(1, thread_name_prefix="infinity-h2d-lander")
+        return self._lander
+
+    @staticmethod
+    def _settle(f: _Fetch) -> None:
+        """Wait until nothing of ``f`` is in flight (its lander job, read and copy),
+        ignoring its errors (an abandoned fetch: they are reported elsewhere or moot)."""
+        if f.landing is not None and f.xfer is None:
+            try:                              # the lander may still issue its copy
+                f.xfer = f.landing.result()
+            except BaseException:  # noqa: BLE001 - the read failed: no copy was issued
+                pass
+        if f.handle is not None:
+            try:
+                f.handle.wait()
+            except Exception:  # noqa: BLE001 - already failed; nothing is in flight after
+                pass
+        if f.xfer is not None:
+            f.xfer.wait_host()
+
+    def _land_job(self, f: _Fetch, dst: torch.Tensor):
+        """Lander thread (Note [H2D on landing]): wait for the read, then issue its H2D."""
+        try:
+            f.handle.wait()                   # raises the read's AioError (to _start_h2d)
+        finally:
+            f.t_read = time.perf_counter()
+        return self.dev.h2d(dst, f.staging)
+
+    def staging_sizes(self, depth: int) -> list[int]:
+        """The pinned host staging the fetches of NVMe-homed groups lease on separate
+        device memory (NVMe -> staging -> H2D): per size class, as many buffers as the fetch
+        window holds (``depth + 2``, the plan's figure).  ``initialize`` reserves them in
+        the host pool, so they are allocated and registered with CUDA before training, not
+        inside the first steps' hooks.  Nothing on a zero-copy tier."""
+        if self.dev.zero_copy:
+            return []
+        counts: dict[int, int] = {}
+        for g in self.groups:
+            if g.home == "nvme":
+                n = self._staging_bytes(g)
+                counts[n] = counts.get(n, 0) + 1
+        return [n for n, c in counts.items() for _ in range(min(c, depth + 2))]
+
+    def _staging_bytes(self, g: GroupRecord) -> int:
+        """Bytes of the host staging one fetch of NVMe-homed ``g`` leases."""
+        return g.nbytes
 
     def fetch_pending(self, g: GroupRecord) -> bool:
         """Whether a fetch of ``g`` was started and not yet waited for."""
@@ -207,13 +277,7 @@ class MemoryManager:
         f = g.pending
         self._inflight.pop(g.gid, None)
         if isinstance(f, _Fetch):
-            if f.handle is not None:
-                try:
-                    f.handle.wait()
-                except Exception:  # noqa: BLE001 - already failed; nothing is in flight after
-                    pass
-            if f.xfer is not None:
-                f.xfer.wait_host()
+            self._settle(f)
             if f.staging is not None:
                 self._give_back(self.host_pool, f.staging)
                 f.staging = None
@@ -225,9 +289,12 @@ class MemoryManager:
 
     def _start_h2d(self, g: GroupRecord, f: _Fetch) -> None:
         """READING -> TO_DEVICE (CUDA path): the read landed in staging; copy it up."""
-        f.handle.wait()                       # already complete: returns or raises AioError
+        if f.landing is not None:             # issued by the lander as the read landed
+            f.xfer = f.landing.result()       # raises the read's AioError
+        else:
+            f.handle.wait()                   # already complete: returns or raises AioError
+            f.xfer = self.dev.h2d(g.device_buf, f.staging)
         self._link("nvme_read", g.nbytes, f.t0, f.t_read)
-        f.xfer = self.dev.h2d(g.device_buf, f.staging)
         g.read_landed(f)
 
     def _finish_h2d(self, g: GroupRecord, f: _Fetch) -> None:
@@ -264,12 +331,14 @@ class MemoryManager:
         if g.state is Location.READING:
             f = g.pending
             if not f.poll_read():
+                wait = f.landing.exception if f.landing is not None else f.handle.wait
                 if self.timeline is not None and self.timeline.enabled:
                     with self.timeline.span("wait", f"fetch {g.name or '<root>'}", g.nbytes):
-                        f.handle.wait()
+                        wait()
                 else:
-                    f.handle.wait()
-                f.t_read = time.perf_counter()
+                    wait()
+                if f.landing is None:
+                    f.t_read = time.perf_counter()
             if f.staging is not None:
                 self._start_h2d(g, f)
             else:
@@ -474,11 +543,13 @@ class MemoryManager:
                 f.xfer.wait_host()
         self.dev.drain()
 
-    def refresh_resident(self) -> None:
+    def refresh_resident(self, skip=()) -> None:
         """After the host mirrors changed (optimizer step, checkpoint load): copy them to
-        the resident device buffers on the copy stream; compute waits on the copies."""
+        the resident device buffers on the copy stream; compute waits on the copies.
+        ``skip``: gids whose device copy is already current."""
         for g in self.mirrored():
-            self._copy_mirror(g.device_buf, g.host_buf)
+            if g.gid not in skip:
+                self._copy_mirror(g.device_buf, g.host_buf)
 
     def _copy_mirror(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Stream-ordered refresh of a resident device buffer from its host mirror, timed
@@ -507,6 +578,11 @@ class MemoryManager:
         self.closed = True
         for g in self._inflight.values():
             f = g.pending
+            if isinstance(f, _Fetch) and f.landing is not None and f.xfer is None:
+                try:
+                    f.xfer = f.landing.result()
+                except BaseException:  # noqa: BLE001 - reported by the read's wait below
+                    log.debug("memory: pending read of group %d failed during close", g.gid)
             if isinstance(f, _Fetch) and f.handle is not None:
                 try:
                     f.handle.wait()
@@ -515,6 +591,8 @@ class MemoryManager:
             if isinstance(f, _Fetch) and f.xfer is not None:
                 f.xfer.wait_host()
         self._inflight.clear()
+        if self._lander is not None:
+            self._lander.shutdown(wait=True)
         for g in self.groups:          # cached copies: dropped (never dirty: write-through)
             if self.cached(g):
                 buf = g.host_buf

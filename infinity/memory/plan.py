@@ -88,8 +88,10 @@ class PlacementPlan:
         self.device["resident params"] = sum(g.nbytes for g in self.groups if g.home == "device")
         if self.param_home == "nvme" or (sep and self.param_home == "cpu"):
             self.device["fetch window (largest group x (depth + 2))"] = largest * (self.depth + 2)
-        if sep and trainable:     # GradD2H: groups assembled for their one D2H each
-            self.device["gradient D2H sources"] = self.grad_d2h_bytes
+        if sep and trainable:     # GradD2H: groups assembled for their one D2H each (two:
+            # the current one and one open across backward, e.g. tied weights) and the
+            # sources of the copies in flight (as many as the staging bound)
+            self.device["gradient D2H sources"] = 2 * self.grad_d2h_bytes
         # host tier
         if self.param_home == "cpu":
             self.host["param home"] = param_bytes
@@ -128,6 +130,11 @@ class PlacementPlan:
                     used += size
             self.grad_host_gids = frozenset(keep)
             n_grad_nvme = sum(g.padded_numel for g in trainable if g.gid not in keep)
+            # staging serves only the groups homed on NVMe (the kept ones add in place)
+            largest_nvme = max((4 * g.padded_numel for g in trainable if g.gid not in keep),
+                               default=0)
+            self.host["gradient staging (grads on NVMe)"] = 2 * largest_nvme + (
+                largest_nvme // 2 if self.grad_accum_dtype == "bf16" and grad_accum > 1 else 0)
             if keep:
                 self.host["fp32 gradient accumulation (groups that fit)"] = used
             self.nvme["fp32 gradients"] = 4 * n_grad_nvme

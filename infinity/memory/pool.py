@@ -156,6 +156,28 @@ class BufferPool:
         self._free.setdefault(size, []).append(raw)
         self.leased -= size
 
+    def reserve(self, sizes) -> int:
+        """Allocate free buffers of ``sizes`` (bytes each) ahead of their first lease, as
+        far as the budget allows without trimming; a size the free list already holds is
+        not allocated twice.  Host buffers are pinned (``cudaHostRegister``) when they are
+        allocated, so reserving at ``initialize`` keeps that out of the first steps'
+        hooks.  Returns the bytes allocated."""
+        have = {k: len(v) for k, v in self._free.items()}
+        added = 0
+        for n in sizes:
+            size = round_up(n, ALIGN)
+            if have.get(size, 0) > 0:
+                have[size] -= 1
+                continue
+            if self.budget is not None and self.allocated + size > self.budget:
+                continue
+            raw = self._allocator(size)
+            self.allocated += size
+            self.acct.alloc(self.tier, size)
+            self._free.setdefault(size, []).append(raw)
+            added += size
+        return added
+
     def adopt(self, buf: torch.Tensor) -> bool:
         """Count a buffer from elsewhere as leased from this pool (``give_back`` then
         keeps it here), if the budget can hold it (free buffers are trimmed to make room).

@@ -65,9 +65,10 @@ def is_placeholder(t: torch.Tensor) -> bool:
     if ph is None or t.numel() == 0:
         return False
     try:
-        return t.untyped_storage().data_ptr() == ph.untyped_storage().data_ptr()
-    except RuntimeError:            # meta / exotic tensors have no storage pointer
-        return False
+        ptr = t.untyped_storage().data_ptr()
+        return ptr != 0 and ptr == ph.untyped_storage().data_ptr()
+    except RuntimeError:            # exotic tensors have no storage pointer
+        return False                # (and every meta tensor's pointer is 0: not ours)
 
 
 class Location(enum.Enum):

@@ -183,6 +183,10 @@ class EngineOptimizer(GradAccumulation):
             self.acct.count("optimizer_master_read_bytes_saved",
                             self.store.master_io_bytes(item.key))
 
+    # groups whose resident device copy the step already updated (ZeRO stages 1-2 gather
+    # them on the device); the engine refreshes the others from their host mirrors
+    gathered_on_device: frozenset = frozenset()
+
     def boundary_step(self, done: dict[int, float] | None = None, *, txn=None,
                       shield=None, on_commit=None, on_rollback=None) -> bool:
         """Apply (or skip) one optimizer step over the accumulated gradients.

@@ -103,6 +103,21 @@ def partition_placement(placement, zero: "ZeroSetup | None") -> None:
                 scale(d, key)
             elif key.startswith("param home") and zero.stage == 3:
                 scale(d, key)
+    if placement.separate_device and zero.stage >= 2 and any(g.trainable for g in
+                                                             placement.groups):
+        # gradients are reduce-scattered on the device (PartitionedOptimizer): full fp32
+        # buffers of the groups being assembled (two: the current one and a tied one open
+        # across backward) and in flight, the reduced shards, and their D2H staging
+        from infinity.memory.pool import ALIGN, round_up
+        from infinity.zero.partitioned_optimizer import MAX_INFLIGHT_REDUCTIONS as k
+        full = round_up(4 * max(g.padded_numel for g in placement.groups if g.trainable),
+                        ALIGN)
+        shard = round_up(-(-full // w), ALIGN)
+        placement.device.pop("gradient D2H sources", None)
+        placement.host.pop("gradient D2H staging", None)
+        placement.device[f"gradients awaiting reduce-scatter (fp32, {k + 3} x largest group "
+                         f"+ {2 * k + 1} shards)"] = (k + 3) * full + (2 * k + 1) * shard
+        placement.host[f"reduced gradient shard D2H staging ({k} shards)"] = k * shard
     if zero.spill:
         key = "fp32 gradient accumulation"
         if key in placement.host:

@@ -84,6 +84,8 @@ class PartitionedMemoryManager(MemoryManager):
         lo, hi = self.shard(g)
         return (hi - lo) * g.dtype.itemsize
 
+    _staging_bytes = _shard_bytes          # a fetch stages only this rank's shard
+
     # ------------------------------------------------------------------ setup
     def place(self, g: GroupRecord, staging: torch.Tensor | None = None) -> None:
         lo, hi = self.shard(g)
@@ -223,7 +225,7 @@ class PartitionedMemoryManager(MemoryManager):
         self._refreshed[g.gid] = x
         self.dev.retire(x, lambda x=x: self._link("h2d", x.nbytes, x.t0, x.t_end))
 
-    def refresh_resident(self) -> None:
+    def refresh_resident(self, skip=()) -> None:
         """After the optimizer updated the host mirrors of device-homed shards (separate
         device memory): copy each to its resident device shard on the copy stream."""
         if self.dev.zero_copy:

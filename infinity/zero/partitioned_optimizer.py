@@ -66,6 +66,9 @@ class PartitionedOptimizer(EngineOptimizer):
         self.dev = None
         self.on_device = False
         self._landing: deque = deque()   # shards on their way to the host accumulation
+        # stages 1, 2 on separate device memory: groups the last step all-gathered on the
+        # device (the engine does not refresh them from their mirrors)
+        self.gathered_on_device: set[int] = set()
         self._adder: ThreadPoolExecutor | None = None
         super().__init__(model, cfg, groups, names, store=store, swap=swap,
                          host_pool=host_pool, accounting=accounting, timeline=timeline,
@@ -145,6 +148,17 @@ class PartitionedOptimizer(EngineOptimizer):
         if not self.spill:       # the fp32 adds into the host shard run off this thread
             self._adder = ThreadPoolExecutor(1, thread_name_prefix="infinity-grad-shard")
 
+    def staging_sizes(self) -> list[int]:
+        """Stages 2, 3 on separate device memory: the averaged shards' D2H staging (at most
+        ``MAX_INFLIGHT_REDUCTIONS`` landing at once), reserved at ``initialize``."""
+        if not self.on_device:
+            return super().staging_sizes()
+        counts: dict[int, int] = {}
+        for g in self.groups:
+            lo, hi = self.shard(g)
+            counts[(hi - lo) * 4] = counts.get((hi - lo) * 4, 0) + 1
+        return [n for n, c in counts.items() for _ in range(min(c, MAX_INFLIGHT_REDUCTIONS))]
+
     def _lease_full(self, g: GroupRecord) -> torch.Tensor:
         """A zeroed full-size fp32 gradient buffer (device tier or host pool)."""
         if self.on_device:
@@ -206,12 +220,18 @@ class PartitionedOptimizer(EngineOptimizer):
         """``summed``: this rank's slice of the gradient summed over ranks."""
         summed.mul_(1.0 / self.comm.world_size)
         if self.on_device:                 # only the averaged shard leaves the device
+            for b in bufs:                 # the reduce-scatter's input is done with
+                if b is not summed:
+                    self.dev.give_back(b)
+            bufs = [summed]
             host = self.host_pool.lease(summed.numel() * 4, torch.float32)
             x = self.dev.d2h(host, summed)
             if self._adder is not None:    # the worker waits for the copy and adds
                 fut = self._adder.submit(self._add_shard, x, g, host)
                 self._landing.append((fut, x, host, bufs))
                 self._poll_landing()
+                if len(self._landing) > MAX_INFLIGHT_REDUCTIONS:   # as the plan counts
+                    self._poll_landing(oldest=True)
                 return
             x.wait_host()
             if self.acct is not None:
@@ -243,10 +263,12 @@ class PartitionedOptimizer(EngineOptimizer):
         x.wait_host()
         g.grad_buf.add_(host)
 
-    def _poll_landing(self, wait: bool = False) -> None:
-        """Give back the buffers of shards already accumulated (all of them: ``wait``)."""
+    def _poll_landing(self, wait: bool = False, oldest: bool = False) -> None:
+        """Give back the buffers of shards already accumulated (all of them: ``wait``;
+        the oldest one, waiting for it: ``oldest``)."""
         q = self._landing
-        while q and (wait or q[0][0].done()):
+        while q and (wait or oldest or q[0][0].done()):
+            oldest = False
             fut, x, host, bufs = q.popleft()
             try:
                 fut.result()                 # re-raises the worker's error here
@@ -343,16 +365,46 @@ class PartitionedOptimizer(EngineOptimizer):
                 g.grad_buf.mul_(inv)
         else:
             self.finish_backward()   # no-op when backward already flushed
+        self.gathered_on_device = set()
         applied = super().boundary_step(done, **kw)
         if applied and self.stage in (1, 2):
             for g in self.groups:
                 lo, hi = self.shard(g)
-                # in place, into the buffer the optimizer updated (separate device
-                # memory: the host mirror; the engine then refreshes the device copy)
+                if self._separate_mirror(g):
+                    self._gather_on_device(g, lo, hi)
+                    continue
+                # in place, into the buffer the optimizer updated (zero-copy tier: the
+                # parameters themselves; a frozen group's mirror: unchanged values)
                 buf = g.host_buf if g.host_buf is not None else g.device_buf
                 self.comm.all_gather_into(buf, buf[lo:hi], group="default",
                                           name=f"updated parameters of group {g.gid}")
         return applied
+
+    def _separate_mirror(self, g: GroupRecord) -> bool:
+        """A trainable group resident on separate device memory, updated on its host mirror."""
+        return (self.dev is not None and not self.dev.zero_copy and g.trainable
+                and g.home == "device" and g.host_buf is not None and g.device_buf is not None)
+
+    def _gather_on_device(self, g: GroupRecord, lo: int, hi: int) -> None:
+        """Stages 1, 2 on separate device memory (as DeepSpeed's offloaded ZeRO): only this
+        rank's updated shard goes H2D, the all-gather runs on the device (NCCL on a GPU),
+        and the rest of the host mirror is brought up to date by D2H copies on the copy
+        stream that nothing waits for until a host reader or writer of the mirror does
+        (``wait_host_reads`` drains them).  The engine skips these groups' full refresh."""
+        dst, mirror = g.device_buf, g.host_buf
+        x = self.dev.refresh(dst[lo:hi], mirror[lo:hi])   # after compute's last use of dst
+        self.dev.retire(x, lambda x=x: self._link_done(x))
+        self.comm.all_gather_into(dst, dst[lo:hi], group="default",
+                                  name=f"updated parameters of group {g.gid}")
+        for a, b in ((0, lo), (hi, g.padded_numel)):
+            if b > a:
+                y = self.dev.d2h(mirror[a:b], dst[a:b])
+                self.dev.retire(y, lambda y=y: self._link_done(y))
+        self.gathered_on_device.add(g.gid)
+
+    def _link_done(self, x) -> None:
+        if self.acct is not None:
+            self.acct.link(x.link, x.nbytes, x.seconds())
 
     def close(self) -> None:
         try:

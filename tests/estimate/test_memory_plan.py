@@ -74,10 +74,13 @@ def test_fp32_param_is_master_stored_once_cpu_only():
     pl = plan_memory(small_spec(), m, Knobs(precision="fp32", tile_numel=1000), "cpu", "cpu")
     # CPU-only: the host home is used in place (no device copy); the fp32 param is the
     # master, so the optimizer keeps only m and v; no swap space -> no tile ring
+    # the step overlaps backward (one CPU process, no clipping): an update is
+    # all-or-nothing, so the host states it updates in place (master, m, v) get undo copies
     assert items(pl) == {
         ("pinned", "param home (host)"): 1_000_000 * 4,
         ("pageable", "grad accumulation (fp32, host)"): 1_000_000 * 4,
         ("pageable", "optimizer: m + v (host)"): 1_000_000 * 8,
+        ("pageable", "commit undo copies (host states, per update)"): 1_000_000 * 12,
     }
     assert pl.master_is_param and any("master" in n for n in pl.notes)
     # bf16, params on NVMe, optimizer on the host: fp32 master + m + v on the host, the
@@ -90,6 +93,7 @@ def test_fp32_param_is_master_stored_once_cpu_only():
         ("pageable", "grad accumulation (fp32, host)"): 1_000_000 * 4,
         ("pageable", "optimizer: master + m + v (host)"): 1_000_000 * 12,
         ("pinned", "optimizer tile ring"): 3 * 1000 * (8 + 2),
+        ("pageable", "commit undo copies (host states, per update)"): 1_000_000 * 12,
     }
 
 
@@ -296,3 +300,24 @@ def test_state_dtype_from_the_config_halves_the_moments():
     est = estimate(small_spec(), machine=m, config={"optimizer": {"state_dtype": "bf16"}},
                    state_dtype="fp32", configs=[("nvme", "nvme")])
     assert est.knobs.state_dtype == "fp32"
+
+
+def test_commit_undo_copies_follow_the_engine_rule():
+    """Note [commit point]: undo copies of host states updated in place exist when the
+    step can roll back half-way (swap space, or the overlapped step), within the cap."""
+    m = Machine(gpus=0, host_mem_gb=100, nvme_gb=10)
+    key = ("pageable", "commit undo copies (host states, per update)")
+    # clipping turns the overlap off and there is no swap space: no undo copies
+    pl = plan_memory(small_spec(), m, Knobs(precision="fp32", gradient_clipping=1.0),
+                     "cpu", "cpu")
+    assert key not in items(pl)
+    # swap space (optimizer on NVMe): only the host part (fp32 master = param home) has copies
+    pl = plan_memory(small_spec(), m, Knobs(precision="fp32", gradient_clipping=1.0),
+                     "cpu", "nvme")
+    assert items(pl)[key] == 1_000_000 * 4
+    # under a tight cap the overlapped step undoes only what the cap leaves
+    k = Knobs(precision="fp32", host_cap_gb=0.02)
+    pl = plan_memory(small_spec(), m, k, "cpu", "cpu")
+    others = sum(v for (t, n), v in items(pl).items() if t in ("pinned", "pageable") and
+                 (t, n) != key)
+    assert items(pl).get(key, 0) == max(0, min(12_000_000, int(0.02e9) - others))

@@ -52,6 +52,7 @@ class FakeCuda:
         self.compute = FakeStream("compute")
         self.current = self.compute
         self.made: list = []
+        self.devices_entered: list = []
 
     def Stream(self, device=None):
         s = FakeStream(f"side{len(self.made)}")
@@ -71,6 +72,11 @@ class FakeCuda:
 
     def current_stream(self, device=None):
         return self.current
+
+    @contextlib.contextmanager
+    def device(self, d):
+        self.devices_entered.append(torch.device(d))
+        yield
 
 
 class FakeTensor:
@@ -108,7 +114,7 @@ class FakeTensor:
 @pytest.fixture
 def fake(monkeypatch):
     fc = FakeCuda()
-    for name in ("Stream", "Event", "stream", "current_stream"):
+    for name in ("Stream", "Event", "stream", "current_stream", "device"):
         monkeypatch.setattr(torch.cuda, name, getattr(fc, name))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     return fc
@@ -137,6 +143,8 @@ def test_h2d_records_its_destination_and_is_device_timed(fake):
     assert x.start is not None and x.start.enable_timing and x.event.enable_timing
     assert x.start.recorded_on is dev.h2d_stream and x.event.recorded_on is dev.h2d_stream
     assert x.ready() and x.seconds() == 1.5e-3       # elapsed_time is in milliseconds
+    # issued under its own device (the manager's lander thread issues H2Ds too)
+    assert fake.devices_entered == [torch.device("cuda", 0)]
     d = dev.d2h(FakeTensor(0xa000, 256, "cpu"), FakeTensor(0x2000, 256, "cuda:0"))
     assert d.start is not None and d.start.recorded_on is dev.d2h_stream
     with pytest.raises(ValueError, match="host source"):

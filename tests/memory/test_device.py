@@ -206,6 +206,13 @@ class _EarlyStagingReuse(MemoryManager):
         self.host_pool.give_back(f.staging)
         f.staging = None
 
+    def fetch_async(self, g, *, allow_overflow):
+        ok = super().fetch_async(g, allow_overflow=allow_overflow)
+        f = g.pending
+        if f is not None and f.landing is not None:
+            f.landing.exception()     # the lander issued its H2D: a deterministic order
+        return ok
+
 
 @pytest.mark.parametrize("bug,home", [(_NoComputeWait, "cpu"), (_NoComputeWait, "nvme"),
                                       (_EarlyStagingReuse, "nvme")])
@@ -441,3 +448,110 @@ def test_fetch_waits_for_a_step_still_writing_the_home(swap_dir):
         mm.release(g)
     finally:
         _close(mm, swap, aio)
+
+
+# ------------------------------------------------------------------ H2D on landing
+def test_h2d_of_a_landed_read_starts_without_the_main_thread(swap_dir):
+    """Note [H2D on landing]: on separate device memory the H2D of an NVMe read that
+    landed in staging is issued by the lander as soon as the read completes, while the
+    main thread is busy elsewhere (computing) and calls nothing on the manager."""
+    groups, values = _groups(3, "nvme")
+    mm, dev, acct, swap, aio = _manager(groups, "nvme", swap_dir, delay=NEVER)
+    try:
+        for g in groups:
+            mm.fetch_async(g, allow_overflow=False)
+        ptrs = [g.device_buf.data_ptr() for g in groups]
+        deadline = time.monotonic() + 20
+        while not all(("h2d", p) in dev.log for p in ptrs) and time.monotonic() < deadline:
+            time.sleep(0.005)               # "compute": no manager call at all
+        assert all(("h2d", p) in dev.log for p in ptrs), dev.log
+        assert all(g.state is Location.READING for g in groups)   # main thread not involved
+        for g, v in zip(groups, values):
+            mm.wait_resident(g)
+            assert torch.equal(g.slots[0].param.detach(), v)
+            mm.release(g)
+        assert mm.host_pool.leased == 0 and mm.device_pool.leased == 0
+        assert acct.as_dict()["nvme_read_bytes"] == 3 * 4096
+    finally:
+        _close(mm, swap, aio)
+
+
+class _FailingReadSwap(_FakeSwap):
+    """The read of extent ``bad`` fails with EIO when it is waited for."""
+
+    def __init__(self, bad):
+        super().__init__(instant=True)
+        self.bad = bad
+
+    def read(self, ext, t, offset=0):
+        h = super().read(ext, t, offset)
+        if ext == self.bad:
+            from infinity.io import AioError
+
+            def fail():
+                raise AioError(5, "injected read failure", "/swap/fake", 0, t.numel())
+            h.wait = fail
+        return h
+
+
+def test_failed_read_on_the_lander_raises_for_its_group_only(swap_dir):
+    groups, values = _groups(3, "nvme")
+    acct = Accounting()
+    swap = _FailingReadSwap(bad=None)
+    dev = SimulatedDevice(None, acct, delay=1)
+    mm = MemoryManager(groups, device=torch.device("cpu"), device_budget=None,
+                       host_pool=BufferPool("host", None, acct), swap=swap, accounting=acct,
+                       device_tier=dev)
+    for g in groups:
+        mm.place(g)
+    from infinity.io import AioError
+    swap.bad = groups[1].extent
+    try:
+        for g in groups:
+            mm.fetch_async(g, allow_overflow=False)
+        mm.wait_resident(groups[0])
+        mm.wait_resident(groups[2])              # another group's failure is not raised here
+        with pytest.raises(AioError, match="injected"):
+            mm.wait_resident(groups[1])
+        assert groups[1].state is Location.NVME and groups[1].device_buf is None
+        for i in (0, 2):
+            assert torch.equal(groups[i].slots[0].param.detach(), values[i])
+            mm.release(groups[i])
+        swap.bad = None                           # the next use reads it again
+        mm.fetch_async(groups[1], allow_overflow=False)
+        mm.wait_resident(groups[1])
+        assert torch.equal(groups[1].slots[0].param.detach(), values[1])
+        mm.release(groups[1])
+        assert mm.host_pool.leased == 0 and mm.device_pool.leased == 0
+    finally:
+        mm.close()
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_host_staging_is_allocated_at_initialize_not_in_the_first_steps(
+        swap_dir, monkeypatch, precision):
+    """Separate device memory: the pinned staging of the NVMe reads and of the gradient
+    D2H copies is allocated (and, on CUDA, registered) by initialize; training then leases
+    it without allocating any host buffer (no cudaHostRegister inside the hooks)."""
+    monkeypatch.setenv("INFINITY_SIMULATE_DEVICE", "1")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(),
+                          nn.Linear(64, 8))
+    cfg = {"precision": precision, "optimizer": {"lr": 1e-2},
+           "offload": {"params": "nvme", "optimizer": "cpu", "nvme_paths": [swap_dir],
+                       "device_memory_gb": 0.01}}
+    g = torch.Generator().manual_seed(1)
+    with infinity.initialize(model, cfg) as e:
+        pool = e.host_pool
+        reserved = e.mm.staging_sizes(e.cfg.prefetch.depth) \
+            + e.opt.staging_sizes()
+        assert reserved                                  # there is staging to reserve
+        allocs = []
+        real = pool._allocator
+        pool._allocator = lambda n: (allocs.append(n), real(n))[1]
+        for _ in range(3):
+            x, y = torch.randn(4, 16, generator=g), torch.randn(4, 8, generator=g)
+            e.backward(torch.nn.functional.mse_loss(e(x).float(), y))
+            e.step()
+        assert e.stats()["h2d_bytes"] > 0 and e.stats()["d2h_bytes"] > 0
+        assert allocs == [], f"host buffers allocated during training: {allocs}"

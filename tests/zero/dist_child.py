@@ -57,6 +57,11 @@ def main():
                     os.environ[k] = v
         device_kind = eng.mm.dev.kind
         grad_full_bytes = sum(4 * g.padded_numel for g in eng.grouping.groups if g.trainable)
+        param_homes = sorted({g.home for g in eng.grouping.groups})
+        planned_device = eng.placement.device_total
+        param_bytes = {"trainable": sum(g.nbytes for g in eng.grouping.groups if g.trainable),
+                       "frozen": sum(g.nbytes for g in eng.grouping.groups
+                                     if not g.trainable)}
         if run.get("spill") and not eng.zero.spill:
             raise AssertionError("gradient spill was requested but not taken")
         losses = []
@@ -109,7 +114,10 @@ def main():
                                            "h2d_bytes", "d2h_bytes", "device_peak_bytes",
                                            "device_cap_bytes", "device_budget_overflows")},
                                        "device_kind": device_kind,
-                                       "grad_full_bytes": grad_full_bytes}
+                                       "grad_full_bytes": grad_full_bytes,
+                                       "param_bytes": param_bytes,
+                                       "param_homes": param_homes,
+                                       "planned_device_bytes": planned_device}
     with open(out_path, "w") as f:
         json.dump(result, f)
     dist.destroy_process_group()
