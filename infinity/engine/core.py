@@ -98,6 +98,8 @@ class Engine:
         except BaseException:
             self.close()
             raise
+        from infinity.memory.record import register_holder
+        register_holder(self)          # Note [held parameters]
 
     # ------------------------------------------------------------------ device
     @staticmethod
@@ -481,6 +483,20 @@ class Engine:
         return ProfileSession(self.timeline, directory, stats_fn=self.stats, **kw)
 
     # ------------------------------------------------------------------ weights out
+    # ------------------------------------------------------------------ held parameters
+    def holds(self, p) -> bool:
+        """Whether ``p`` is one of this open engine's parameters (Note [held parameters])."""
+        g = getattr(self, "grouping", None)
+        return not self._closed and g is not None and id(p) in g.param_group
+
+    def read_held(self, p) -> torch.Tensor:
+        """``p``'s current value read from its home (what ``state_dict()[name]`` gives;
+        collective at world size > 1): for ``infinity.GatheredParameters``."""
+        from infinity.engine.weights import read_param
+        self._enter("GatheredParameters")
+        self._drop_open_window("GatheredParameters")
+        return read_param(self, p)
+
     def state_dict(self):
         from infinity.engine.weights import StreamedStateDict
         self._enter("state_dict")
@@ -519,6 +535,8 @@ class Engine:
             return
         self._closed = True
         self.phase = Phase.CLOSED
+        from infinity.memory.record import unregister_holder
+        unregister_holder(self)
         errors = []
         if self._worker is not None:
             self._worker.shutdown(wait=True)

@@ -75,6 +75,16 @@ class Estimate:
                                  order[cv[0].optimizer_home], cv[1] == "checkpointing"))
         return out
 
+    def closest(self):
+        """``(ConfigEstimate, variant)`` with the fewest problems (the most offloaded first on a
+        tie: it needs the least fast memory), or None without configurations."""
+        cands = [(len(c.problems[v]), -i, v == "none", c, v)
+                 for i, c in enumerate(self.configs) for v in VARIANTS]
+        if not cands:
+            return None
+        cands.sort(key=lambda t: t[:3])
+        return cands[0][3], cands[0][4]
+
     @property
     def best(self):
         f = self.fitting()
@@ -89,8 +99,16 @@ class Estimate:
     def _answer(self):
         b = self.best
         if b is None:
-            return (f"No: no offload configuration fits {_num(self.model.params)} parameters on "
-                    f"{self._where()}; see the problems listed per configuration.")
+            out = (f"No: no offload configuration fits {_num(self.model.params)} parameters on "
+                   f"{self._where()}")
+            near = self.closest()
+            if near is None:
+                return out + "."
+            c, v = near
+            ck = "with" if v == "checkpointing" else "without"
+            return (out + f"; the closest, {c.name} {ck} activation checkpointing: "
+                    + "; ".join(c.problems[v]) + " (--explain lists every configuration's "
+                    "problems).")
         c, v = b
         s = c.steps[v]
         ck = "with activation checkpointing" if v == "checkpointing" else "without activation checkpointing"

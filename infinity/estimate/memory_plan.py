@@ -324,7 +324,8 @@ def plan_memory(spec, machine, knobs, params_home, optimizer_home):
     if shadow:
         add(Item("nvme", "commit shadows (all-or-nothing updates)", r * shadow,
                  "r*(NVMe optimizer states + fp32 NVMe master)"))
-    swap = params_home == "nvme" or optimizer_home == "nvme"
+    # a swap space exists when anything lives on NVMe (activations too)
+    swap = params_home == "nvme" or optimizer_home == "nvme" or knobs.activation_home == "nvme"
     # OptimizerStateStore ring: D slots of one tile each of master + grad (fp32, when a swap
     # space exists), m + v (NVMe home) and the low-precision params for an NVMe param home
     sink = lp if (not master_is_param and params_home == "nvme") else 0
@@ -398,7 +399,7 @@ def undo_items(pl, machine, knobs, shard, states, params_home, optimizer_home):
         (shard * 4 if pl.master_is_param and params_home != "nvme" else 0)
     if not host_states:
         return
-    swap = params_home == "nvme" or optimizer_home == "nvme"
+    swap = params_home == "nvme" or optimizer_home == "nvme" or knobs.activation_home == "nvme"
     overlap = (machine.cpu_only and machine.ranks == 1 and not knobs.gradient_clipping
                and knobs.precision in ("fp32", "bf16") and not pl.grads_on_nvme)
     if not (swap or overlap):
@@ -442,7 +443,8 @@ def grad_spill_decision(pl, machine, knobs, shard):
     ``"on"``: on NVMe whenever a swap space exists; ``"off"``: always in host memory.
     """
     mode = knobs.grad_spill
-    swap = pl.params_home == "nvme" or pl.optimizer_home == "nvme"
+    swap = pl.params_home == "nvme" or pl.optimizer_home == "nvme" or \
+        knobs.activation_home == "nvme"
     if mode == "off" or not swap:
         return False, ""
     if mode == "on":

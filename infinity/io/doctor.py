@@ -92,7 +92,8 @@ def _free_space_check(path, need=None, need_what=""):
     return _check("free space", ok,
                   f"{free} free at {base}; {format_bytes(need)} needed{what}",
                   f"free {format_bytes(need - usage.free)} there or choose a larger drive "
-                  "(--nvme-path), or check against your own model's need with --need SIZE")
+                  "(--nvme-path)" + ("" if need_what == "--need" else
+                                     ", or check against your own model's need with --need SIZE"))
 
 
 def _memlock_check():

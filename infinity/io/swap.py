@@ -76,6 +76,17 @@ def _norm_paths(paths):
     return uniq
 
 
+def default_stripe(block_size: int) -> int:
+    """The stripe a :class:`SwapSpace` uses by default for an engine with ``block_size``."""
+    return max(int(block_size), 1 << 20)
+
+
+def reserved_bytes(nbytes: int, block_size: int) -> int:
+    """File space :meth:`SwapSpace.reserve` takes for ``nbytes`` of swap: whole stripes."""
+    stripe = default_stripe(block_size)
+    return -(-int(nbytes) // stripe) * stripe
+
+
 class SwapSpace:
     """Swap store striped over one or several directories (ideally one per NVMe device)."""
 
@@ -89,7 +100,7 @@ class SwapSpace:
         self._engine = engine
         self._accounting = accounting
         self._paths = _norm_paths(paths)
-        stripe = stripe_bytes or max(engine.block_size, 1 << 20)
+        stripe = stripe_bytes or default_stripe(engine.block_size)
         if stripe % ALIGN:
             raise ValueError(f"stripe_bytes must be a multiple of {ALIGN}, got {stripe}")
         self._stripe = stripe

@@ -367,5 +367,6 @@ def check_nvme_free(paths: list[str], need: int, *, what: str, parts: dict | Non
             raise NvmeSpaceError(
                 errno.ENOSPC,
                 f"{what} needs {_mb(need)} of NVMe swap{detail}{share_txt} but {where} has only "
-                f"{_mb(free)} free; free space there or point the swap at a larger file system"
+                f"{_mb(free)} free ({_mb(share - free)} short); free space there or point the "
+                f"swap at a larger file system"
                 + (f" ({hint})" if hint else ""))

@@ -37,11 +37,13 @@ raises :class:`StateError` naming the group and the actual state.
 from __future__ import annotations
 
 import enum
+import weakref
 from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["Location", "StateError", "ParamSlot", "GroupRecord", "placeholder"]
+__all__ = ["Location", "StateError", "ParamSlot", "GroupRecord", "placeholder", "holder_of",
+           "register_holder", "unregister_holder"]
 
 _PLACEHOLDERS: dict[tuple, torch.Tensor] = {}
 
@@ -69,6 +71,29 @@ def is_placeholder(t: torch.Tensor) -> bool:
         return ptr != 0 and ptr == ph.untyped_storage().data_ptr()
     except RuntimeError:            # exotic tensors have no storage pointer
         return False                # (and every meta tensor's pointer is 0: not ours)
+
+
+# Note [held parameters]: an engine that has released its model's parameters (``.data`` =
+# placeholder) registers here, so code below the engine (``infinity.GatheredParameters``) can
+# find who holds a parameter and read its value without importing the engine.  A holder has
+# ``holds(p) -> bool`` and ``read_held(p) -> Tensor`` (collective at world size > 1).
+_HOLDERS: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def register_holder(holder) -> None:
+    _HOLDERS.add(holder)
+
+
+def unregister_holder(holder) -> None:
+    _HOLDERS.discard(holder)
+
+
+def holder_of(p: torch.Tensor):
+    """The live engine holding parameter ``p``, or None."""
+    for h in list(_HOLDERS):
+        if h.holds(p):
+            return h
+    return None
 
 
 class Location(enum.Enum):

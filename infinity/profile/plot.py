@@ -2,8 +2,8 @@
 
 Uses matplotlib's object API with the Agg canvas (no pyplot global state, safe off
 the main thread and without a display). Each lane draws the union of its intervals
-(overlapping in-flight requests merge into one bar), step boundaries are vertical
-lines, and the title carries the bottleneck sentence. Step labels that would overlap
+(overlapping in-flight requests merge into one bar), step ends are vertical lines
+labelled on their left (over the step they close), and the title carries the bottleneck sentence. Step labels that would overlap
 (many short steps) are thinned: each step keeps its line, every label stays legible.
 """
 from .lanes import LANES
@@ -79,8 +79,10 @@ def build_figure(timeline, *, title=None, dpi=110):
         for step, t in timeline.steps():
             if lo <= t <= hi:
                 ax.axvline(t - lo, color="black", linewidth=0.8, linestyle="--", alpha=0.7)
-                labels.append(ax.text(t - lo, n - 0.45, f" step {step}", fontsize=7, va="bottom",
-                                      ha="left"))
+                # the engine marks the END of a step: the label sits left of its line,
+                # over the step it closes
+                labels.append(ax.text(t - lo, n - 0.45, f"step {step} ", fontsize=7, va="bottom",
+                                      ha="right"))
     ax.set_xlabel("seconds since the start of the profile")
     ax.grid(axis="x", alpha=0.3)
     if title:

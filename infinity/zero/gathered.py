@@ -22,10 +22,14 @@ Typical use: resize the vocabulary and initialise new tokens of a model built un
 
 Entering and leaving are collective at world size > 1 (every rank lists the same parameters
 in the same order).  Parameters that are neither Init-managed nor released by an engine are
-left alone (the block is then a plain ``with``).  Parameters already adopted by an engine
-cannot be edited in place: change them before ``initialize`` (their values can be read with
-``engine.state_dict()[name]``); this is refused with an error rather than silently reading
-the placeholder.
+left alone (the block is then a plain ``with``).
+
+Parameters held by an engine (after ``initialize`` / ``InfinityTrainer.train`` started, outside
+forward/backward) are gathered too, read only: with ``modifier_rank=None`` they hold their
+current values (fp32 master in bf16/fp16 training, as ``engine.state_dict()``) and get the
+engine's placeholder back on exit.  Storing values into an engine (``modifier_rank=r``) is
+refused with an error before anything is read: the engine keeps masters and Adam moments of
+its own; edit before ``initialize`` or load values with ``engine.load_checkpoint``.
 """
 from __future__ import annotations
 
@@ -65,35 +69,62 @@ class GatheredParameters:
         self.modifier_rank = modifier_rank
         self.enabled = bool(enabled)
         self._held: list = []
+        self._engine_held: list = []     # (param, the engine's placeholder it had)
 
     def __enter__(self):
         if not self.enabled:
             return self
-        held = []
+        held, engine_held = [], []
         for p in self.params:
             rec = _record(p)
             if rec is None:
                 if _is_released(p):
-                    raise RuntimeError(
-                        f"GatheredParameters: a parameter of shape {tuple(p.shape)} is held by an "
-                        f"infinity engine; edit parameters before infinity.initialize / "
-                        f"InfinityTrainer.train (read them with engine.state_dict()[name])")
+                    engine_held.append((p, self._holder(p)))
                 continue
             held.append((p, rec))
+        if engine_held and self.modifier_rank is not None:
+            raise RuntimeError(
+                f"GatheredParameters(modifier_rank={self.modifier_rank}): {len(engine_held)} of "
+                f"the parameters (e.g. one of shape {tuple(engine_held[0][0].shape)}) are held by "
+                f"an infinity engine, which keeps their values (and fp32 masters, Adam moments) "
+                f"in its own homes: values cannot be stored back into it. Edit parameters before "
+                f"infinity.initialize / InfinityTrainer.train (under infinity.Init), or load new "
+                f"values with engine.load_checkpoint; reading works with modifier_rank=None")
         try:
             for p, rec in held:
                 p.data = rec.store.get(rec)          # collective at world size > 1
+            for p, eng in engine_held:
+                self._engine_held.append((p, p.data))      # the engine's placeholder
+                p.data = eng.read_held(p).to(p.device, p.dtype)   # collective at world size > 1
         except BaseException:
             for p, rec in held:
                 p.data = placeholder(rec.dtype, rec.shape)
+            self._restore_engine_held()
             raise
         self._held = held
         return self
+
+    @staticmethod
+    def _holder(p):
+        from infinity.memory.record import holder_of
+        eng = holder_of(p)
+        if eng is None:
+            raise RuntimeError(
+                f"GatheredParameters: a parameter of shape {tuple(p.shape)} was released by an "
+                f"infinity engine that is closed (or not found): its values are gone with it; "
+                f"read weights before engine.close() (engine.state_dict()[name])")
+        return eng
+
+    def _restore_engine_held(self) -> None:
+        held, self._engine_held = self._engine_held, []
+        for p, ph in held:
+            p.data = ph
 
     def __exit__(self, exc_type, exc, tb):
         if not self.enabled:
             return False
         held, self._held = self._held, []
+        self._restore_engine_held()      # read only: writes are discarded
         store_back = self.modifier_rank is not None and exc_type is None
         try:
             for p, rec in held:

@@ -75,8 +75,9 @@ class InitRecord:
 class _InitStore:
     """The homes of the parameters built under one ``Init``: host tensors or a swap space."""
 
-    def __init__(self, home: str, cfg, rank: int, world_size: int = 1):
+    def __init__(self, home: str, cfg, rank: int, world_size: int = 1, reserve: int = 0):
         self.home = "nvme" if home == "nvme" else "cpu"
+        self.reserve = reserve    # bytes to preallocate at once (the checked Init copy)
         self.cfg = cfg
         self.rank = rank
         self.world_size = world_size
@@ -99,6 +100,10 @@ class _InitStore:
                                        f"set offload.nvme_paths to a writable directory") from e
         self.aio = AioEngine(a.block_size, a.queue_depth, a.threads, a.engine)
         self.swap = SwapSpace(paths, self.aio, rank=self.rank)
+        if self.reserve:
+            # exactly what the free-space check counted: growing ahead (doubling) could
+            # take more than that and leave the engine short on a tight file system
+            self.swap.reserve(self.reserve)
 
     def _chunk(self, rec: InitRecord) -> tuple[int, int, int]:
         """(chunk elements per rank, this rank's first element, its element count)."""
@@ -358,18 +363,26 @@ def _build_groups():
     return build_groups
 
 
+INIT_COPY = "Init copy of the parameters"
+SWAP_OVERHEAD = "swap files' whole stripes and lock files"
+
+
 def nvme_need(model: nn.Module, config=None, *, world_size: int = 1) -> dict:
     """NVMe bytes one rank needs to build ``model`` under ``Init(config)`` and then
     ``initialize`` it: ``{"Init copy of the parameters": ..., "engine param home": ...,
     "engine optimizer states": ...}`` (plus "engine fp32 gradients" when they spill).
     ``model`` may live on the ``meta`` device (only shapes and dtypes are read), so the
     check can run before anything is built or written.  The Init copy and the engine's
-    swap coexist while ``initialize`` adopts the parameters, so the sum is the peak."""
+    swap coexist while ``initialize`` adopts the parameters, so the sum is the peak.  Each
+    swap file is reserved in whole stripes (``infinity.io.swap.reserved_bytes``) beside a
+    one-block lock file: that overhead is a part of its own."""
     from infinity.config import InfinityConfig
+    from infinity.io.swap import reserved_bytes
     from infinity.memory.plan import PlacementPlan
     from infinity.memory.pool import round_up
     cfg = InfinityConfig.load(config)
     out: dict[str, int] = {}
+    spaces = []                      # bytes of each swap space (Init's, the engine's)
     if cfg.offload.params == "nvme":
         init = 0
         seen = set()
@@ -379,19 +392,34 @@ def nvme_need(model: nn.Module, config=None, *, world_size: int = 1) -> dict:
             seen.add(id(p))
             c = -(-max(p.numel(), 1) // world_size)
             init += round_up(max(c * p.element_size(), 1), 4096)
-        out["Init copy of the parameters"] = init
-    if cfg.offload.params != "nvme" and cfg.offload.optimizer != "nvme":
-        return out
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.precision]
-    home = {"none": "device", "cpu": "cpu", "nvme": "nvme"}[cfg.offload.params]
-    gp = _build_groups()(model, dtype, home, world_size=world_size)
-    plan = PlacementPlan(cfg.precision, home, cfg.offload.optimizer, cfg.prefetch.depth,
-                         gp.groups, None, None,
-                         state_bytes=2 if cfg.optimizer.state_dtype == "bf16" else 4,
-                         ).compute(cfg.gradient_accumulation_steps)
-    for k, v in plan.nvme.items():
-        out[f"engine {k}"] = v // max(1, world_size)
+        out[INIT_COPY] = init
+        spaces.append(init)
+    if cfg.offload.params == "nvme" or cfg.offload.optimizer == "nvme":
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16,
+                 "fp16": torch.float16}[cfg.precision]
+        home = {"none": "device", "cpu": "cpu", "nvme": "nvme"}[cfg.offload.params]
+        gp = _build_groups()(model, dtype, home, world_size=world_size)
+        plan = PlacementPlan(cfg.precision, home, cfg.offload.optimizer, cfg.prefetch.depth,
+                             gp.groups, None, None,
+                             state_bytes=2 if cfg.optimizer.state_dtype == "bf16" else 4,
+                             ).compute(cfg.gradient_accumulation_steps)
+        for k, v in plan.nvme.items():
+            out[f"engine {k}"] = v // max(1, world_size)
+        spaces.append(sum(v for k, v in out.items() if k.startswith("engine ")))
+    extra = sum(reserved_bytes(n, cfg.aio.block_size) - n for n in spaces if n)
+    extra += len([n for n in spaces if n]) * sum(_fs_block(p) for p in cfg.offload.nvme_paths)
+    if extra:
+        out[SWAP_OVERHEAD] = extra
     return out
+
+
+def _fs_block(path) -> int:
+    """The block a small file (a swap directory's lock file) takes on ``path``'s file system."""
+    from infinity.fsmode import existing_ancestor
+    try:
+        return max(4096, os.statvfs(existing_ancestor(path)).f_frsize)
+    except OSError:
+        return 4096
 
 
 class Init:
@@ -433,7 +461,11 @@ class Init:
                 rank, world = dist.get_rank(), dist.get_world_size()
             if self.nvme_need and self.cfg.offload.params == "nvme":
                 self._check_free_space()
-            self.store = _InitStore(self.cfg.offload.params, self.cfg, rank, world)
+            from infinity.io.swap import reserved_bytes
+            reserve = reserved_bytes(self.nvme_need.get(INIT_COPY, 0), self.cfg.aio.block_size) \
+                if isinstance(self.nvme_need, dict) else 0
+            self.store = _InitStore(self.cfg.offload.params, self.cfg, rank, world,
+                                    reserve=reserve)
             try:
                 self._patch()
                 self._mode = _FaultInMode(self)

@@ -157,3 +157,24 @@ def test_cli_params_alone_says_which_flags_to_add(capsys):
     assert "add --hidden H" in err and "add --layers" not in err and "--hidden 4096" in err
     assert main(["estimate"]) == 2
     assert "describe the model: add --params N --layers L --hidden H" in capsys.readouterr().err
+
+
+def test_brief_no_verdict_names_the_closest_configuration_and_its_problems(capsys):
+    """The default (brief) output has no per-configuration problem list, so a "No" verdict
+    says what keeps the closest configuration from fitting instead of pointing at a list
+    that only --explain prints."""
+    args = ["estimate", "--params", "70B", "--layers", "80", "--hidden", "8192", "--gpus", "0",
+            "--host-mem", "24", "--nvme-gb", "100"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    verdict = next(line for line in out.splitlines() if line.startswith("Verdict:"))
+    assert verdict.startswith("Verdict: No:")
+    assert "the closest, params=nvme, optimizer=nvme with activation checkpointing: NVMe: needs" \
+        in verdict and "> 100 GB" in verdict
+    assert "see the problems listed" not in out and "--explain lists every configuration" in out
+    # the problem quoted is the one --explain lists for that configuration
+    assert main(args + ["--explain"]) == 0
+    full = capsys.readouterr().out
+    block = full.split("== params=nvme, optimizer=nvme ==")[1]
+    quoted = verdict.split("with activation checkpointing: ")[1].split(" (--explain")[0]
+    assert f"does NOT fit with activation checkpointing: {quoted}" in block

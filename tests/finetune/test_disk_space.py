@@ -30,7 +30,8 @@ def test_finetune_checks_the_whole_plan_before_writing(tmpfs16):
     swap = str(tmpfs16 / "swap")
     parts = plan_nvme_need(load_model_config(shipped_model_config("tiny-llama")), FINETUNE_DEFAULTS)
     assert set(parts) == {"Init copy of the parameters", "engine param home",
-                          "engine optimizer states", "engine commit shadows (all-or-nothing updates)"}
+                          "engine optimizer states", "engine commit shadows (all-or-nothing updates)",
+                          "swap files' whole stripes and lock files"}
     total = sum(parts.values())
     assert total > 60e6                  # the default model needs far more than 16 MB
     opts = FinetuneOptions(nvme_paths=[swap], steps=1, use_bench_io=False)
@@ -39,7 +40,7 @@ def test_finetune_checks_the_whole_plan_before_writing(tmpfs16):
     msg = str(ei.value)
     assert "\n" not in msg
     assert f"needs {format_bytes(total)} of NVMe swap" in msg, msg
-    assert swap in msg and "free" in msg
+    assert swap in msg and "free" in msg and "short)" in msg
     assert "cannot grow the swap file" not in msg
     assert _files(tmpfs16) == []         # nothing was written, nothing left behind
 
@@ -58,8 +59,8 @@ def test_init_checks_nvme_need_on_enter(tmpfs16):
     # Init copy 4 B + param home 4 B + Adam m, v 8 B per parameter (page-rounded)
     assert sum(need.values()) >= 16 * 8 * (512 * 512 + 512)
     # Init copy 8.4 MB + param home 8.4 MB + Adam m, v 16.8 MB + commit shadows of
-    # m, v and the fp32 master 25.2 MB
-    with pytest.raises(OSError, match=r"needs 58\.\d MB of NVMe swap .* has only 16\.\d MB free"):
+    # m, v and the fp32 master 25.2 MB + both swap files in whole 1 MiB stripes, lock files
+    with pytest.raises(OSError, match=r"needs 60\.\d MB of NVMe swap .* has only 16\.\d MB free"):
         with infinity.Init(cfg, nvme_need=need):
             build()
     assert _files(tmpfs16) == []
@@ -89,3 +90,27 @@ def test_init_without_nvme_need_says_what_ran_out(tmpfs16):
     assert "nvme_need=nvme_need(model_on_meta, config)) with nvme_need from infinity.zero.init" \
         in msg
     assert _files(tmpfs16) == []
+
+
+def test_the_checked_total_is_enough_and_exact(mount_tmpfs, tiny_config):
+    """The total the check names is what the run really takes: a file system with exactly that
+    much free trains (the Init copy takes no more than counted, e.g. no grow-ahead, and the
+    engine's swap file and lock files are counted), and one page less is refused up front."""
+    from infinity.finetune.model import load_model_config, plan_nvme_need
+    from infinity.finetune.run import FinetuneError, FinetuneOptions, finetune
+    from infinity.finetune.settings import FINETUNE_DEFAULTS
+
+    model = tiny_config("llama", hidden_size=256, intermediate_size=512)   # ~6 MB of fp32
+    need = sum(plan_nvme_need(load_model_config(model), FINETUNE_DEFAULTS).values())
+    assert need % 4096 == 0
+    for size, fits in ((need, True), (need - 4096, False)):
+        mnt = mount_tmpfs(str(size))
+        opts = FinetuneOptions(model=model, nvme_paths=[str(mnt / "swap")], steps=1,
+                               batch_tokens=64, seq_len=32, use_bench_io=False)
+        streams = {"stdout": io.StringIO(), "stderr": io.StringIO()}
+        if fits:
+            assert finetune(opts, reporter_streams=streams)["result"].last_step == 1
+        else:
+            with pytest.raises(FinetuneError, match="4.1 kB short"):
+                finetune(opts, reporter_streams=streams)
+        assert _files(mnt) == []

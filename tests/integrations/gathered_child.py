@@ -26,6 +26,9 @@ def main():
         model.resize_token_embeddings(H.VOCAB + 6, mean_resizing=False)
     with infinity.initialize(model, cfg) as eng:
         sd = {k: v.clone().contiguous() for k, v in eng.state_dict().items()}
+        w = model.get_input_embeddings().weight          # now held by the engine (ZeRO-3)
+        with infinity.GatheredParameters([w], modifier_rank=None):   # collective read
+            sd["gathered.engine_held_wte"] = w.data.clone().contiguous()
     if rank == 0:
         save_file(sd, spec["weights"])
 

@@ -60,12 +60,43 @@ def test_gathered_parameters_resize_token_embeddings(swap_dir, model_fn):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
-def test_gathered_parameters_refuses_engine_held_params(swap_dir):
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_gathered_parameters_reads_engine_held_params(swap_dir, precision):
+    """Parameters an engine holds (released to placeholders between steps): modifier_rank=None
+    gathers their current values (what engine.state_dict() gives) and discards writes;
+    modifier_rank=r, which the engine cannot take, is refused before anything is read."""
+    from infinity.memory.record import is_placeholder
     model = H.gpt2()
-    with infinity.initialize(model, _init_cfg(swap_dir)):
-        with pytest.raises(RuntimeError, match="held by an infinity engine"):
-            with infinity.GatheredParameters([model.transformer.wte.weight]):
+    cfg = dict(_init_cfg(swap_dir), precision=precision)
+    ids = torch.tensor([[1, 5, 9, 2, 7]])
+    with infinity.initialize(model, cfg) as eng:
+        loss = model(ids, labels=ids).loss
+        eng.backward(loss)
+        eng.step()                                           # the values moved off the init
+        wte, head_b = model.transformer.wte.weight, model.transformer.h[1].mlp.c_fc.bias
+        assert is_placeholder(wte.data) and is_placeholder(head_b.data)
+        want = {n: eng.state_dict()[n] for n in ("transformer.wte.weight",
+                                                  "transformer.h.1.mlp.c_fc.bias")}
+        with torch.no_grad():
+            before = model(ids).logits.clone()
+        with infinity.GatheredParameters([wte, head_b], modifier_rank=None):
+            assert not is_placeholder(wte.data) and wte.data.dtype == wte.dtype
+            assert torch.equal(wte.data.float(), want["transformer.wte.weight"].to(wte.dtype).float())
+            assert torch.equal(head_b.data.float(),
+                               want["transformer.h.1.mlp.c_fc.bias"].to(wte.dtype).float())
+            wte.data.zero_()                                 # discarded
+        assert is_placeholder(wte.data) and is_placeholder(head_b.data)
+        with torch.no_grad():
+            assert torch.equal(model(ids).logits, before)    # the engine still trains on
+        assert torch.equal(eng.state_dict()["transformer.wte.weight"],
+                           want["transformer.wte.weight"])
+        with pytest.raises(RuntimeError, match=r"modifier_rank=0.*held by an infinity engine"
+                                               r".*cannot be stored back"):
+            with infinity.GatheredParameters([wte], modifier_rank=0):
                 pass
+        assert is_placeholder(wte.data)
+        eng.backward(model(ids, labels=ids).loss)            # and trains on
+        assert eng.step()
     plain = H.gpt2()
     with infinity.GatheredParameters(plain.parameters(), modifier_rank=0):  # no-op
         pass

@@ -75,3 +75,5 @@ def test_gathered_parameters_two_ranks(tmp_path):
         if k in got:
             assert torch.equal(got[k], v), k
     assert got["transformer.wte.weight"].shape == (H.VOCAB + 6, 32)
+    # GatheredParameters over the engine's ZeRO-3 shards (read only) gives the full value
+    assert torch.equal(got["gathered.engine_held_wte"], got["transformer.wte.weight"])

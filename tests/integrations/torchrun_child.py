@@ -22,6 +22,10 @@ def main():
     try:
         tr.train()
         assert tr.engine.stats()["step"] == 10
+        # the engine replaces Accelerate's wrapping: no DDP around the model at world size 2
+        import torch
+        assert tr.model_wrapped is tr.model and not isinstance(
+            tr.model_wrapped, torch.nn.parallel.DistributedDataParallel), type(tr.model_wrapped)
         sd = {k: v.clone().contiguous() for k, v in tr.engine.state_dict().items()}  # collective
         tr.save_model(spec["final"])                                                  # collective
         ws = tr.args.world_size

@@ -150,6 +150,7 @@ def test_doctor_free_space_against_need_and_readable_sizes(small_tmpfs, capsys):
     rc, line, out = _doctor(["--path", swap, "--need", "20GB"], capsys)   # --path: the alias
     assert rc == 1 and line.startswith("[FAIL]") and "20.0 GB needed" in line
     assert "fix: free 20.0 GB there" in out or "fix: free 19.9 GB there" in out
+    assert "own model's need" not in out      # the need was given: no advice to give one
 
 
 def test_doctor_default_need_is_what_finetune_defaults_need(small_tmpfs, capsys):
@@ -160,9 +161,10 @@ def test_doctor_default_need_is_what_finetune_defaults_need(small_tmpfs, capsys)
     # 4 B + Adam m, v 8 B + commit shadows of m, v and the fp32 master 12 B per parameter,
     # page-rounded per parameter/group
     assert 28 * 5_128_000 <= need < 28 * 5_128_000 * 1.02
-    rc, line, _ = _doctor(["--nvme-path", str(small_tmpfs)], capsys)
+    rc, line, out = _doctor(["--nvme-path", str(small_tmpfs)], capsys)
     assert rc == 1 and line.startswith("[FAIL]")
     assert f"{format_bytes(need)} needed (by `infinity finetune` with its defaults" in line
+    assert "your own model's need with --need SIZE" in out      # the fix says how to give yours
 
 
 def test_bench_io_takes_nvme_path(tmp_path, capsys):

@@ -119,6 +119,11 @@ def test_step_labels_in_the_png_do_not_overlap():
     boxes = sorted((t.get_window_extent(r) for t in shown), key=lambda b: b.x0)
     for a, b in zip(boxes, boxes[1:]):
         assert a.x1 <= b.x0, (a, b)
+    # a mark is the END of its step: each label sits left of its line, over that step
+    for t in labels:
+        x_line = ax.transData.transform((t.get_position()[0], 0))[0]
+        bb = t.get_window_extent(r)
+        assert bb.x1 <= x_line + 0.5 and bb.x0 < x_line, (t.get_text(), bb, x_line)
     # few long steps: every label is shown
     tl2 = synthetic()
     fig2 = build_figure(tl2)
