@@ -22,7 +22,7 @@ from typing import Any, Mapping
 
 from infinity.config_sections import (  # noqa: F401 (re-exported)
     ACTIVATION_SCOPES, AIO_ENGINES, GB, GRAD_ACCUM_DTYPES, ActivationOffloadConfig, OFFLOAD_HOMES, OPTIMIZER_TYPES, PARAM_GROUP_KEYS, PRECISIONS,
-    SCHEDULER_TYPES, ZERO_STAGES, AioConfig, ConfigError, LossScaleConfig, OffloadConfig,
+    SCHEDULER_TYPES, STATE_DTYPES, ZERO_STAGES, AioConfig, ConfigError, LossScaleConfig, OffloadConfig,
     OptimizerConfig, PrefetchConfig, SchedulerConfig, _check_unknown, _choice, _float, _fmt,
     _int, _section, MAX_ACCUMULATION_STEPS, MAX_AIO_BLOCK, NONFINITE_POLICIES, max_aio_threads)
 

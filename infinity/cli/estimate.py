@@ -109,7 +109,9 @@ def register(sub):
     k.add_argument("--grad-accum", type=int, help="gradient accumulation steps (default 1)")
     k.add_argument("--host-cap", type=float, metavar="GB", help="offload.host_memory_gb cap")
     k.add_argument("--tile-numel", type=int, help="optimizer tile elements (default 4194304)")
-    k.add_argument("--state-dtype", choices=("fp32", "bf16"), help="Adam moments dtype (default fp32)")
+    k.add_argument("--state-dtype", choices=("fp32", "bf16"),
+                   help="optimizer.state_dtype: Adam moments in fp32 (default, or the config's) or bf16 "
+                        "(half their bytes; the master stays fp32)")
     k.add_argument("--grouping", choices=("module", "block"), help="parameter groups (default module)")
     k.add_argument("--activations", choices=("megatron", "eager"),
                    help="activation model: megatron (fused GPU kernels, Korthikanti et al.) or eager "

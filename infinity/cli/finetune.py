@@ -47,6 +47,9 @@ def register(sub):
     p.add_argument("--seq-len", type=_positive_int, default=256, metavar="L",
                    help="sequence length (default 256, capped by the model)")
     p.add_argument("--lr", type=float, metavar="X", help="learning rate (default 3e-3 or the config's)")
+    p.add_argument("--state-dtype", choices=("fp32", "bf16"),
+                   help="optimizer.state_dtype: the Adam moments in fp32 (default, or the config's) "
+                        "or bf16 (half their bytes on NVMe and in memory; the fp32 master is kept)")
     p.add_argument("--seed", type=int, default=0, metavar="S", help="seed for data order and init (default 0)")
     p.add_argument("--output", metavar="DIR",
                    help="write the fine-tuned model and its tokenizer here at the end (and on Ctrl-C) "
@@ -76,6 +79,7 @@ def run(args):
     opts = FinetuneOptions(model=args.model, data=args.data, config=args.config,
                            nvme_paths=args.nvme_paths, steps=args.steps,
                            batch_tokens=args.batch_tokens, seq_len=args.seq_len, lr=args.lr,
+                           state_dtype=args.state_dtype,
                            save=args.save, output=args.output, save_every=args.save_every, keep_last=args.keep_last,
                            resume=args.resume, profile=args.profile,
                            profile_skip=args.profile_skip, json_lines=args.json,

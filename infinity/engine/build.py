@@ -20,6 +20,7 @@ from infinity.memory.manager import MemoryManager
 from infinity.memory.plan import PlacementPlan, nvme_dirs_ok
 from infinity.memory.pool import BufferPool
 from infinity.optim.driver import EngineOptimizer
+from infinity.optim.offload_step import STATE_TORCH_DTYPES
 from infinity.runtime.groups import build_groups
 from infinity.runtime.hooks import ParamHooks
 from infinity.runtime.prefetch import PrefetchCoordinator
@@ -89,20 +90,25 @@ def assemble(engine, lr_scheduler) -> None:
     from infinity.optim.offload_step import DEFAULT_TILE_NUMEL, OptimizerStateStore
     largest_trainable = max((g.padded_numel // ws for g in grouping.groups if g.trainable),
                             default=1)
+    state_dtype = STATE_TORCH_DTYPES[cfg.optimizer.state_dtype]
     tile = min(DEFAULT_TILE_NUMEL, largest_trainable)
     if cfg.host_memory_bytes is not None:
-        # keep the optimizer's tile ring (~3 slots x 4 fp32 tensors) within ~15 % of the cap
-        tile = max(65536, min(tile, int(cfg.host_memory_bytes * 0.15) // 48))
+        # keep the optimizer's tile ring (~3 slots x fp32 master + grad + the two moments)
+        # within ~15 % of the cap
+        per_elem = 3 * (8 + 2 * state_dtype.itemsize)
+        tile = max(65536, min(tile, int(cfg.host_memory_bytes * 0.15) // per_elem))
     sink = engine.dtype if (engine.dtype != torch.float32 and param_home == "nvme") else None
     engine.store = OptimizerStateStore(cfg.offload.optimizer, swap=engine.swap,
-                                     tile_numel=tile, accounting=engine.acct,
+                                     tile_numel=tile, state_dtype=state_dtype,
+                                     accounting=engine.acct,
                                      timeline=engine.timeline, sink_dtype=sink)
     placement = PlacementPlan(cfg.precision, param_home, cfg.offload.optimizer,
                               cfg.prefetch.depth, grouping.groups, cfg.host_memory_bytes,
                               device_budget,
                               optimizer_ring_bytes=engine.store.host_bytes(),
                               separate_device=separate,
-                              grad_accum_dtype=cfg.gradient_accumulation_dtype)
+                              grad_accum_dtype=cfg.gradient_accumulation_dtype,
+                              state_bytes=state_dtype.itemsize)
     # Note [Streamed gradients]: what infinity.engine.overlap.eligible will allow
     placement.stream_grads = engine.zero is None and cfg.precision in ("fp32", "bf16") \
         and not separate

@@ -5,7 +5,10 @@ Kept in the checkpoint package so the engine only needs two delegating methods
 
 - every trainable parameter's fp32 master under its model name (read tile-wise
   from the optimizer state store, wherever it lives: device, host or NVMe),
-- ``optim.<name>.exp_avg`` / ``optim.<name>.exp_avg_sq`` (fp32 as the store returns),
+- ``optim.<name>.exp_avg`` / ``optim.<name>.exp_avg_sq`` in the store's moment dtype
+  (``optimizer.state_dtype``: fp32 or bf16; the meta records it as
+  ``optimizer_state_dtype``; a checkpoint loads into either dtype, converted with one
+  log line),
 - frozen parameters (compute dtype, from their home) and persistent buffers under
   their model names, so ``infinity export`` yields the whole model,
 - meta: step counters, loss-scaler state, the torch LR scheduler state (when one
@@ -47,6 +50,7 @@ from infinity.checkpoint.writer import Piece
 log = logging.getLogger("infinity.checkpoint")
 
 OPTIM_STATES = ("exp_avg", "exp_avg_sq")
+_STATE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 
 
 def _jsonable(x):
@@ -192,15 +196,20 @@ class EngineCheckpoint:
         self._check_idle("save_checkpoint")
         own = [(g, key, s, r) for g, key, s in self._trainable_slots()
                if (r := self._own(g, s)) is not None]
-        stage = torch.empty(max([b - a for *_, (a, b) in own] + [1]), dtype=torch.float32)
+        most = max([b - a for *_, (a, b) in own] + [1])
+        stage = torch.empty(most, dtype=torch.float32)
+        # the moments are saved as the store keeps them (bf16 states: half the bytes)
+        sstage = stage if self.store.state_dtype == torch.float32 else \
+            torch.empty(most, dtype=self.store.state_dtype)
         for g, key, s, (a, b) in own:
             lo = self._shard(g)[0]
             buf = stage[: b - a]
             self.store.read_master(key, buf, start=a - lo)
             yield self._item(s.name, s, buf, a)
             for which in OPTIM_STATES:
-                self.store.read_state(key, which, buf, start=a - lo)
-                yield self._item(f"optim.{s.name}.{which}", s, buf, a)
+                sbuf = sstage[: b - a]
+                self.store.read_state(key, which, sbuf, start=a - lo)
+                yield self._item(f"optim.{s.name}.{which}", s, sbuf, a)
         # frozen params: complete on every rank except at stage 3, where each owner
         # writes its shard; at stages 1/2 (and world size 1) rank 0 writes them whole
         last, flat = None, None
@@ -259,6 +268,7 @@ class EngineCheckpoint:
             "rng_ranks": self._rng_ranks(rng),
             "config": cfg,
             "precision": e.cfg.precision,
+            "optimizer_state_dtype": _STATE_NAMES[self.store.state_dtype],
             "world_size": self.world,
             "zero_stage": self.zero.stage if self.zero else None,
             "model_names": [s.name for _, _, s in self._trainable_slots()]
@@ -286,7 +296,11 @@ class EngineCheckpoint:
         self.e.mm.wait_host_reads()     # no copy still reads a home about to be written
         own = [(g, key, s, r) for g, key, s in self._trainable_slots()
                if (r := self._own(g, s)) is not None]
-        stage = torch.empty(max([b - a for *_, (a, b) in own] + [1]), dtype=torch.float32)
+        most = max([b - a for *_, (a, b) in own] + [1])
+        stage = torch.empty(most, dtype=torch.float32)
+        # the moments are read in the dtype they were saved in and converted by the store
+        saved_sdt = self._saved_state_dtype(reader, own)
+        sstage = stage if saved_sdt == torch.float32 else torch.empty(most, dtype=saved_sdt)
         # the compute copy at the home is separate from the master unless fp32; at
         # stages 1/2 it is the full replicated parameter buffer, rebuilt below
         home_copy = self.e.cfg.precision != "fp32" and not self.replicated
@@ -301,8 +315,9 @@ class EngineCheckpoint:
                 if sum(t.numel() for _, t in by_group[g.gid][1]) > (1 << 26):
                     self._write_home(*by_group.pop(g.gid))
             for which in OPTIM_STATES:
-                reader.read_slice(f"optim.{s.name}.{which}", a - s.offset, b - a, out=buf)
-                self.store.write_state(key, which, buf, start=a - lo)
+                sbuf = sstage[: b - a]
+                reader.read_slice(f"optim.{s.name}.{which}", a - s.offset, b - a, out=sbuf)
+                self.store.write_state(key, which, sbuf, start=a - lo)
         for g, items in by_group.values():
             self._write_home(g, items)
         if self.replicated:  # every rank holds every parameter: rebuild them all
@@ -326,6 +341,25 @@ class EngineCheckpoint:
             for name, mod, bn, b in self._buffers():
                 b.copy_(reader.read(name).to(b.dtype))
         self.e.mm.refresh_resident()    # separate device: resident copies from host mirrors
+
+    def _saved_state_dtype(self, reader, own):
+        """The dtype the checkpoint's Adam moments were saved in (that of its first
+        moment tensor; checkpoints before ``optimizer.state_dtype`` hold fp32).  A dtype
+        other than this engine's ``optimizer.state_dtype`` is converted on load: one INFO
+        line says so (fp32 -> bf16 rounds each moment to bf16; bf16 -> fp32 is exact)."""
+        if not own:
+            return self.store.state_dtype
+        s = own[0][2]
+        saved = reader.info(f"optim.{s.name}.exp_avg")[1]
+        if saved not in _STATE_NAMES:
+            raise CheckpointError(f"checkpoint {reader.path}: the Adam moments are {saved}; this "
+                                  f"engine reads fp32 or bf16 moments: the checkpoint was not "
+                                  f"written by infinity or is damaged")
+        if saved != self.store.state_dtype:
+            log.info("checkpoint %s: Adam moments saved in %s, converted to %s "
+                     "(optimizer.state_dtype)", reader.path, _STATE_NAMES[saved],
+                     _STATE_NAMES[self.store.state_dtype])
+        return saved
 
     def _write_home(self, g, items):
         """Write compute values ``(group offset, flat tensor)`` into ``g``'s home (its

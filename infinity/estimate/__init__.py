@@ -215,7 +215,8 @@ def _knobs_from(config, overrides):
                   gradient_clipping=float(cfg.gradient_clipping),
                   activation_home=cfg.activation_offload.home,
                   activation_scope=cfg.activation_offload.scope,
-                  grad_accum_dtype=cfg.gradient_accumulation_dtype)
+                  grad_accum_dtype=cfg.gradient_accumulation_dtype,
+                  state_dtype=cfg.optimizer.state_dtype)
     kw.update({k: v for k, v in overrides.items() if v is not None})
     k = Knobs(**kw)
     if k.precision not in ("fp32", "bf16", "fp16"):
@@ -266,8 +267,8 @@ def estimate(model=None, *, params=None, layers=None, hidden=None, seq=2048, bat
         a :class:`ModelSpec`, or None with ``params``/``layers``/``hidden`` given.
     machine: a :class:`Machine`, a dict of its fields, or None for this machine.
     config: anything ``InfinityConfig.load`` accepts; its precision, zero_stage,
-        prefetch.depth, aio.*, gradient_accumulation_steps, gradient_clipping and
-        offload.host_memory_gb are used (keyword arguments override them). Its offload homes are ignored: every valid
+        prefetch.depth, aio.*, gradient_accumulation_steps, gradient_clipping,
+        optimizer.state_dtype and offload.host_memory_gb are used (keyword arguments override them). Its offload homes are ignored: every valid
         (params, optimizer) pair is estimated, or only ``configs=[("nvme", "nvme"), ...]``.
     activation_home / activation_scope: activation offload (``activation_offload.home`` /
         ``.scope``): the saved activations moved off the device become a host or NVMe item

@@ -31,6 +31,7 @@ class FinetuneOptions:
     batch_tokens: int = 4096
     seq_len: int = 256
     lr: float = None
+    state_dtype: str = None         # optimizer.state_dtype override ("fp32" | "bf16")
     save: str = None
     output: str = None              # write the fine-tuned model (HF directory) here at the end
     save_every: int = 0
@@ -109,7 +110,8 @@ def finetune(opts, *, reporter_streams=None):
     rank, world, _ = dist_env()
     try:
         cfg, notes = build_config(config_path=opts.config, nvme_paths=opts.nvme_paths or None,
-                                  lr=opts.lr, use_bench_io=opts.use_bench_io)
+                                  lr=opts.lr, state_dtype=opts.state_dtype,
+                                  use_bench_io=opts.use_bench_io)
     except (SettingsError, ConfigError) as e:
         raise FinetuneError(str(e)) from e
     streams = reporter_streams or {}

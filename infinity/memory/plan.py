@@ -76,6 +76,7 @@ class PlacementPlan:
     clipping: bool = False          # gradient_clipping > 0: streamed sums are written (redo)
     stream_window: int = 0          # final sums in hand at once (compute(); 0: no streaming)
     param_cache_budget: int = 0     # host bytes for clean copies of NVMe params (fp32, CPU)
+    state_bytes: int = 4            # bytes per Adam moment (optimizer.state_dtype: 4 fp32, 2 bf16)
     host: dict = field(default_factory=dict)      # item -> bytes
     device: dict = field(default_factory=dict)
     nvme: dict = field(default_factory=dict)
@@ -118,10 +119,12 @@ class PlacementPlan:
             self.host["gradient staging (grads on NVMe)"] = 2 * largest_trainable
             if self.grad_accum_dtype == "bf16" and grad_accum > 1:
                 self.host["gradient staging (grads on NVMe)"] += largest_trainable // 2
-        states = 2 if fp32 else 3            # fp32: the param home is the master
+        # bytes per trainable element of the optimizer home: m and v at state_bytes each,
+        # + the fp32 master unless fp32 (then the param home is the master)
+        sb = self.state_bytes
+        states_b = 2 * sb + (0 if fp32 else 4)
         if self.optimizer_home in ("none", "cpu"):
-            self.host["optimizer states (fp32 m, v" + ("" if fp32 else ", master") + ")"] = \
-                states * 4 * n_train
+            self.host[self._states_label("host")] = states_b * n_train
         self.host["optimizer tile ring"] = self.optimizer_ring_bytes
         self.stream_window = 0
         if self.grad_home == "nvme" and self.stream_grads and trainable:
@@ -171,10 +174,10 @@ class PlacementPlan:
         if self.param_home == "nvme":
             self.nvme["param home"] = sum(g.nbytes for g in paged)
         if self.optimizer_home == "nvme":
-            self.nvme["optimizer states"] = states * 4 * n_train
+            self.nvme[self._states_label("nvme")] = states_b * n_train
         # Note [commit point]: one shadow per NVMe state tensor an update writes (fp32 with
         # NVMe params: the param home is the master), so an update is all-or-nothing
-        shadow = (states * 4 * n_train if self.optimizer_home == "nvme" else 0) \
+        shadow = (states_b * n_train if self.optimizer_home == "nvme" else 0) \
             + (4 * n_train if fp32 and self.param_home == "nvme" else 0)
         if shadow:
             self.nvme["commit shadows (all-or-nothing updates)"] = shadow
@@ -183,8 +186,8 @@ class PlacementPlan:
         rd = 2 * max(0, nvme_params - cached) * grad_accum   # forward + backward re-fetch
         wr = 0
         if self.optimizer_home == "nvme":           # exp_avg, exp_avg_sq
-            rd += 8 * n_train
-            wr += 8 * n_train
+            rd += 2 * sb * n_train
+            wr += 2 * sb * n_train
         master_on_nvme = (fp32 and self.param_home == "nvme") or \
             (not fp32 and self.optimizer_home == "nvme")
         if master_on_nvme:
@@ -201,6 +204,15 @@ class PlacementPlan:
                 wr -= 0 if self.clipping else 4 * n_grad_nvme   # nor read by the optimizer
         self.links = {"nvme_read": rd, "nvme_write": wr}
         return self
+
+    def _states_label(self, tier: str) -> str:
+        """The plan item of the optimizer home: ``optimizer states (...)`` (ZeRO scales
+        every item named so to one rank's share); on NVMe plain ``optimizer states`` with
+        fp32 moments (its long-standing name), else the moments' dtype is named."""
+        master = "" if self.precision == "fp32" else ", master"
+        if self.state_bytes == 4:
+            return "optimizer states" if tier == "nvme" else f"optimizer states (fp32 m, v{master})"
+        return f"optimizer states (bf16 m, v{', fp32 master' if master else ''})"
 
     def grad_window_bytes(self, numel: int, grad_accum: int) -> int:
         """NVMe bytes the gradient home writes over one accumulation window of

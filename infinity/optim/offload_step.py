@@ -38,6 +38,8 @@ HOMES = ("none", "cpu", "nvme")
 DEFAULT_TILE_NUMEL = 4 * 1024 * 1024      # 16 MiB per fp32 tensor per ring slot
 DEFAULT_PIPELINE_DEPTH = 3
 _STATE_DTYPES = (torch.float32, torch.bfloat16)
+# ``optimizer.state_dtype`` (config name) -> the moments' torch dtype
+STATE_TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _LOWP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -750,4 +752,4 @@ def _normalize_segments(part: _Partition, segments) -> List[tuple]:
     return out
 
 
-__all__ = ["HOMES", "DEFAULT_TILE_NUMEL", "StepItem", "StepTxn", "OptimizerStateStore"]
+__all__ = ["HOMES", "DEFAULT_TILE_NUMEL", "STATE_TORCH_DTYPES", "StepItem", "StepTxn", "OptimizerStateStore"]

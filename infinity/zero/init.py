@@ -400,7 +400,9 @@ def nvme_need(model: nn.Module, config=None, *, world_size: int = 1) -> dict:
         home = {"none": "device", "cpu": "cpu", "nvme": "nvme"}[cfg.offload.params]
         gp = _build_groups()(model, dtype, home, world_size=world_size)
         plan = PlacementPlan(cfg.precision, home, cfg.offload.optimizer, cfg.prefetch.depth,
-                             gp.groups, None, None).compute(cfg.gradient_accumulation_steps)
+                             gp.groups, None, None,
+                             state_bytes=2 if cfg.optimizer.state_dtype == "bf16" else 4,
+                             ).compute(cfg.gradient_accumulation_steps)
         for k, v in plan.nvme.items():
             out[f"engine {k}"] = v // max(1, world_size)
         spaces.append(sum(v for k, v in out.items() if k.startswith("engine ")))

@@ -21,10 +21,10 @@ def data(i):
     return torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
 
 
-def config(offload, swap_dir, precision="fp32"):
+def config(offload, swap_dir, precision="fp32", state_dtype="fp32"):
     return {"precision": precision,
             "offload": {"params": offload, "optimizer": offload, "nvme_paths": [swap_dir]},
-            "optimizer": {"lr": 1e-2, "weight_decay": 0.1},
+            "optimizer": {"lr": 1e-2, "weight_decay": 0.1, "state_dtype": state_dtype},
             "scheduler": {"type": "cosine", "warmup_steps": 2, "total_steps": 6}}
 
 

@@ -15,7 +15,7 @@ DESIGN_DEFAULTS = {
     "prefetch": {"depth": 2},
     "aio": {"engine": "auto", "block_size": 1048576, "queue_depth": 32, "threads": 1},
     "optimizer": {"type": "adamw", "lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8,
-                  "weight_decay": 0.0, "no_decay": ["bias", "norm"]},
+                  "weight_decay": 0.0, "no_decay": ["bias", "norm"], "state_dtype": "fp32"},
     "scheduler": {"type": "constant", "warmup_steps": 0, "total_steps": None, "min_lr": 0.0},
     "fp16": {"initial_scale": 65536.0, "growth_interval": 1000, "backoff_factor": 0.5,
              "growth_factor": 2.0, "min_scale": 1.0},
@@ -118,6 +118,8 @@ BAD = [
     ({"optimizer": {"weight_decay": -0.1}}, ["optimizer.weight_decay", ">= 0"]),
     ({"optimizer": {"no_decay": "bias"}}, ["optimizer.no_decay", "list of strings"]),
     ({"optimizer": {"momentum": 0.9}}, ["optimizer.momentum", "unknown key"]),
+    ({"optimizer": {"state_dtype": "fp16"}}, ["optimizer.state_dtype", '"fp32", "bf16"', '"fp16"']),
+    ({"optimizer": {"state_dtype": 16}}, ["optimizer.state_dtype", "\"fp32\", \"bf16\"", "got 16"]),
     ({"scheduler": {"type": "step"}}, ["scheduler.type", '"constant", "linear", "cosine"']),
     ({"scheduler": {"type": "cosine"}}, ["scheduler.total_steps", "required", '"cosine"']),
     ({"scheduler": {"type": "linear", "warmup_steps": 100, "total_steps": 100}},
@@ -181,7 +183,8 @@ FULL = {
     "prefetch": {"depth": 3},
     "aio": {"engine": "uring", "block_size": 262144, "queue_depth": 64, "threads": 2},
     "optimizer": {"type": "adam", "lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-6,
-                  "weight_decay": 0.1, "no_decay": ["bias", "norm", "ln_"]},
+                  "weight_decay": 0.1, "no_decay": ["bias", "norm", "ln_"],
+                  "state_dtype": "bf16"},
     "scheduler": {"type": "cosine", "warmup_steps": 100, "total_steps": 10000, "min_lr": 3e-5},
     "fp16": {"initial_scale": 1024.0, "growth_interval": 500, "backoff_factor": 0.25,
              "growth_factor": 4.0, "min_scale": 0.5},
@@ -233,6 +236,7 @@ optimizer:
   eps: 1.0e-6
   weight_decay: 0.1
   no_decay: [bias, norm, ln_]
+  state_dtype: bf16
 scheduler: {type: cosine, warmup_steps: 100, total_steps: 10000, min_lr: 3e-5}
 fp16: {initial_scale: 1024, growth_interval: 500, backoff_factor: 0.25, growth_factor: 4, min_scale: 0.5}
 gradient_clipping: 1.0

@@ -308,6 +308,25 @@ def test_streamed_gradients_make_no_round_trip():
     assert tc["nvme_read"] == t["nvme_read"] and tc["nvme_write"] == t["nvme_write"] + gn
 
 
+def test_state_dtype_from_the_config_halves_the_moments():
+    """``optimizer.state_dtype: "bf16"`` in the config reaches the estimator (sb = 2): the
+    NVMe moments and their traffic are half of fp32's; ``state_dtype=`` overrides it."""
+    m = Machine(gpus=0, host_mem_gb=100, nvme_gb=100)
+    N = 1_000_000
+    got = {}
+    for sd in ("fp32", "bf16"):
+        est = estimate(small_spec(), machine=m, config={"precision": "bf16",
+                                                         "optimizer": {"state_dtype": sd}},
+                       configs=[("nvme", "nvme")], gradient_clipping=1.0)
+        assert est.knobs.state_dtype == sd
+        got[sd] = est.configs[0].steps["none"].traffic
+    for link in ("nvme_read", "nvme_write"):       # m + v: 8 -> 4 B per param, each way
+        assert got["fp32"][link] - got["bf16"][link] == 4 * N
+    est = estimate(small_spec(), machine=m, config={"optimizer": {"state_dtype": "bf16"}},
+                   state_dtype="fp32", configs=[("nvme", "nvme")])
+    assert est.knobs.state_dtype == "fp32"
+
+
 def test_commit_undo_copies_follow_the_engine_rule():
     """Note [commit point]: undo copies of host states updated in place exist when the
     step can roll back half-way (swap space, or the overlapped step), within the cap."""

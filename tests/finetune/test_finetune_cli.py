@@ -181,3 +181,20 @@ def test_defaults_30_steps_loss_falls_10_percent(tmp_path, ft):
     assert last <= 0.9 * first, (first, last)
     assert all(x["nvme_read_bytes"] > 0 and x["nvme_write_bytes"] > 0 for x in recs)
     assert ft.files_under(tmp_path / "infinity-swap") == []
+
+
+def test_state_dtype_flag_reaches_the_engine_and_its_checkpoint(tmp_path, tiny_config, ft):
+    """--state-dtype bf16: the run trains and its checkpoint holds bf16 moments and says so;
+    a value the flag does not know is a usage error (exit 2) naming the choices."""
+    r = ft.run("--model", tiny_config("gpt2"), "--steps", "1", "--batch-tokens", "128",
+               "--seq-len", "64", "--state-dtype", "bf16", "--save", str(tmp_path / "ck"),
+               "--nvme-path", str(tmp_path / "swap"), "--no-bench-io", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    import torch
+    from infinity.checkpoint import CheckpointReader
+    with CheckpointReader(tmp_path / "ck") as rd:
+        assert rd.meta["optimizer_state_dtype"] == "bf16"
+        moments = [n for n in rd.manifest["tensors"] if n.startswith("optim.")]
+        assert moments and all(rd.info(n)[1] == torch.bfloat16 for n in moments)
+    bad = ft.run("--state-dtype", "fp16", cwd=tmp_path)
+    assert bad.returncode == 2 and "--state-dtype" in bad.stderr and "'bf16'" in bad.stderr

@@ -31,6 +31,21 @@ def test_precedence_file_then_flags(tmp_path, monkeypatch):
     assert cfg["optimizer"]["lr"] == 0.5 and cfg["aio"]["queue_depth"] == 8
 
 
+def test_state_dtype_flag_overrides_the_file(tmp_path, monkeypatch):
+    monkeypatch.delenv("INFINITY_BENCH_IO", raising=False)
+    cfg, _ = build_config(use_bench_io=False)
+    assert "state_dtype" not in cfg["optimizer"]         # the library default (fp32) applies
+    f = tmp_path / "c.json"
+    f.write_text('{"optimizer": {"state_dtype": "bf16", "lr": 0.01}}')
+    cfg, _ = build_config(config_path=str(f), use_bench_io=False)
+    assert cfg["optimizer"]["state_dtype"] == "bf16" and cfg["optimizer"]["lr"] == 0.01
+    cfg, _ = build_config(config_path=str(f), state_dtype="fp32", use_bench_io=False)
+    assert cfg["optimizer"]["state_dtype"] == "fp32" and cfg["optimizer"]["lr"] == 0.01
+    from infinity.config import ConfigError
+    with pytest.raises(ConfigError, match="optimizer.state_dtype"):
+        build_config(state_dtype="fp16", use_bench_io=False)
+
+
 def test_bad_config_files(tmp_path):
     from infinity.config import ConfigError
     f = tmp_path / "c.json"
