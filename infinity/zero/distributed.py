@@ -97,8 +97,8 @@ def partition_placement(placement, zero: "ZeroSetup | None") -> None:
             d[key] = -(-d[key] // w)
     for d in (placement.host, placement.nvme, placement.device):
         for key in list(d):
-            if key.startswith("optimizer states"):
-                scale(d, key)
+            if key.startswith("optimizer states") or key.startswith("commit shadows"):
+                scale(d, key)     # (shadows: one per state tensor of this rank's shard)
             elif key.startswith("fp32 gradient accumulation") and zero.stage >= 2:
                 scale(d, key)
             elif key.startswith("param home") and zero.stage == 3:

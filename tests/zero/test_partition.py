@@ -65,3 +65,25 @@ def test_backend_parsing(monkeypatch):
                       ("cpu:gloo,cuda:gloo", {"cpu": "gloo", "cuda": "gloo"})]:
         monkeypatch.setattr(dist, "get_backend_config", lambda group=None, c=cfg: c)
         assert comm.backend_map() == want, cfg
+
+
+def test_rank_share_of_the_plan_includes_the_commit_shadows():
+    """Each rank writes shadows only for the state tensors of its own shard (Note [commit
+    point]): the per-rank plan holds 1/W of them, like the optimizer states."""
+    import torch
+    from torch import nn
+    from types import SimpleNamespace
+    from infinity.memory.plan import PlacementPlan
+    from infinity.memory.record import GroupRecord, ParamSlot
+    from infinity.zero.distributed import partition_placement
+    groups = []
+    for i in range(3):
+        p = nn.Parameter(torch.zeros(4096))
+        groups.append(GroupRecord(i, f"g{i}", [ParamSlot(f"w{i}", p, 0, 4096, p.shape, True)],
+                                  4096, 4096, torch.float32, "nvme"))
+    whole = PlacementPlan("fp32", "nvme", "nvme", 2, groups, None, None).compute(1)
+    for stage in (1, 2, 3):
+        pl = PlacementPlan("fp32", "nvme", "nvme", 2, groups, None, None).compute(1)
+        partition_placement(pl, SimpleNamespace(world_size=4, stage=stage, spill=False))
+        key = "commit shadows (all-or-nothing updates)"
+        assert pl.nvme[key] == -(-whole.nvme[key] // 4)
