@@ -5,6 +5,7 @@ second user fail with its PID; a dead owner's directory is reaped silently.
 """
 import errno
 import fcntl
+import time
 import logging
 import os
 import stat
@@ -47,6 +48,27 @@ def ensure_user_dir(path):
         raise AioError(errno.EACCES, f"swap directory {path} is not writable by this user", path,
                        hint="fix its permissions or choose another path")
     return created
+
+
+# Another rank sharing the swap path checks whether this directory's owner is alive by
+# taking its lock for a moment (_reap_others); a live owner holds it for its whole run.
+# So a lock that is busy for less than this is not a reason to refuse.
+LOCK_PATIENCE_S = 2.0
+
+
+def _flock_patiently(fd):
+    """Take the exclusive lock, retrying while another process holds it for at most
+    ``LOCK_PATIENCE_S`` (a reaper's liveness check); BlockingIOError after that, or at
+    once when the holder is this process (another engine here)."""
+    deadline = time.monotonic() + LOCK_PATIENCE_S
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() >= deadline or _read_pid(fd) == os.getpid():
+                raise
+            time.sleep(0.02)
 
 
 def _read_pid(fd):
@@ -110,7 +132,7 @@ class PrivateDir:
             raise AioError(e.errno, f"cannot create the lock file {lock_path}: {os.strerror(e.errno)}",
                            lock_path) from None
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            _flock_patiently(fd)
         except BlockingIOError:
             pid = _read_pid(fd)
             os.close(fd)

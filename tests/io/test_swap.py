@@ -224,3 +224,28 @@ def test_directories_get_explicit_modes_under_umask_000(posix_engine, tmp_path):
         assert stat.S_IMODE(os.stat(tmp_path / "p" / "q").st_mode) == 0o700
     finally:
         os.umask(old)
+
+
+def test_a_rank_checking_liveness_does_not_make_another_rank_fail(posix_engine, tmp_path):
+    """Ranks sharing a swap path check each other's directories by taking their lock for
+    a moment (reaping dead owners). A rank opening its directory during that moment
+    waits for it instead of failing with "in use by another live process"."""
+    import fcntl
+    import threading
+    path = tmp_path / "shared"
+    mine = path / "infinity-rank1"
+    mine.mkdir(parents=True, mode=0o700)
+    fd = os.open(str(mine / "lock"), os.O_RDWR | os.O_CREAT, 0o600)   # no PID written yet
+    fcntl.flock(fd, fcntl.LOCK_EX)            # the other rank's liveness check holds it
+
+    def checker_done():
+        time.sleep(0.3)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+    t = threading.Thread(target=checker_done)
+    t.start()
+    try:
+        with SwapSpace(str(path), posix_engine, rank=1) as sw:
+            sw.write(sw.allocate(4096), aligned_empty(4096)).wait()
+    finally:
+        t.join()
