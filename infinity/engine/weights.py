@@ -117,15 +117,7 @@ def save_pretrained(engine, directory, *, max_shard_bytes: int = 2 * 10 ** 9) ->
         makedirs(directory)
     sd = StreamedStateDict(engine)
     # unique tensors only (safetensors cannot store aliases): tied weights keep the first name
-    seen: set[int] = set()
-    names: list[str] = []
-    for name in sd:
-        t = sd._params.get(name)
-        if t is not None:
-            if id(t) in seen:
-                continue
-            seen.add(id(t))
-        names.append(name)
+    names = _unique_names(sd)
 
     def source(name):
         """The parameter or buffer behind ``name`` and the dtype it is written in."""
