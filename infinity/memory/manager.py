@@ -20,7 +20,7 @@ must then be copied H2D.  The main thread is busy with compute (it only reaches 
 manager at the next hook), so a one-thread *lander* waits for each such read (in issue
 order, the I/O itself stays concurrent) and issues its H2D on the copy stream the moment
 it landed; its job returns the :class:`~infinity.memory.device.Transfer`.  The group's
-state changes only on the main thread (``_land``, at the next poll or wait), which also
+state changes only on the main thread (``_start_h2d``, at the next poll or wait), which also
 raises a failed read for that group alone.  The lander touches nothing but the read
 handle, the staging buffer and the device tier's copy call; abandoning a fetch waits for
 its job first, so staging never goes back while a copy may still read it.
@@ -218,7 +218,7 @@ class MemoryManager:
         if f.landing is not None and f.xfer is None:
             try:                              # the lander may still issue its copy
                 f.xfer = f.landing.result()
-            except BaseException:  # noqa: BLE001 - the read failed: no copy was issued
+            except Exception:  # noqa: BLE001 - the read failed: no copy was issued
                 pass
         if f.handle is not None:
             try:
@@ -617,7 +617,7 @@ class MemoryManager:
             if isinstance(f, Fetch) and f.landing is not None and f.xfer is None:
                 try:
                     f.xfer = f.landing.result()
-                except BaseException:  # noqa: BLE001 - reported by the read's wait below
+                except Exception:  # noqa: BLE001 - reported by the read's wait below
                     log.debug("memory: pending read of group %d failed during close", g.gid)
             if isinstance(f, Fetch) and f.handle is not None:
                 try:
