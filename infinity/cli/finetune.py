@@ -1,15 +1,7 @@
 """`infinity finetune`: argument parsing and wiring (the work is in infinity.finetune)."""
 import argparse
 
-
-def _positive_int(s):
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {s!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
-    return v
+from .argtypes import positive_int
 
 
 def _nonneg_int(s):
@@ -41,10 +33,10 @@ def register(sub):
     p.add_argument("--config", metavar="FILE", help="infinity config (JSON/YAML); flags override it")
     p.add_argument("--nvme-path", metavar="DIR", action="append", dest="nvme_paths", default=[],
                    help="swap directory (repeat to stripe over several); overrides offload.nvme_paths")
-    p.add_argument("--steps", type=_positive_int, default=30, metavar="N", help="optimizer steps (default 30)")
-    p.add_argument("--batch-tokens", type=_positive_int, default=4096, metavar="T",
+    p.add_argument("--steps", type=positive_int, default=30, metavar="N", help="optimizer steps (default 30)")
+    p.add_argument("--batch-tokens", type=positive_int, default=4096, metavar="T",
                    help="tokens per micro-batch per rank (default 4096)")
-    p.add_argument("--seq-len", type=_positive_int, default=256, metavar="L",
+    p.add_argument("--seq-len", type=positive_int, default=256, metavar="L",
                    help="sequence length (default 256, capped by the model)")
     p.add_argument("--lr", type=float, metavar="X", help="learning rate (default 3e-3 or the config's)")
     p.add_argument("--state-dtype", choices=("fp32", "bf16"),
