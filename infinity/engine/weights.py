@@ -120,11 +120,7 @@ def save_pretrained(engine, directory, *, max_shard_bytes: int = 2 * 10 ** 9) ->
     names = _unique_names(sd)
 
     def source(name):
-        """The parameter or buffer behind ``name`` and the dtype it is written in."""
-        t = sd._params.get(name)
-        if t is None:
-            t = sd._buffers[name]
-        return t, engine._orig_dtypes.get(id(t), t.dtype)
+        return _source(engine, sd, name)
 
     def nbytes(name):
         t, dt = source(name)
@@ -197,6 +193,14 @@ def save_pretrained(engine, directory, *, max_shard_bytes: int = 2 * 10 ** 9) ->
     return files
 
 
+def _source(engine, sd: StreamedStateDict, name: str):
+    """The parameter or buffer behind ``name`` and the dtype it is written in."""
+    t = sd._params.get(name)
+    if t is None:
+        t = sd._buffers[name]
+    return t, engine._orig_dtypes.get(id(t), t.dtype)
+
+
 def _unique_names(sd: StreamedStateDict) -> list[str]:
     seen: set[int] = set()
     names: list[str] = []
@@ -238,10 +242,8 @@ def save_pretrained_quantized(engine, directory, *, quantize: str, group_size: i
     names = _unique_names(sd)
 
     def info(name):
-        t = sd._params.get(name)
-        if t is None:
-            t = sd._buffers[name]
-        return tuple(t.shape), engine._orig_dtypes.get(id(t), t.dtype)
+        t, dt = _source(engine, sd, name)
+        return tuple(t.shape), dt
 
     if not writer:                      # the gathers are collectives: every rank reads
         for n in names:
