@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
-from infinity.memory.pool import ALIGN, round_up
+from infinity.memory.pool import ALIGN, per_size_class, round_up
 
 __all__ = ["GradD2H"]
 
@@ -95,19 +95,11 @@ class GradD2H:
         """The pinned staging the D2H copies of ``groups``' gradients lease: per size class,
         as many buffers as ``max_inflight_bytes`` lets be outstanding (at least one), to be
         reserved at ``initialize`` (see ``BufferPool.reserve``)."""
-        counts: dict[int, int] = {}
-        for g in groups:
-            if not g.trainable:
-                continue
-            span = max(s.offset + s.numel for s in g.slots if s.trainable)
-            n = span * g.dtype.itemsize
-            counts[n] = counts.get(n, 0) + 1
         cap = self.max_inflight_bytes
-        out = []
-        for n, c in counts.items():
-            fit = c if cap is None else max(1, cap // round_up(n, ALIGN))
-            out += [n] * min(c, fit)
-        return out
+        spans = (max(s.offset + s.numel for s in g.slots if s.trainable) * g.dtype.itemsize
+                 for g in groups if g.trainable)
+        return per_size_class(spans, len(groups) if cap is None else
+                              lambda n: max(1, cap // round_up(n, ALIGN)))
 
     def __len__(self) -> int:
         return len(self._queue) + len(self._open)

@@ -43,7 +43,7 @@ import torch
 
 from .accounting import Accounting
 from .device import DeviceTier, make_device
-from .pool import BufferPool, leased_size
+from .pool import BufferPool, leased_size, per_size_class
 from .record import GroupRecord, Location
 
 log = logging.getLogger("infinity.memory")
@@ -244,12 +244,8 @@ class MemoryManager:
         inside the first steps' hooks.  Nothing on a zero-copy tier."""
         if self.dev.zero_copy:
             return []
-        counts: dict[int, int] = {}
-        for g in self.groups:
-            if g.home == "nvme":
-                n = self._staging_bytes(g)
-                counts[n] = counts.get(n, 0) + 1
-        return [n for n, c in counts.items() for _ in range(min(c, depth + 2))]
+        return per_size_class((self._staging_bytes(g) for g in self.groups if g.home == "nvme"),
+                              depth + 2)
 
     def _staging_bytes(self, g: GroupRecord) -> int:
         """Bytes of the host staging one fetch of NVMe-homed ``g`` leases."""

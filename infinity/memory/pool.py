@@ -17,7 +17,8 @@ from .accounting import Accounting
 
 log = logging.getLogger("infinity.memory")
 
-__all__ = ["BufferPool", "PoolExhausted", "round_up", "aligned_buffer", "leased_size"]
+__all__ = ["BufferPool", "PoolExhausted", "round_up", "aligned_buffer", "leased_size",
+           "per_size_class"]
 
 ALIGN = 4096
 
@@ -42,6 +43,16 @@ def aligned_buffer(nbytes: int) -> torch.Tensor:
     raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
     off = (-raw.data_ptr()) % ALIGN
     return raw[off:off + nbytes]
+
+
+def per_size_class(sizes, most) -> list[int]:
+    """``sizes`` with each distinct size kept at most ``most`` times (an int, or a function
+    of the size): the buffers a window of leases needs, for :meth:`BufferPool.reserve`."""
+    counts: dict[int, int] = {}
+    for n in sizes:
+        counts[n] = counts.get(n, 0) + 1
+    return [n for n, c in counts.items()
+            for _ in range(min(c, most(n) if callable(most) else most))]
 
 
 class PoolExhausted(MemoryError):

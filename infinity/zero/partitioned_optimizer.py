@@ -39,6 +39,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from infinity.optim.driver import EngineOptimizer
+from infinity.memory.pool import per_size_class
 from infinity.memory.record import GroupRecord, ParamSlot
 from infinity.zero.comm import Comm, CommHandle
 from infinity.zero.partition import Partition, clip_segments
@@ -153,11 +154,8 @@ class PartitionedOptimizer(EngineOptimizer):
         ``MAX_INFLIGHT_REDUCTIONS`` landing at once), reserved at ``initialize``."""
         if not self.on_device:
             return super().staging_sizes()
-        counts: dict[int, int] = {}
-        for g in self.groups:
-            lo, hi = self.shard(g)
-            counts[(hi - lo) * 4] = counts.get((hi - lo) * 4, 0) + 1
-        return [n for n, c in counts.items() for _ in range(min(c, MAX_INFLIGHT_REDUCTIONS))]
+        return per_size_class(((hi - lo) * 4 for lo, hi in map(self.shard, self.groups)),
+                              MAX_INFLIGHT_REDUCTIONS)
 
     def _lease_full(self, g: GroupRecord) -> torch.Tensor:
         """A zeroed full-size fp32 gradient buffer (device tier or host pool)."""
