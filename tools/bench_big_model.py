@@ -52,6 +52,31 @@ def proc_io() -> dict:
     return out
 
 
+def fio_gbps(path: str, size_mb: int = 2048) -> dict:
+    """fio on ``path``: sequential read, first write and rewrite (GB/s), 1 MiB blocks,
+    queue depth 32, io_uring, O_DIRECT (what infinity's swap I/O does)."""
+    import subprocess
+    import tempfile
+    if not shutil.which("fio"):
+        raise RuntimeError("--fio: fio is not installed (apt-get install fio, or "
+                           "INFINITY_WITH_FIO=1 make setup)")
+    d = tempfile.mkdtemp(prefix="fio-", dir=path)
+    try:
+        out = {}
+        for name, rw in (("write", "write"), ("rewrite", "write"), ("read", "read")):
+            cmd = ["fio", "--name=big-model-peer", f"--directory={d}", "--filename=fio.bin",
+                   f"--size={size_mb}m", "--bs=1024k", "--iodepth=32", f"--rw={rw}",
+                   "--ioengine=io_uring", "--direct=1", "--numjobs=1", "--output-format=json"]
+            r = subprocess.run(cmd, capture_output=True, text=True)
+            if r.returncode != 0:
+                raise RuntimeError(f"fio failed on {d}: {r.stderr.strip()[-2000:]}")
+            j = json.loads(r.stdout[r.stdout.index("{"):])
+            out[f"{name}_gbps"] = j["jobs"][0][rw]["bw_bytes"] / 1e9
+        return out
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
 def mem_total() -> int:
     with open("/proc/meminfo") as f:
         for line in f:
@@ -91,6 +116,10 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", metavar="DIR", default=None,
                     help="profile the last step into DIR (engine.profile: trace.json, "
                          "timeline.png, summary.txt)")
+    ap.add_argument("--fio", action="store_true",
+                    help="measure fio (io_uring, O_DIRECT, 1 MiB, QD 32: read, first write, "
+                         "rewrite) on --nvme-path before the first and after the last step, and "
+                         "report the step against the disk-bound time R/fio_read + W/fio_rewrite")
     a = ap.parse_args(argv)
 
     n = count_params(a)
@@ -153,6 +182,9 @@ def main(argv=None) -> int:
     print(f"initialize (adopt) in {res['initialize_s']:.1f} s, peak RSS "
           f"{res['rss_peak_after_initialize'] / 2**30:.2f} GiB, grads spilled: "
           f"{res['grads_spilled']}", flush=True)
+    if a.fio:
+        res["fio_before"] = fio_gbps(a.nvme_path)
+        print(f"fio before the steps: {res['fio_before']}", flush=True)
     g = torch.Generator().manual_seed(1)
     steps = []
     try:
@@ -195,6 +227,9 @@ def main(argv=None) -> int:
                   f"{st['groups_overlapped']}", flush=True)
     finally:
         eng.close()
+    if a.fio:
+        res["fio_after"] = fio_gbps(a.nvme_path)
+        print(f"fio after the steps: {res['fio_after']}", flush=True)
     res["steps"] = steps
     res["rss_peak"] = rss_peak()
     for name, sel in (("overlapped", True), ("serial", False)):
@@ -206,6 +241,14 @@ def main(argv=None) -> int:
         med = {k: statistics.median(st[k] for st in ss)
                for k in ("step_s", "forward_s", "backward_s", "optimizer_s", "nvme_read_bytes",
                          "nvme_write_bytes", "kernel_read_bytes", "kernel_write_bytes")}
+        if a.fio:     # the disk-bound time at the slower of fio's two measurements
+            rd = min(res["fio_before"]["read_gbps"], res["fio_after"]["read_gbps"])
+            wr = min(res["fio_before"]["rewrite_gbps"], res["fio_after"]["rewrite_gbps"])
+            med["disk_bound_s"] = med["nvme_read_bytes"] / (rd * 1e9) + \
+                med["nvme_write_bytes"] / (wr * 1e9)
+            print(f"{name}: disk-bound step (R / fio read {rd:.2f} GB/s + W / fio rewrite "
+                  f"{wr:.2f} GB/s) {med['disk_bound_s']:.1f} s; step / disk-bound "
+                  f"{med['step_s'] / med['disk_bound_s']:.2f}")
         res[name] = med
         print(f"{name} ({len(ss)} steps from step 2, medians): step {med['step_s']:.1f} s (fwd "
               f"{med['forward_s']:.1f}, bwd {med['backward_s']:.1f}, optimizer exposed "
