@@ -171,8 +171,6 @@ def _evaluate(spec, machine, knobs, p, o):
     totals = {"pinned": pinned, "pageable": pageable, "nvme": nvme,
               "host_reserve": _host_reserve(machine), "gpu_reserve": int(machine.gpu_reserve_gb * GB)}
     fits, problems, steps = {}, {}, {}
-    cap = [c for c in (knobs.host_cap_gb, machine.host_mem_gb) if c]
-    host_limit = min(cap) * GB if cap else 0
     for v in VARIANTS:
         act = plan.activations[v].nbytes
         d = dev + act
@@ -190,10 +188,14 @@ def _evaluate(spec, machine, knobs, p, o):
             if d > avail:
                 probs.append(f"device: needs {d / GB:.1f} GB per GPU > {avail / GB:.1f} GB usable "
                              f"({machine.gpu_mem_gb:g} GB - {machine.gpu_reserve_gb:g} GB reserve)")
-        if host > host_limit:
-            probs.append(f"host: needs {host / GB:.1f} GB per node > {host_limit / GB:.1f} GB"
-                         + (" (offload.host_memory_gb)" if knobs.host_cap_gb and host_limit == knobs.host_cap_gb * GB
-                            else " RAM"))
+        ram = machine.host_mem_gb * GB
+        if machine.host_mem_gb and host > ram:
+            probs.append(f"host: needs {host / GB:.1f} GB per node > {ram / GB:.1f} GB RAM")
+        # offload.host_memory_gb bounds infinity's own host tiers (not the OS/runtime reserve)
+        elif knobs.host_cap_gb and host - totals["host_reserve"] > knobs.host_cap_gb * GB:
+            probs.append(f"host: needs {(host - totals['host_reserve']) / GB:.3g} GB per node "
+                         f"(without the {totals['host_reserve'] / GB:.3g} GB reserve) > "
+                         f"{knobs.host_cap_gb:g} GB (offload.host_memory_gb)")
         if nvme + off_nvme > machine.nvme_gb * GB:
             probs.append(f"NVMe: needs {(nvme + off_nvme) / GB:.1f} GB per node > "
                          f"{machine.nvme_gb:g} GB")

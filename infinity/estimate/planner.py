@@ -199,9 +199,11 @@ class Plan:
         else:
             lines.append(f"  memory: device {dev / GB:,.2f} of {m.gpu_mem_gb - m.gpu_reserve_gb:,.2f} "
                          f"GB usable per GPU")
-        cap = [x for x in (b.knobs.host_cap_gb, m.host_mem_gb) if x]
-        lines.append(f"          host {t[f'host_{v}'] / GB:,.2f} of {min(cap):,.2f} GB per node "
-                     f"(incl. {t['host_reserve'] / GB:.2f} GB reserve); NVMe "
+        cap = b.knobs.host_cap_gb
+        lines.append(f"          host {t[f'host_{v}'] / GB:,.2f} of {m.host_mem_gb:,.2f} GB RAM per node "
+                     f"(incl. {t['host_reserve'] / GB:.2f} GB reserve"
+                     + (f"; {(t[f'host_{v}'] - t['host_reserve']) / GB:,.3g} GB of the "
+                        f"{cap:g} GB offload.host_memory_gb" if cap else "") + "); NVMe "
                      f"{(t['nvme'] + (t[f'activation_offload_{v}'] if b.knobs.activation_home == 'nvme' else 0)) / GB:,.2f}"
                      f" of {m.nvme_gb:,.2f} GB")
         s = b.step
