@@ -165,6 +165,17 @@ def _host_reserve(machine):
 
 def _evaluate(spec, machine, knobs, p, o):
     plan = plan_memory(spec, machine, knobs, p, o)
+    # fp32 NVMe params under offload.host_memory_gb: released groups stay as clean host
+    # copies up to the cap (step_time._param_cache); they are resident host memory
+    from .memory_plan import Item
+    from .step_time import PARAM_CACHE_ITEM, _param_cache
+    cache = max(_param_cache(spec, machine, knobs, plan)[:3])
+    if cache:   # it gives up its room to gradient buffers as they are leased: within the cap
+        room = int(knobs.host_cap_gb * GB) - plan.tier_total("pinned") - plan.tier_total("pageable")
+        cache = max(0, min(cache, room))
+    if cache:
+        plan.items.append(Item("pageable", PARAM_CACHE_ITEM, cache,
+                               "min(N*lp, cap - other host items)"))
     dev = plan.tier_total("device")
     pinned, pageable, nvme = plan.tier_total("pinned"), plan.tier_total("pageable"), plan.tier_total("nvme")
     r = machine.ranks_per_node
