@@ -320,6 +320,13 @@ def _auto_plan(opts, cfg, world):
     from infinity.finetune.auto import make_auto_plan, model_config_path
     from infinity.finetune.model import ModelError, load_model_config
 
+    from infinity.estimate.machine import detect_gpus
+
+    if world > 1 and not detect_gpus():
+        raise FinetuneError(f"--auto plans one process per CPU-only node (the estimator models "
+                            f"ranks as GPUs); this run has {world} ranks without GPUs: run it "
+                            "as one process, or plan with `infinity estimate --plan` and pass "
+                            "the config")
     try:
         config = load_model_config(model_config_path(opts.model))
         seq_len, batch = _shape(opts, SimpleNamespace(config=config))
