@@ -5,7 +5,7 @@ the machine is this one as it is now: RAM = ``MemAvailable`` (the machine may be
 shared; ``offload.host_memory_gb`` in ``--config`` caps it further), NVMe = the free
 space at the first swap path, NVMe bandwidth from a saved ``infinity bench-io`` result
 when there is one (else the estimator's default), and the achieved compute rate
-measured here, in a fraction of a second, by a matrix product of the model's own
+measured here, over about a second, by matrix products of the model's own
 shape (tokens x hidden by hidden x 4*hidden, fp32, the process's threads).  The
 planner (:mod:`infinity.estimate.planner`) then picks homes, activation checkpointing
 and offload, micro-batch x accumulation (their product stays the run's batch) and the
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import os
-import statistics
 import time
 from dataclasses import dataclass
 
@@ -55,21 +54,25 @@ def mem_available_gb():
     return 0.0
 
 
-def measure_tflops(hidden, tokens, *, rounds=5):
-    """Achieved TFLOPS of an fp32 ``(tokens x H) @ (H x 4H)`` product on this process's
-    threads: the median of ``rounds`` timed products after one warm-up."""
+def measure_tflops(hidden, tokens, *, seconds=1.0):
+    """Achieved TFLOPS of fp32 ``(tokens x H) @ (H x 4H)`` products on this process's
+    threads: total FLOPs over total time of products repeated for about ``seconds`` after
+    one warm-up (a sustained rate: on a shared machine a few short products catch a burst
+    of other work or a quiet moment, and the run that follows sees neither)."""
     import torch
 
     t = max(1, min(int(tokens), 8192))
     h = max(1, int(hidden))
     a, b = torch.randn(t, h), torch.randn(h, 4 * h)
     torch.mm(a, b)
-    times = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
+    n, t0 = 0, time.perf_counter()
+    while True:
         torch.mm(a, b)
-        times.append(time.perf_counter() - t0)
-    return 2 * t * h * 4 * h / statistics.median(times) / 1e12
+        n += 1
+        dt = time.perf_counter() - t0
+        if dt >= seconds and n >= 3:
+            break
+    return n * 2 * t * h * 4 * h / dt / 1e12
 
 
 def model_config_path(spec):
@@ -117,7 +120,7 @@ def make_auto_plan(opts, cfg, *, seq_len, global_batch, allow_lossy=False):
             except (OSError, ValueError) as e:
                 log.warning("auto: ignoring bench-io result %s: %s", found, e)
     if not kw["gpus"]:
-        kw["tflops"] = measure_tflops(spec.hidden, seq_len)
+        kw["tflops"] = measure_tflops(spec.hidden, seq_len * global_batch)
     machine = Machine(**kw)
     knobs = _knobs_from(cfg, {})
     try:
