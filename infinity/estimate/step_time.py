@@ -104,6 +104,9 @@ def _phase(name, terms, derivation):
     return Phase(name, terms[bound], bound, terms, derivation)
 
 
+PARAM_CACHE_ITEM = "parameter cache (clean host copies within offload.host_memory_gb)"
+
+
 def _param_cache(spec, machine, knobs, plan):
     """``(cached before forward, cached before backward, cached at the step, hand-off)``
     in bytes for the engine's fp32 NVMe-param shortcuts on one CPU process (see
@@ -120,7 +123,7 @@ def _param_cache(spec, machine, knobs, plan):
     if not knobs.host_cap_gb:
         return 0, 0, 0, handoff
     cap = int(knobs.host_cap_gb * GB)
-    host = [i for i in plan.items if i.tier in ("pinned", "pageable")]
+    host = [i for i in plan.items if i.tier in ("pinned", "pageable") and i.name != PARAM_CACHE_ITEM]
     grads = sum(i.nbytes for i in host if i.name.startswith("grad accumulation"))
     init = sum(i.nbytes for i in host if "initialisation only" in i.name)
     others = sum(i.nbytes for i in host) - grads - init
