@@ -28,8 +28,10 @@ __all__ = ["ZeroSetup", "gathered_state_dict", "grad_spill_needed", "partition_p
 class ZeroSetup:
     """Process group + stage for one engine; ``None`` from :meth:`from_config` at world size 1."""
 
-    def __init__(self, comm: Comm, stage: int, created_pg: bool, spill_grads: bool = False):
+    def __init__(self, comm: Comm, stage: int, created_pg: bool, spill_grads: bool = False,
+                 zeropp=None):
         self.comm = comm
+        self.zeropp = zeropp             # infinity.zero.zeropp.ZeroPP when zero_pp is on
         self.stage = int(stage)
         self.created_pg = created_pg
         self.spill = spill_grads
@@ -55,7 +57,16 @@ class ZeroSetup:
                     device=device)
         log.info("ZeRO stage %d over %d ranks (%s), this is rank %d", stage, comm.world_size,
                  comm.backend, comm.rank)
-        return cls(comm, stage, created)
+        zpp = getattr(cfg, "zero_pp", None)
+        zeropp = None
+        if zpp is not None and zpp.enabled:
+            from infinity.zero.zeropp import ZeroPP
+            try:
+                zeropp = ZeroPP(zpp, comm)
+            except BaseException:
+                comm.close()
+                raise
+        return cls(comm, stage, created, zeropp=zeropp)
 
     @classmethod
     def with_grad_spill(cls, zero: "ZeroSetup", cfg, groups) -> "ZeroSetup":
@@ -70,17 +81,24 @@ class ZeroSetup:
     def memory_manager(self, groups, **kw):
         if self.stage == 3:
             from infinity.zero.partitioned_memory import PartitionedMemoryManager
-            return PartitionedMemoryManager(groups, comm=self.comm, **kw)
+            return PartitionedMemoryManager(groups, comm=self.comm, zeropp=self.zeropp, **kw)
         from infinity.memory.manager import MemoryManager
         return MemoryManager(groups, **kw)
 
     def optimizer(self, model, cfg, groups, names, **kw):
         from infinity.zero.partitioned_optimizer import PartitionedOptimizer
-        return PartitionedOptimizer(model, cfg, groups, names, comm=self.comm,
-                                    stage=self.stage, spill_grads=self.spill, **kw)
+        opt = PartitionedOptimizer(model, cfg, groups, names, comm=self.comm,
+                                   stage=self.stage, spill_grads=self.spill, **kw)
+        if self.zeropp is not None and self.zeropp.qg and self.stage >= 2:
+            opt.reduce_scatter_sum = self.zeropp.reduce_scatter_sum      # qgZ
+        return opt
 
     def close(self) -> None:
-        self.comm.close()
+        try:
+            if self.zeropp is not None:
+                self.zeropp.close()
+        finally:
+            self.comm.close()
 
 
 def partition_placement(placement, zero: "ZeroSetup | None") -> None:
