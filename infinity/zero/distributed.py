@@ -22,7 +22,7 @@ from infinity.zero.partition import Partition
 log = logging.getLogger("infinity.zero")
 
 __all__ = ["ZeroSetup", "gathered_state_dict", "grad_spill_needed", "partition_placement",
-           "read_param_gathered"]
+           "read_param_gathered", "zeropp_placement"]
 
 
 class ZeroSetup:
@@ -136,10 +136,29 @@ def partition_placement(placement, zero: "ZeroSetup | None") -> None:
         placement.device[f"gradients awaiting reduce-scatter (fp32, {k + 3} x largest group "
                          f"+ {2 * k + 1} shards)"] = (k + 3) * full + (2 * k + 1) * shard
         placement.host[f"reduced gradient shard D2H staging ({k} shards)"] = k * shard
+    if zero.zeropp is not None:
+        zeropp_placement(placement, zero.zeropp, zero.stage)
     if zero.spill:
         key = "fp32 gradient accumulation"
         if key in placement.host:
             placement.nvme[key + " (spilled)"] = placement.host.pop(key)
+
+
+def zeropp_placement(placement, zpp, stage: int) -> None:
+    """ZeRO++'s device memory (:mod:`infinity.zero.zeropp`): the hpZ secondary shards
+    (1/hpz of every group, kept from forward to the step) and qwZ's transient buffers of
+    one gather (the int8 values and scales, the fp32 dequantized group)."""
+    from infinity.memory.pool import ALIGN, round_up
+    from infinity.zero.zeropp import qwz_wire_bytes
+    groups = placement.groups
+    if stage == 3 and zpp.hpz > 1:
+        placement.device[f"hpZ secondary partition (1/{zpp.hpz} of the params)"] = sum(
+            round_up(zpp.secondary_numel(g.padded_numel) * g.dtype.itemsize, ALIGN)
+            for g in groups)
+    if stage == 3 and zpp.qw and groups:
+        n = max(g.padded_numel for g in groups)
+        placement.device["qwZ gather buffers (int8 + scales + fp32, largest group)"] = \
+            qwz_wire_bytes(n) + 4 * n
 
 
 def grad_spill_needed(cfg, groups, world_size: int, stage: int) -> bool:

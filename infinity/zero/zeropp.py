@@ -46,7 +46,7 @@ __all__ = ["ZeroPP", "WEIGHT_BLOCK", "GRAD_BLOCK", "WEIGHT_BITS", "GRAD_BITS",
            "qwz_wire_bytes", "qgz_wire_bytes"]
 
 WEIGHT_BLOCK = 256     # elements per fp32 scale (qwZ)
-GRAD_BLOCK = 256       # elements per fp32 scale (qgZ)
+GRAD_BLOCK = 64        # elements per fp32 scale (qgZ: int4 needs finer blocks than int8)
 WEIGHT_BITS = 8
 GRAD_BITS = 4
 
