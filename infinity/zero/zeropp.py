@@ -36,7 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from infinity.quant.blockwise import dequantize, pack_bits, quantize, unpack_bits
+from infinity.quant.kernel import dequantize_flat, quantize_flat
 from infinity.zero.comm import Comm
 from infinity.zero.hierarchy import Topology, new_subgroups
 
@@ -138,16 +138,14 @@ class ZeroPP:
 
     def _gather_quantized(self, buf: torch.Tensor, shard: torch.Tensor, name: str) -> None:
         w = self.comm.world_size
-        qt = quantize(shard.reshape(1, -1), WEIGHT_BITS, WEIGHT_BLOCK, nonfinite="nan",
-                      name=name)
-        q_all = torch.empty(w * shard.numel(), dtype=torch.int8, device=buf.device)
-        s_all = torch.empty(w * qt.scale.numel(), dtype=qt.scale.dtype, device=buf.device)
-        self.comm.all_gather_into(q_all, qt.q.reshape(-1), group="param",
+        q, sc = quantize_flat(shard, WEIGHT_BITS, WEIGHT_BLOCK)
+        q_all = torch.empty(w * q.numel(), dtype=q.dtype, device=buf.device)
+        s_all = torch.empty(w * sc.numel(), dtype=sc.dtype, device=buf.device)
+        self.comm.all_gather_into(q_all, q.to(buf.device), group="param",
                                   name=name + " (qwZ int8)")
-        self.comm.all_gather_into(s_all, qt.scale.reshape(-1), group="param",
+        self.comm.all_gather_into(s_all, sc.to(buf.device), group="param",
                                   name=name + " (qwZ scales)")
-        x = dequantize(q_all.view(w, -1), s_all.view(w, -1), WEIGHT_BLOCK, dtype=buf.dtype)
-        buf.copy_(x.reshape(-1))
+        dequantize_flat(q_all, s_all, buf.numel(), WEIGHT_BITS, WEIGHT_BLOCK, buf)
 
     def _keep_secondary(self, gid: int, buf: torch.Tensor) -> None:
         n = buf.numel() // self.hpz
@@ -190,14 +188,16 @@ class ZeroPP:
         """Quantize ``rows`` (one row per peer of ``group``, in group order), all-to-all them
         and return the dequantized rows received (fp32, same shape)."""
         p, n = rows.shape
-        qt = quantize(rows, GRAD_BITS, GRAD_BLOCK, nonfinite="nan", name=name)
-        packed = pack_bits(qt.q, GRAD_BITS)
-        got_q = torch.empty_like(packed)
-        got_s = torch.empty_like(qt.scale)
-        self.comm.all_to_all_into(got_q, packed, group=group, name=name + " (qgZ int4)")
-        self.comm.all_to_all_into(got_s, qt.scale, group=group, name=name + " (qgZ scales)")
-        return dequantize(unpack_bits(got_q, GRAD_BITS, n), got_s, GRAD_BLOCK,
-                          dtype=torch.float32)
+        if n % GRAD_BLOCK:
+            raise ValueError(f"qgZ: rows of {n} elements are not whole blocks of {GRAD_BLOCK}")
+        q, sc = quantize_flat(rows.contiguous(), GRAD_BITS, GRAD_BLOCK)
+        q, sc = q.view(p, -1), sc.view(p, -1)
+        got_q = torch.empty_like(q)
+        got_s = torch.empty_like(sc)
+        self.comm.all_to_all_into(got_q, q, group=group, name=name + " (qgZ int4)")
+        self.comm.all_to_all_into(got_s, sc, group=group, name=name + " (qgZ scales)")
+        out = torch.empty(p, n, dtype=torch.float32, device=rows.device)
+        return dequantize_flat(got_q, got_s, p * n, GRAD_BITS, GRAD_BLOCK, out)
 
     def _qgz(self, out: torch.Tensor, full: torch.Tensor, name: str, marker):
         """Worker thread: the two-level quantized reduction of ``full`` into ``out``."""

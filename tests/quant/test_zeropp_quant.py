@@ -7,21 +7,31 @@ import pytest
 import torch
 
 from infinity.quant import dequantize, pack_bits, quantize, unpack_bits
+from infinity.quant.kernel import dequantize_flat, native, quantize_flat
 from infinity.zero.zeropp import (GRAD_BITS, GRAD_BLOCK, WEIGHT_BITS, WEIGHT_BLOCK,
                                   qgz_wire_bytes, qwz_wire_bytes)
 
 
 def qwz_round_trip(x):
-    qt = quantize(x.reshape(1, -1), WEIGHT_BITS, WEIGHT_BLOCK, nonfinite="nan")
-    return dequantize(qt.q, qt.scale, WEIGHT_BLOCK, dtype=torch.float32).reshape(-1), qt
+    """What qwZ sends and rebuilds: the C++ kernel (infinity/quant/kernel.py)."""
+    q, sc = quantize_flat(x, WEIGHT_BITS, WEIGHT_BLOCK)
+    assert q.dtype == torch.int8 and q.numel() == x.numel()
+    back = dequantize_flat(q, sc, x.numel(), WEIGHT_BITS, WEIGHT_BLOCK,
+                           torch.empty(x.numel(), dtype=torch.float32))
+    return back, QT(q, sc)
 
 
 def qgz_round_trip(x):
-    qt = quantize(x.reshape(1, -1), GRAD_BITS, GRAD_BLOCK, nonfinite="nan")
-    packed = pack_bits(qt.q, GRAD_BITS)
-    assert packed.dtype == torch.int32 and packed.numel() * 4 == -(-x.numel() // 8) * 4
-    q = unpack_bits(packed, GRAD_BITS, x.numel())
-    return dequantize(q, qt.scale, GRAD_BLOCK, dtype=torch.float32).reshape(-1), qt
+    q, sc = quantize_flat(x, GRAD_BITS, GRAD_BLOCK)
+    assert q.dtype == torch.int32 and q.numel() == -(-x.numel() // 8)
+    back = dequantize_flat(q, sc, x.numel(), GRAD_BITS, GRAD_BLOCK,
+                           torch.empty(x.numel(), dtype=torch.float32))
+    return back, QT(unpack_bits(q.view(1, -1), 4, x.numel()), sc)
+
+
+class QT:
+    def __init__(self, q, scale):
+        self.q, self.scale = q, scale
 
 
 def block_bound(x, block, bits):
@@ -85,16 +95,19 @@ def test_nonfinite_poisons_only_its_block(bad, trip):
     """Documented handling: a block holding inf/NaN dequantizes to NaN as a whole (its
     scale is NaN); every other block is untouched, so a non-finite gradient still makes
     the global norm non-finite (the step is skipped) and nothing raises mid-collective."""
+    blk = WEIGHT_BLOCK if trip is qwz_round_trip else GRAD_BLOCK
     torch.manual_seed(5)
     x = torch.randn(4 * 256)
     x[300] = bad
+    lo = 300 // blk * blk
     back, qt = trip(x)
-    assert bool(torch.isnan(back[256:512]).all())
-    keep = torch.cat([back[:256], back[512:]])
+    assert bool(torch.isnan(back[lo:lo + blk]).all())
+    keep = torch.cat([back[:lo], back[lo + blk:]])
     assert bool(torch.isfinite(keep).all())
-    ref, _ = trip(torch.cat([x[:256], torch.zeros(256), x[512:]]))
-    assert torch.equal(keep, torch.cat([ref[:256], ref[512:]]))
-    assert int(qt.q.reshape(-1)[256:512].abs().max()) == 0
+    ref, _ = trip(torch.cat([x[:lo], torch.zeros(blk), x[lo + blk:]]))
+    assert torch.equal(keep, torch.cat([ref[:lo], ref[lo + blk:]]))
+    assert int(qt.q.reshape(-1)[lo:lo + blk].abs().max()) == 0
+    assert bool(torch.isnan(qt.scale[lo // blk]))
 
 
 def test_raise_mode_still_refuses():
@@ -115,3 +128,51 @@ def test_nan_mode_equals_raise_mode_on_finite_input():
             a = quantize(x, bits, 256)
             b = quantize(x, bits, 256, nonfinite="nan")
             assert torch.equal(a.q, b.q) and torch.equal(a.scale, b.scale)
+
+
+ADVERSARIAL = {
+    "random": lambda n: torch.randn(n) * torch.logspace(-6, 3, n),
+    "zeros": lambda n: torch.zeros(n),
+    "outlier": lambda n: torch.cat([torch.randn(n - 1) * 1e-3, torch.full((1,), -7e4)]),
+    "denormal": lambda n: torch.full((n,), 3e-41) * torch.randn(n),
+    "ties": lambda n: (torch.arange(n) % 15 - 7).float() * 0.5,      # x / s lands on .5
+    "nonfinite": lambda n: torch.randn(n).index_fill_(0, torch.tensor([0, n // 2, n - 1]),
+                                                      float("nan")).index_fill_(
+        0, torch.tensor([n // 3]), float("inf")),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ADVERSARIAL))
+@pytest.mark.parametrize("n", [1, 7, 64, 1000, 4096, 4099])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bits,block", [(8, WEIGHT_BLOCK), (4, GRAD_BLOCK), (8, 5)])
+def test_kernel_is_the_torch_path_bit_for_bit(case, n, dtype, bits, block):
+    """The C++ kernel gives exactly blockwise.quantize(nonfinite="nan") (+ pack_bits) and
+    blockwise.dequantize: same scales, integers, packing, dequantized values."""
+    torch.manual_seed(n)
+    x = ADVERSARIAL[case](n).to(dtype)
+    assert native(x)
+    q, sc = quantize_flat(x, bits, block)
+    ref = quantize(x.view(1, -1), bits, block, nonfinite="nan")
+    ref_q = ref.q.reshape(-1) if bits == 8 else pack_bits(ref.q, bits).reshape(-1)
+    assert torch.equal(q, ref_q)
+    assert torch.equal(sc, ref.scale.reshape(-1)) or torch.allclose(
+        sc, ref.scale.reshape(-1), rtol=0, atol=0, equal_nan=True)
+    for out_dtype in (torch.float32, torch.bfloat16):
+        got = dequantize_flat(q, sc, n, bits, block, torch.empty(n, dtype=out_dtype))
+        want = dequantize(ref.q, ref.scale, block, dtype=out_dtype).reshape(-1)
+        assert torch.allclose(got.float(), want.float(), rtol=0, atol=0, equal_nan=True)
+
+
+def test_kernel_argument_checks():
+    from infinity.quant import QuantizationError
+    x = torch.randn(64)
+    with pytest.raises(QuantizationError, match="bits"):
+        quantize_flat(x, 2, 64)
+    with pytest.raises(QuantizationError, match="multiple of 8"):
+        quantize_flat(x, 4, 12)
+    q, sc = quantize_flat(x, 8, 64)
+    with pytest.raises(QuantizationError, match="payload"):
+        dequantize_flat(q[:10], sc, 64, 8, 64, torch.empty(64))
+    with pytest.raises(QuantizationError, match="contiguous"):
+        dequantize_flat(q, sc, 64, 8, 64, torch.empty(64, 2)[:, 0])
