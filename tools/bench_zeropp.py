@@ -137,27 +137,35 @@ def spawn(a) -> None:
 def quant_bench(a) -> None:
     import torch
     from infinity.quant import dequantize, pack_bits, quantize, unpack_bits
+    from infinity.quant.kernel import dequantize_flat, quantize_flat
     from infinity.zero.zeropp import GRAD_BLOCK, WEIGHT_BLOCK
     torch.set_num_threads(a.threads)
     n = a.numel
     w = torch.randn(n, dtype=torch.bfloat16)
     gr = torch.randn(n, dtype=torch.float32)
-    qw = quantize(w.view(1, -1), 8, WEIGHT_BLOCK, nonfinite="nan")
-    qg = quantize(gr.view(1, -1), 4, GRAD_BLOCK, nonfinite="nan")
-    pg = pack_bits(qg.q, 4)
-    ops = {
-        "copy bf16 (memory bw)": (lambda: w.clone(), 2 * w.numel() * 2),
-        "qwZ quantize int8 (bf16 in)": (lambda: quantize(w.view(1, -1), 8, WEIGHT_BLOCK,
-                                                         nonfinite="nan"), w.numel() * 2),
-        "qwZ dequantize (bf16 out)": (lambda: dequantize(qw.q, qw.scale, WEIGHT_BLOCK,
-                                                         dtype=torch.bfloat16), w.numel() * 2),
-        "copy fp32 (memory bw)": (lambda: gr.clone(), 2 * gr.numel() * 4),
-        "qgZ quantize+pack int4 (fp32 in)": (
+    qw, sw = quantize_flat(w, 8, WEIGHT_BLOCK)
+    qg, sg = quantize_flat(gr, 4, GRAD_BLOCK)
+    ow, og = torch.empty_like(w), torch.empty_like(gr)
+    tq = quantize(w.view(1, -1), 8, WEIGHT_BLOCK, nonfinite="nan")
+    ops = {   # name: (fn, bytes of the full-precision side)
+        "copy bf16 (memory bw: read+write)": (lambda: ow.copy_(w), 2 * n * 2),
+        "qwZ quantize int8, C++ kernel": (lambda: quantize_flat(w, 8, WEIGHT_BLOCK), n * 2),
+        "qwZ quantize int8, torch ops": (
+            lambda: quantize(w.view(1, -1), 8, WEIGHT_BLOCK, nonfinite="nan"), n * 2),
+        "qwZ dequantize to bf16, C++ kernel": (
+            lambda: dequantize_flat(qw, sw, n, 8, WEIGHT_BLOCK, ow), n * 2),
+        "qwZ dequantize to bf16, torch ops": (
+            lambda: dequantize(tq.q, tq.scale, WEIGHT_BLOCK, dtype=torch.bfloat16), n * 2),
+        "copy fp32 (memory bw: read+write)": (lambda: og.copy_(gr), 2 * n * 4),
+        "qgZ quantize+pack int4, C++ kernel": (lambda: quantize_flat(gr, 4, GRAD_BLOCK), n * 4),
+        "qgZ quantize+pack int4, torch ops": (
             lambda: pack_bits(quantize(gr.view(1, -1), 4, GRAD_BLOCK, nonfinite="nan").q, 4),
-            gr.numel() * 4),
-        "qgZ unpack+dequantize (fp32 out)": (
-            lambda: dequantize(unpack_bits(pg, 4, n), qg.scale, GRAD_BLOCK,
-                               dtype=torch.float32), gr.numel() * 4),
+            n * 4),
+        "qgZ unpack+dequantize, C++ kernel": (
+            lambda: dequantize_flat(qg, sg, n, 4, GRAD_BLOCK, og), n * 4),
+        "qgZ unpack+dequantize, torch ops": (
+            lambda: dequantize(unpack_bits(qg.view(1, -1), 4, n), sg.view(1, -1), GRAD_BLOCK,
+                               dtype=torch.float32), n * 4),
     }
     t = {k: [] for k in ops}
     for _ in range(a.reps):
@@ -166,9 +174,9 @@ def quant_bench(a) -> None:
             fn()
             t[k].append(time.perf_counter() - t0)
     print(f"{n} elements, {a.threads} thread(s), median of {a.reps} interleaved repetitions; "
-          f"GB/s of the full-precision tensor (copies: read + write)")
+          f"GB/s of the full-precision tensor read or written")
     for k, (_, nbytes) in ops.items():
-        print(f"  {k:<36}{nbytes / statistics.median(t[k]) / 1e9:8.2f} GB/s")
+        print(f"  {k:<38}{nbytes / statistics.median(t[k]) / 1e9:8.2f} GB/s")
 
 
 def main() -> None:

@@ -39,30 +39,32 @@ inline uint16_t f32_to_bf16(float f) {           // round to nearest even, NaN k
     return static_cast<uint16_t>(u >> 16);
 }
 
-// one block of src (len elements) into fp32 tmp; returns absmax (NaN/inf if present)
+// one block of src (len elements) into fp32 tmp; returns absmax; *bad: inf/NaN present.
+// The absmax is taken on the bits (|x| as uint32 orders like the float, NaN above inf),
+// which vectorizes where a float max reduction would not (NaN semantics).
 inline float load_block(const void* src, int dtype, size_t off, size_t len, float* tmp,
                         bool* bad) {
-    float amax = 0.f;
-    bool nonfinite = false;
+    uint32_t mx = 0;
     if (dtype == kF32) {
-        const float* p = static_cast<const float*>(src) + off;
+        const uint32_t* p = static_cast<const uint32_t*>(src) + off;
         for (size_t i = 0; i < len; ++i) {
-            tmp[i] = p[i];
+            const uint32_t u = p[i];
+            std::memcpy(&tmp[i], &u, 4);
+            const uint32_t a = u & 0x7fffffffu;
+            mx = a > mx ? a : mx;
         }
     } else {
         const uint16_t* p = static_cast<const uint16_t*>(src) + off;
         for (size_t i = 0; i < len; ++i) {
-            tmp[i] = bf16_to_f32(p[i]);
+            const uint32_t u = static_cast<uint32_t>(p[i]) << 16;
+            std::memcpy(&tmp[i], &u, 4);
+            const uint32_t a = u & 0x7fffffffu;
+            mx = a > mx ? a : mx;
         }
     }
-    for (size_t i = 0; i < len; ++i) {
-        float a = std::fabs(tmp[i]);
-        amax = a > amax ? a : amax;
-    }
-    for (size_t i = 0; i < len; ++i) {
-        nonfinite |= !(std::fabs(tmp[i]) <= FLT_MAX);
-    }
-    *bad = nonfinite;
+    *bad = mx >= 0x7f800000u;
+    float amax;
+    std::memcpy(&amax, &mx, 4);
     return amax;
 }
 
@@ -84,11 +86,16 @@ void quantize(uintptr_t src, int dtype, size_t n, size_t block, int bits, uintpt
     float* sc = reinterpret_cast<float*>(scales);
     py::gil_scoped_release nogil;
     float tmp[4096];
+    int8_t qtmp_small[4096];
     float* buf = tmp;
+    int8_t* qtmp = qtmp_small;
     std::unique_ptr<float[]> big;
+    std::unique_ptr<int8_t[]> qbig;
     if (block > 4096) {
         big.reset(new float[block]);
+        qbig.reset(new int8_t[block]);
         buf = big.get();
+        qtmp = qbig.get();
     }
     int8_t* q8 = reinterpret_cast<int8_t*>(out);
     uint32_t* q4 = reinterpret_cast<uint32_t*>(out);
@@ -99,32 +106,41 @@ void quantize(uintptr_t src, int dtype, size_t n, size_t block, int bits, uintpt
         const float amax = load_block(reinterpret_cast<const void*>(src), dtype, off, len, buf, &bad);
         const float s = block_scale(amax, qmax, bad);
         sc[b] = s;
-        const float div = bad ? 1.f : s;
-        if (bits == 8) {
-            int8_t* o = q8 + off;
+        // q = clamp(round_half_even(x / s)): |x / s| <= qmax (+1 ulp), so adding and
+        // subtracting 1.5 * 2^23 rounds to the nearest integer, ties to even (the FPU's
+        // default mode; no -ffast-math here, so the compiler keeps both operations)
+        int8_t* qb = qtmp;
+        if (bad) {
+            for (size_t i = 0; i < len; ++i) qb[i] = 0;
+        } else {
+            const float magic = 12582912.f;
             for (size_t i = 0; i < len; ++i) {
-                float v = bad ? 0.f : std::nearbyint(buf[i] / div);
-                v = v < qmin ? qmin : (v > qmax ? qmax : v);
-                o[i] = static_cast<int8_t>(v);
+                const float v = (buf[i] / s + magic) - magic;
+                int iv = static_cast<int>(v);
+                iv = iv < qmin ? qmin : iv;
+                iv = iv > qmax ? qmax : iv;
+                qb[i] = static_cast<int8_t>(iv);
             }
+        }
+        if (bits == 8) {
+            std::memcpy(q8 + off, qb, len);
         } else {
             // off is a multiple of 8 (block % 8 == 0): whole words, a partial last one
+            // (past the end: 0 bits, as pack_bits pads)
             uint32_t* o = q4 + off / 8;
-            const size_t words = (len + 7) / 8;
-            for (size_t w = 0; w < words; ++w) {
+            const size_t full = len / 8;
+            for (size_t w = 0; w < full; ++w) {
+                const int8_t* e = qb + 8 * w;
                 uint32_t word = 0;
-                for (size_t j = 0; j < 8; ++j) {
-                    const size_t i = w * 8 + j;
-                    // past the end: 0 bits (as pack_bits pads); a bad block: 0 (+ offset)
-                    uint32_t u = i < len ? 8u : 0u;
-                    if (i < len && !bad) {
-                        float v = std::nearbyint(buf[i] / div);
-                        v = v < qmin ? qmin : (v > qmax ? qmax : v);
-                        u = static_cast<uint32_t>(static_cast<int>(v) + 8);
-                    }
-                    word |= u << (4 * j);
-                }
+                for (int j = 0; j < 8; ++j)
+                    word |= static_cast<uint32_t>(e[j] + 8) << (4 * j);
                 o[w] = word;
+            }
+            if (len % 8) {
+                uint32_t word = 0;
+                for (size_t j = 0; j < len % 8; ++j)
+                    word |= static_cast<uint32_t>(qb[8 * full + j] + 8) << (4 * j);
+                o[full] = word;
             }
         }
     }
@@ -138,6 +154,8 @@ void dequantize(uintptr_t q, size_t n, size_t block, int bits, uintptr_t scales,
     if (n && (!q || !out || !scales)) throw std::invalid_argument("dequantize: null pointer");
     const float* sc = reinterpret_cast<const float*>(scales);
     py::gil_scoped_release nogil;
+    std::unique_ptr<float[]> tmp_own(new float[block]);
+    float* tmp = tmp_own.get();
     const int8_t* q8 = reinterpret_cast<const int8_t*>(q);
     const uint32_t* q4 = reinterpret_cast<const uint32_t*>(q);
     float* o32 = reinterpret_cast<float*>(out);
@@ -155,11 +173,15 @@ void dequantize(uintptr_t q, size_t n, size_t block, int bits, uintptr_t scales,
             }
         } else {
             const uint32_t* in = q4 + off / 8;
+            float* x = tmp;                  // unpack + scale (vectorizes), then store
             for (size_t i = 0; i < len; ++i) {
-                const int v = static_cast<int>((in[i / 8] >> (4 * (i % 8))) & 0xfu) - 8;
-                const float x = static_cast<float>(v) * s;
-                if (out_dtype == kF32) o32[off + i] = x;
-                else o16[off + i] = f32_to_bf16(x);
+                const int v = static_cast<int>((in[i >> 3] >> ((i & 7u) << 2)) & 0xfu) - 8;
+                x[i] = static_cast<float>(v) * s;
+            }
+            if (out_dtype == kF32) {
+                std::memcpy(o32 + off, x, len * 4);
+            } else {
+                for (size_t i = 0; i < len; ++i) o16[off + i] = f32_to_bf16(x[i]);
             }
         }
     }
