@@ -2,12 +2,13 @@
 """ZeRO++ on a throttled inter-node link: step time of qwZ, hpZ, qgZ and all three against
 plain ZeRO-3, on 4 local gloo ranks acting as 2 nodes x 2 (``LOCAL_WORLD_SIZE=2``).
 
-The machine has no slow link between "nodes", so one is simulated: every collective's
-bytes addressed to ranks of another node (the ``*_sent_inter_bytes`` convention of
-``engine.stats()``) are charged ``bytes / --inter-gbps`` seconds of sleep on the thread
-that issues it (the fetch worker for parameter gathers, which overlaps compute as the real
-link would; the training thread or the qgZ worker for gradients).  Intra-node traffic is
-not charged.  Every variant trains the same seeded bf16 Llama causal LM; the variants
+The machine has no slow link between "nodes", so one is simulated per rank: every
+collective's bytes addressed to ranks of another node (the ``*_sent_inter_bytes``
+convention of ``engine.stats()``) go through one FIFO "link" that takes
+``bytes / --inter-gbps`` seconds per transfer, shared by all the rank's threads; a
+collective completes once its bytes went through (a blocking one before it returns, an
+asynchronous one in its ``wait()``: prefetched gathers and the plain reduce-scatter still
+overlap compute, as on a real link).  Intra-node traffic is not charged.  Every variant trains the same seeded bf16 Llama causal LM; the variants
 alternate round by round in the same processes; the first step of each round is warm-up.
 Prints the median step time of each, its ratio to plain ZeRO-3, and the bytes each rank
 sent per step (total / to the other node).
@@ -42,15 +43,48 @@ COUNTERS = ("allgather_sent_bytes", "allgather_sent_inter_bytes", "grad_comm_sen
             "grad_comm_sent_inter_bytes")
 
 
+class _Charged:
+    """An asynchronous collective that also waits for its bytes on the simulated link."""
+    __slots__ = ("h", "fut")
+
+    def __init__(self, h, fut):
+        self.h, self.fut = h, fut
+
+    def wait(self):
+        self.fut.result()
+        self.h.wait()
+
+
 def throttle(gbps: float) -> None:
+    """This rank's link to the other node: one FIFO resource (a thread that sleeps bytes /
+    bandwidth per transfer), shared by every thread's collectives.  A collective's
+    inter-node bytes (counted by Comm.count_sent just before it is issued) are queued on it;
+    a blocking collective returns once they went through, an asynchronous one's wait() too
+    (so the plain reduce-scatter still overlaps backward, as on a real link)."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
     from infinity.zero.comm import Comm
-    orig = Comm.count_sent
+    wire = ThreadPoolExecutor(1, thread_name_prefix="simulated-inter-node-link")
+    pending = threading.local()
+    orig_count, orig_run = Comm.count_sent, Comm._run
 
     def count_sent(self, kind, sent, inter):
-        orig(self, kind, sent, inter)
-        if inter:
-            time.sleep(inter / (gbps * 1e9))
+        orig_count(self, kind, sent, inter)
+        pending.inter = getattr(pending, "inter", 0) + inter
+
+    def _run(self, fn, what, async_op, post=None, link=None, nbytes=0):
+        inter, pending.inter = getattr(pending, "inter", 0), 0
+        fut = wire.submit(time.sleep, inter / (gbps * 1e9)) if inter else None
+        h = orig_run(self, fn, what, async_op, post, link, nbytes)
+        if fut is None:
+            return h
+        if h is None:
+            fut.result()
+            return None
+        return _Charged(h, fut)
+
     Comm.count_sent = count_sent
+    Comm._run = _run
 
 
 def child(a) -> None:

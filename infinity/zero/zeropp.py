@@ -137,14 +137,18 @@ class ZeroPP:
             self._keep_secondary(gid, buf)
 
     def _gather_quantized(self, buf: torch.Tensor, shard: torch.Tensor, name: str) -> None:
+        """One all-gather of [int8 values | fp32 scales as bytes] per rank, then every
+        rank's shard dequantized into ``buf`` (its own included)."""
         w = self.comm.world_size
         q, sc = quantize_flat(shard, WEIGHT_BITS, WEIGHT_BLOCK)
-        q_all = torch.empty(w * q.numel(), dtype=q.dtype, device=buf.device)
-        s_all = torch.empty(w * sc.numel(), dtype=sc.dtype, device=buf.device)
-        self.comm.all_gather_into(q_all, q.to(buf.device), group="param",
-                                  name=name + " (qwZ int8)")
-        self.comm.all_gather_into(s_all, sc.to(buf.device), group="param",
-                                  name=name + " (qwZ scales)")
+        nq, ns = q.numel(), sc.numel() * 4
+        mine = torch.empty(nq + ns, dtype=torch.uint8, device=buf.device)
+        mine[:nq].copy_(q.view(torch.uint8))
+        mine[nq:].copy_(sc.view(torch.uint8))
+        rows = torch.empty(w, nq + ns, dtype=torch.uint8, device=buf.device)
+        self.comm.all_gather_into(rows.view(-1), mine, group="param", name=name + " (qwZ int8)")
+        q_all = rows[:, :nq].contiguous().view(torch.int8).view(-1)
+        s_all = rows[:, nq:].contiguous().view(torch.float32).view(-1)
         dequantize_flat(q_all, s_all, buf.numel(), WEIGHT_BITS, WEIGHT_BLOCK, buf)
 
     def _keep_secondary(self, gid: int, buf: torch.Tensor) -> None:
@@ -186,18 +190,21 @@ class ZeroPP:
 
     def _exchange(self, rows: torch.Tensor, group: str, name: str) -> torch.Tensor:
         """Quantize ``rows`` (one row per peer of ``group``, in group order), all-to-all them
-        and return the dequantized rows received (fp32, same shape)."""
+        (one collective: each row [packed int4 words | fp32 scales as int32]) and return the
+        dequantized rows received (fp32, same shape)."""
         p, n = rows.shape
         if n % GRAD_BLOCK:
             raise ValueError(f"qgZ: rows of {n} elements are not whole blocks of {GRAD_BLOCK}")
         q, sc = quantize_flat(rows.contiguous(), GRAD_BITS, GRAD_BLOCK)
         q, sc = q.view(p, -1), sc.view(p, -1)
-        got_q = torch.empty_like(q)
-        got_s = torch.empty_like(sc)
-        self.comm.all_to_all_into(got_q, q, group=group, name=name + " (qgZ int4)")
-        self.comm.all_to_all_into(got_s, sc, group=group, name=name + " (qgZ scales)")
+        nq = q.shape[1]
+        send = torch.cat([q, sc.view(torch.int32)], dim=1)
+        got = torch.empty_like(send)
+        self.comm.all_to_all_into(got, send, group=group, name=name + " (qgZ int4)")
         out = torch.empty(p, n, dtype=torch.float32, device=rows.device)
-        return dequantize_flat(got_q, got_s, p * n, GRAD_BITS, GRAD_BLOCK, out)
+        return dequantize_flat(got[:, :nq].contiguous().view(-1),
+                               got[:, nq:].contiguous().view(torch.float32).view(-1),
+                               p * n, GRAD_BITS, GRAD_BLOCK, out)
 
     def _qgz(self, out: torch.Tensor, full: torch.Tensor, name: str, marker):
         """Worker thread: the two-level quantized reduction of ``full`` into ``out``."""

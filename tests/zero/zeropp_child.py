@@ -1,13 +1,11 @@
 """One rank of a ZeRO++ run (spawned by zero_harness.run_ranks with LOCAL_WORLD_SIZE set, so
 4 ranks act as 2 nodes x 2).  Spec (JSON): {"runs": [{"name", "config", "steps", "env"}],
-"model": {...LlamaConfig kwargs}, "batch": int, "seq": int, "inter_gbps": float|None}.
+"model": {...LlamaConfig kwargs}, "batch": int, "seq": int}.
 
 For each run: a seeded small Llama causal LM, ``steps`` steps of a seeded next-token task
 (each rank its slice of the global batch), the global mean loss per step, the four
 ``*_sent_*`` counters of ``engine.stats()``, the step seconds, and a hash of the gathered
-final parameters.  ``inter_gbps``: the throttled link of the benchmark
-(``tools/bench_zeropp.py``): every collective's bytes to other nodes are charged
-bytes / bandwidth of sleep on the issuing thread.
+final parameters.
 """
 import hashlib
 import json
@@ -46,18 +44,6 @@ def make_tokens(vocab, n_batches, batch, seq, seed=7):
     return out
 
 
-def throttle(gbps):
-    """Charge bytes / bandwidth (sleep) for the inter-node part of every collective."""
-    from infinity.zero.comm import Comm
-    orig = Comm.count_sent
-
-    def count_sent(self, kind, sent, inter):
-        orig(self, kind, sent, inter)
-        if inter:
-            time.sleep(inter / (gbps * 1e9))
-    Comm.count_sent = count_sent
-
-
 def main():
     spec = json.loads(open(sys.argv[1]).read())
     out_path = sys.argv[2]
@@ -66,8 +52,6 @@ def main():
     import infinity
     from infinity.zero.comm import ensure_process_group
     from infinity.zero.distributed import gathered_state_dict
-    if spec.get("inter_gbps"):
-        throttle(float(spec["inter_gbps"]))
     rank, ws = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     batch, seq = spec["batch"], spec["seq"]
     result = {"rank": rank, "runs": {}}
