@@ -15,6 +15,13 @@
   reductions, issued only by the training thread).  Collectives are matched across ranks
   by their order *within one process group*; keeping each group to a single issuing
   thread keeps that order identical on every rank while both overlap.
+* Bytes this rank *sends* are counted by convention (gloo is opaque) into the accounting's
+  ``allgather_sent_bytes`` / ``grad_comm_sent_bytes`` and their ``*_inter_bytes`` part to
+  ranks of other nodes (nodes from ``LOCAL_WORLD_SIZE``, :mod:`infinity.zero.hierarchy`):
+  an all-gather sends this rank's shard to every other rank of its group, a
+  reduce-scatter every other rank its chunk, an all-to-all each peer its row; a gradient
+  all-reduce counts as a reduce-scatter plus an all-gather.  ZeRO++'s sub-groups
+  (:mod:`infinity.zero.zeropp`) are registered with :meth:`Comm.add_group`.
 * Every collective returns a :class:`CommHandle` (``wait()``), or waits itself when
   ``async_op=False``.  A failure — including a peer that died or stopped participating,
   which gloo/NCCL turn into an error after the process-group timeout — raises
