@@ -83,7 +83,10 @@ class ZeroSetup:
             from infinity.zero.partitioned_memory import PartitionedMemoryManager
             return PartitionedMemoryManager(groups, comm=self.comm, zeropp=self.zeropp, **kw)
         from infinity.memory.manager import MemoryManager
-        return MemoryManager(groups, **kw)
+        mm = MemoryManager(groups, **kw)
+        if self.zeropp is not None:          # qgZ at stage 2 orders its reads after compute
+            self.zeropp.attach_device(mm.dev)
+        return mm
 
     def optimizer(self, model, cfg, groups, names, **kw):
         from infinity.zero.partitioned_optimizer import PartitionedOptimizer
