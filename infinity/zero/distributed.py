@@ -139,8 +139,9 @@ def partition_placement(placement, zero: "ZeroSetup | None") -> None:
         placement.device[f"gradients awaiting reduce-scatter (fp32, {k + 3} x largest group "
                          f"+ {2 * k + 1} shards)"] = (k + 3) * full + (2 * k + 1) * shard
         placement.host[f"reduced gradient shard D2H staging ({k} shards)"] = k * shard
-    if zero.zeropp is not None:
-        zeropp_placement(placement, zero.zeropp, zero.stage)
+    zpp = getattr(zero, "zeropp", None)
+    if zpp is not None:
+        zeropp_placement(placement, zpp, zero.stage)
     if zero.spill:
         key = "fp32 gradient accumulation"
         if key in placement.host:
