@@ -15,7 +15,8 @@
   reductions, issued only by the training thread).  Collectives are matched across ranks
   by their order *within one process group*; keeping each group to a single issuing
   thread keeps that order identical on every rank while both overlap.
-* Every collective returns a :class:`CommHandle` (``wait()``), or waits itself when
+* Every collective returns a :class:`CommHandle` (``wait()``; ``done()`` asks without
+  blocking), or waits itself when
   ``async_op=False``.  A failure — including a peer that died or stopped participating,
   which gloo/NCCL turn into an error after the process-group timeout — raises
   :class:`CollectiveError` naming this rank, the collective, the tensor and the timeout.
@@ -149,6 +150,16 @@ class CommHandle:
         self.done_ = False
         self.link = link
         self.nbytes = nbytes
+
+    def done(self) -> bool:
+        """Whether ``wait()`` would return at once (the collective completed or failed);
+        never blocks.  ``wait()`` still has to be called to run the completion action."""
+        if self.done_ or self.work is None:
+            return True
+        try:
+            return bool(self.work.is_completed())
+        except Exception:  # noqa: BLE001 - a backend without the query: wait() tells
+            return True
 
     def wait(self) -> None:
         if self.done_:

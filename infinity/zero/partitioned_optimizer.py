@@ -92,6 +92,9 @@ class PartitionedOptimizer(EngineOptimizer):
         self._grad_valid: dict[int, bool] = {}
         self._grad_sq: dict[int, float] = {}
         self._writes: list = []          # (io handle, buffers to give back)
+        # Note [Overlap across ranks] (infinity/engine/overlap.py): called with ``g`` once
+        # its averaged shard is final in ``g.grad_buf`` (the engine's OverlappedStep)
+        self.on_shard_final = None
 
     # ------------------------------------------------------------------ shards
     def shard(self, g: GroupRecord) -> tuple[int, int]:
@@ -184,6 +187,25 @@ class PartitionedOptimizer(EngineOptimizer):
         self._queue_flush()
         if not missing and g.gid not in self._launched:
             self._reduce(g)
+        self.poll_reductions()
+
+    def poll_reductions(self) -> None:
+        """Without blocking: finish the reductions whose collective completed (their
+        averaged shards go into the accumulation now, not when the window of
+        ``MAX_INFLIGHT_REDUCTIONS`` forces a wait or backward ends), so a group's shard
+        is final as early as the network allows (Note [Overlap across ranks])."""
+        if self._inflight:
+            for h in [h for h in self._inflight if h.done()]:
+                self._inflight.remove(h)
+                h.wait()                   # at once; raises a failed collective's error
+        if self._landing:
+            self._poll_landing()
+
+    def _landed(self, g: GroupRecord) -> None:
+        """``g``'s averaged shard is in ``g.grad_buf`` (for this backward)."""
+        cb = self.on_shard_final
+        if cb is not None:
+            cb(g)
 
     def _queue_flush(self) -> None:
         if self._flush_queued:
@@ -226,7 +248,7 @@ class PartitionedOptimizer(EngineOptimizer):
             x = self.dev.d2h(host, summed)
             if self._adder is not None:    # the worker waits for the copy and adds
                 fut = self._adder.submit(self._add_shard, x, g, host)
-                self._landing.append((fut, x, host, bufs))
+                self._landing.append((fut, x, host, bufs, g))
                 self._poll_landing()
                 if len(self._landing) > MAX_INFLIGHT_REDUCTIONS:   # as the plan counts
                     self._poll_landing(oldest=True)
@@ -241,6 +263,7 @@ class PartitionedOptimizer(EngineOptimizer):
             g.grad_buf.add_(summed)
             for b in bufs:
                 self.host_pool.give_back(b)
+            self._landed(g)
             return
         ext = self._grad_ext[g.gid]
         if self._grad_valid[g.gid]:       # accumulation: add what earlier micro-steps left
@@ -267,7 +290,7 @@ class PartitionedOptimizer(EngineOptimizer):
         q = self._landing
         while q and (wait or oldest or q[0][0].done()):
             oldest = False
-            fut, x, host, bufs = q.popleft()
+            fut, x, host, bufs, g = q.popleft()
             try:
                 fut.result()                 # re-raises the worker's error here
             finally:
@@ -277,6 +300,7 @@ class PartitionedOptimizer(EngineOptimizer):
                 self.host_pool.give_back(host)
                 for b in bufs:
                     self.dev.give_back(b)
+            self._landed(g)
 
     def _wait_write(self) -> None:
         h, bufs, nbytes, t0 = self._writes.pop(0)
@@ -332,12 +356,15 @@ class PartitionedOptimizer(EngineOptimizer):
     def _zero_unwritten(self, skip=()) -> None:
         # stages 2, 3: every group is reduced into its (zeroed) shard buffer each backward,
         # so there is nothing stale; the shard buffer is not indexed by slot offsets
-        # (nothing is stepped during backward across ranks: ``skip`` is always empty)
+        # (``skip``: groups stepped during backward, stage 3 only, kept their shards)
         if self.stage == 1:
             super()._zero_unwritten(skip)
 
-    def grad_norm(self) -> float:
-        """Global L2 norm of the averaged gradient (squared shard norms summed over ranks)."""
+    def grad_norm(self, skip: dict[int, float] | None = None) -> float:
+        """Global L2 norm of the averaged gradient (squared shard norms summed over ranks).
+        ``skip`` (groups stepped during backward) is not needed: their shards are kept
+        until the boundary, so every shard is summed here and the decision (clip, skip)
+        is the same on every rank."""
         if self.spill:
             local = sum(self._grad_sq.values())
             return self.comm.all_reduce_scalar(local, name="squared gradient norm") ** 0.5
