@@ -55,6 +55,8 @@ def child(a) -> dict:
     t0 = time.perf_counter()
     eng = infinity.initialize(model, cfg)
     init_s = time.perf_counter() - t0
+    if a.no_overlap:
+        eng.overlap_optimizer_step = False
     x, y = e2e_model.make_batch(a.tokens, a.hidden, seed=1 + rank)
     steps, fb, opt = [], [], []
     prof = None
@@ -156,6 +158,9 @@ def main(argv=None) -> int:
                          "runs infinity only")
     ap.add_argument("--config", default=None,
                     help="JSON merged into infinity's config (e.g. to A/B a setting)")
+    ap.add_argument("--no-overlap", action="store_true",
+                    help="infinity: step every group at the boundary (engine."
+                         "overlap_optimizer_step = False), for A/B runs")
     ap.add_argument("--profile", default=None, help="engine.profile per rank into DIR/rank<r>")
     ap.add_argument("--timeout", type=float, default=3600)
     ap.add_argument("--json", action="store_true", help="also print one JSON line at the end")
@@ -180,6 +185,8 @@ def main(argv=None) -> int:
             cmd.append(f"--config={a.config}")
         if a.profile:
             cmd.append(f"--profile={a.profile}")
+        if a.no_overlap:
+            cmd.append("--no-overlap")
         return cmd
 
     def ds_cmd(r):

@@ -114,7 +114,9 @@ log = logging.getLogger("infinity.engine")
 # the early step passes it as StepItem.master_buf, so the tile pipeline updates it in
 # place and writes the master tiles from it instead of reading them again.  A group with
 # a cached copy needs none: the copy is its master (Note [Cache write-through] in
-# infinity/memory/manager.py).  At most MAX_HANDOFF buffers are held at once.
+# infinity/memory/manager.py).  At most MAX_HANDOFF buffers are held at once.  Across
+# ranks (ZeRO stage 3, zero-copy tier) the released buffer holds the gathered group and
+# this rank's slice [lo, hi) of it is its shard's master, just read from NVMe: the same.
 
 __all__ = ["OverlappedStep", "eligible", "MAX_HANDOFF", "GRAD_WINDOW"]
 
@@ -164,8 +166,10 @@ class OverlappedStep:
         self.sharded = sharded
         if sharded:
             opt.on_shard_final = self.grad_final
-        # master hand-off (fp32 NVMe params): gid -> released buffer awaiting its step
-        self.handoff = opt.precision == "fp32" and not sharded
+        # master hand-off (fp32 NVMe params): gid -> released buffer awaiting its step;
+        # across ranks this rank's slice of the gathered buffer is its shard's master
+        # (on a zero-copy tier: the CPU optimizer cannot update device memory)
+        self.handoff = opt.precision == "fp32" and (not sharded or bool(mm.dev.zero_copy))
         self._held: dict[int, torch.Tensor] = {}
         # (future, group, handed-off buffer or None) of every submitted group step
         self._stepping: list[tuple[Future, GroupRecord, torch.Tensor | None]] = []
@@ -356,7 +360,11 @@ class OverlappedStep:
             # what the next forward uses, so it must be the one updated
             self.mm.give_back_device(buf)
             buf = None
-        item, kw = self.opt.early_item(g, master_buf=buf)   # a cached copy: its own
+        master = buf
+        if buf is not None and self.sharded:  # this rank's shard of the gathered values
+            lo, hi = self.opt.shard(g)
+            master = buf[lo:hi]
+        item, kw = self.opt.early_item(g, master_buf=master)   # a cached copy: its own
         store = self.opt.store
         undo = store.host_state_bytes(item.key, master_in_hand=item.master_buf is not None)
         if self.txn is not None and undo and self.undo_budget is not None \

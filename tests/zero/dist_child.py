@@ -121,7 +121,8 @@ def main():
                                        "on_demand_fetches": stats.get("on_demand_fetches", 0),
                                        **{k: stats.get(k, 0) for k in (
                                            "optimizer_groups_overlapped", "optimizer_clip_redos",
-                                           "optimizer_groups_redone")},
+                                           "optimizer_groups_redone",
+                                           "optimizer_master_handoffs")},
                                        **{k: stats.get(k, 0) for k in (
                                            "h2d_bytes", "d2h_bytes", "device_peak_bytes",
                                            "device_cap_bytes", "device_budget_overflows")},

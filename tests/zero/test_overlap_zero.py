@@ -7,7 +7,8 @@ reduce-scatter landed, while backward goes on.
   overlap on and really used (``optimizer_groups_overlapped`` > 0 on every rank at stage 3),
   homes cpu / nvme, with clipping (speculative steps redone clipped) and accumulation, also
   on the simulated device tier; stages 1-2 run in the same spawns (nothing is paged there,
-  so nothing may be stepped early: the counter must stay 0).
+  so nothing may be stepped early: the counter must stay 0); fp32 NVMe homes hand this
+  rank's slice of the released gathered buffer to its early step as the master.
 * failure: a rank whose overlapped group steps raise, or whose backward raises after
   group steps started on every rank, makes every rank raise; no rank's shards move.
 """
@@ -45,6 +46,10 @@ def _runs(tmp_path, combos):
     return runs
 
 
+def home_of(run):
+    return run["config"]["offload"]["params"]
+
+
 def _run(tmp_path, combos, world_size):
     runs = _runs(tmp_path, combos)
     res = run_ranks("dist_child.py", {"runs": runs}, tmp_path, world_size=world_size,
@@ -60,6 +65,9 @@ def _run(tmp_path, combos, world_size):
             st = r.result["runs"][name]
             if run["config"]["zero_stage"] == 3:
                 assert st["optimizer_groups_overlapped"] > 0, (name, r.rank, st)
+                if home_of(run) == "nvme" and "sim" not in name:
+                    # Note [Master hand-off]: this rank's slice of the gathered buffer
+                    assert st["optimizer_master_handoffs"] > 0, (name, r.rank, st)
             else:
                 assert st["optimizer_groups_overlapped"] == 0, (name, r.rank, st)
         if "clip" in name and run["config"]["zero_stage"] == 3:
