@@ -270,11 +270,13 @@ class Comm:
             tl.add(link, link, t0, t1, nbytes)
 
     def _run(self, fn, what: str, async_op: bool, post=None, link=None, nbytes=0):
+        t0 = time.perf_counter()       # (a blocking call has finished when fn returns)
         try:
             work = fn()
         except Exception as e:
             raise self.error(what, e) from e
         h = CommHandle(self, work, what, post, link, nbytes)
+        h.t0 = t0
         if not async_op:
             h.wait()
             return None
