@@ -11,7 +11,8 @@ and keeps the fp32 master, ``exp_avg`` and ``exp_avg_sq`` of that shard only (ke
 * stage 2: the gradient is partitioned too.  During backward a group's gradients land in
   a transient full-size buffer; as soon as every trainable parameter of the group has its
   gradient, an *asynchronous* reduce-scatter leaves this rank only its averaged slice,
-  added into a persistent shard-sized accumulation buffer, while backward continues with
+  accumulated in a persistent shard-sized buffer (the window's first reduction lands in it
+  directly, later micro-steps' are added), while backward continues with
   the next groups.  At the end of backward the outstanding reductions are waited for
   (and groups that received no gradient on this rank are reduced too, with zeros, in
   group order, so every rank issues the same collectives).  After the step the updated
@@ -95,6 +96,9 @@ class PartitionedOptimizer(EngineOptimizer):
         # Note [Overlap across ranks] (infinity/engine/overlap.py): called with ``g`` once
         # its averaged shard is final in ``g.grad_buf`` (the engine's OverlappedStep)
         self.on_shard_final = None
+        # stages 2, 3 on host memory: groups whose shard accumulation holds nothing of
+        # this window yet (their first reduction lands in it directly)
+        self._fresh: set[int] = set()
 
     # ------------------------------------------------------------------ shards
     def shard(self, g: GroupRecord) -> tuple[int, int]:
@@ -129,6 +133,7 @@ class PartitionedOptimizer(EngineOptimizer):
                 continue
             g.grad_buf = self.host_pool.lease((hi - lo) * 4, torch.float32)
             g.grad_buf.zero_()
+            self._fresh.add(g.gid)
 
     # ------------------------------------------------------------------ registration
     def register(self, g: GroupRecord, init_fp32: torch.Tensor | None) -> None:
@@ -227,11 +232,17 @@ class PartitionedOptimizer(EngineOptimizer):
         if self.on_device:
             out = self.dev.lease_or_overflow((hi - lo) * 4, torch.float32,
                                              "a reduced gradient shard")
+        elif not self.spill and g.gid in self._fresh:
+            # the window's first reduction of g: straight into its accumulation (nothing
+            # to add to; nothing reads it before this lands)
+            out = g.grad_buf
         else:
             out = self.host_pool.lease((hi - lo) * 4, torch.float32)
+        self._fresh.discard(g.gid)
+        bufs = [full] if out is g.grad_buf else [out, full]
         h = self.comm.reduce_scatter_sum(
             out, full, async_op=True, name=name,
-            post=lambda g=g, out=out, full=full: self._shard_done(g, out, [out, full]))
+            post=lambda g=g, out=out, bufs=bufs: self._shard_done(g, out, bufs))
         self._inflight.append(h)
         while len(self._inflight) > MAX_INFLIGHT_REDUCTIONS:
             self._inflight.pop(0).wait()
@@ -239,6 +250,11 @@ class PartitionedOptimizer(EngineOptimizer):
     def _shard_done(self, g: GroupRecord, summed: torch.Tensor, bufs: list) -> None:
         """``summed``: this rank's slice of the gradient summed over ranks."""
         summed.mul_(1.0 / self.comm.world_size)
+        if summed is g.grad_buf:           # landed where it accumulates (_reduce)
+            for b in bufs:
+                self.host_pool.give_back(b)
+            self._landed(g)
+            return
         if self.on_device:                 # only the averaged shard leaves the device
             for b in bufs:                 # the reduce-scatter's input is done with
                 if b is not summed:
@@ -350,8 +366,11 @@ class PartitionedOptimizer(EngineOptimizer):
                 if self.spill:
                     self._grad_valid[g.gid] = False
                     self._grad_sq[g.gid] = 0.0
+                elif g.gid in self._fresh:
+                    continue               # nothing written since the last reset
                 else:
                     g.grad_buf.zero_()
+                    self._fresh.add(g.gid)
 
     def _zero_unwritten(self, skip=()) -> None:
         # stages 2, 3: every group is reduced into its (zeroed) shard buffer each backward,

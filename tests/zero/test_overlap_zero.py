@@ -22,7 +22,7 @@ from test_stages import BATCH, STEPS, base_config, check_run  # noqa: E402
 from zero_harness import run_ranks  # noqa: E402
 
 SIM = {"INFINITY_SIMULATE_DEVICE": "1"}
-FAIL_TIMEOUT_S = 3
+FAIL_TIMEOUT_S = 8     # the survivor waits this long; shorter is flaky on a loaded machine
 CLIP = 3.0    # the awkward model's gradient norm (1-6.6) crosses it during the run
 
 
