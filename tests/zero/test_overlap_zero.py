@@ -83,6 +83,11 @@ def test_overlap_parity_2_ranks(tmp_path):
          world_size=2)
 
 
+def test_overlap_parity_4_ranks(tmp_path):
+    """Default slice at world size 4: stage 3 on NVMe with clipping and accumulation."""
+    _run(tmp_path, [(3, "nvme", "clip", "gas")], world_size=4)
+
+
 def _matrix():
     out = []
     for stage in (1, 2, 3):
