@@ -103,6 +103,7 @@ class PartitionedOptimizer(EngineOptimizer):
         # stages 2, 3 on host memory: groups whose shard accumulation holds nothing of
         # this window yet (their first reduction lands in it directly)
         self._fresh: set[int] = set()
+        self._dropping = False           # abandon_window: landing reductions are dropped
 
     # ------------------------------------------------------------------ shards
     def shard(self, g: GroupRecord) -> tuple[int, int]:
@@ -274,6 +275,11 @@ class PartitionedOptimizer(EngineOptimizer):
 
     def _shard_done(self, g: GroupRecord, summed: torch.Tensor, bufs: list) -> None:
         """``summed``: this rank's slice of the gradient summed over ranks."""
+        if self._dropping:                 # its window was abandoned: buffers back only
+            for b in bufs:
+                if b is not g.grad_buf:
+                    self._give_full(b)
+            return
         summed.mul_(1.0 / self.comm.world_size)
         if summed is g.grad_buf:           # landed where it accumulates (_reduce)
             for b in bufs:
@@ -376,6 +382,22 @@ class PartitionedOptimizer(EngineOptimizer):
         self._poll_landing(wait=True)
         while self._writes:
             self._wait_write()
+
+    def abandon_window(self) -> None:
+        """The window is dropped (Note [window abort]): reductions still in flight are
+        waited for and their shards thrown away (one may be writing into a shard
+        accumulation, _reduce), so nothing of this window lands in the next one."""
+        inflight, self._inflight = self._inflight, []
+        self._dropping = True
+        try:
+            for h in inflight:
+                try:
+                    h.wait()
+                except Exception as e:  # noqa: BLE001 - the window is dropped anyway
+                    log.debug("zero: a reduction of the abandoned window failed: %s", e)
+        finally:
+            self._dropping = False
+        super().abandon_window()
 
     def zero_grad(self) -> None:
         self._poll_landing(wait=True)       # nothing may land after the reset
