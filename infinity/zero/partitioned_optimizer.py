@@ -67,6 +67,8 @@ class PartitionedOptimizer(EngineOptimizer):
         self.comm = comm
         self.stage = stage
         self.part = Partition(comm.rank, comm.world_size)
+        # the gradient reduction of stages 2-3 (ZeRO++ qgZ replaces it: ZeroSetup.optimizer)
+        self.reduce_scatter_sum = comm.reduce_scatter_sum
         # stages 2, 3 on separate device memory (attach_device): each group's gradient is
         # assembled and reduce-scattered on the device; only the shard leaves it (D2H)
         self.dev = None
@@ -266,7 +268,7 @@ class PartitionedOptimizer(EngineOptimizer):
             out = self.host_pool.lease((hi - lo) * 4, torch.float32)
         self._fresh.discard(g.gid)
         bufs = [full] if out is g.grad_buf else [out, full]
-        h = self.comm.reduce_scatter_sum(
+        h = self.reduce_scatter_sum(
             out, full, async_op=True, name=name,
             post=lambda g=g, out=out, bufs=bufs: self._shard_done(g, out, bufs))
         self._inflight.append(h)
