@@ -22,7 +22,8 @@
   reduce-scatter every other rank its chunk, an all-to-all each peer its row; a gradient
   all-reduce counts as a reduce-scatter plus an all-gather.  ZeRO++'s sub-groups
   (:mod:`infinity.zero.zeropp`) are registered with :meth:`Comm.add_group`.
-* Every collective returns a :class:`CommHandle` (``wait()``), or waits itself when
+* Every collective returns a :class:`CommHandle` (``wait()``; ``done()`` asks without
+  blocking), or waits itself when
   ``async_op=False``.  A failure — including a peer that died or stopped participating,
   which gloo/NCCL turn into an error after the process-group timeout — raises
   :class:`CollectiveError` naming this rank, the collective, the tensor and the timeout.
@@ -158,6 +159,16 @@ class CommHandle:
         self.done_ = False
         self.link = link
         self.nbytes = nbytes
+
+    def done(self) -> bool:
+        """Whether ``wait()`` would return at once (the collective completed or failed);
+        never blocks.  ``wait()`` still has to be called to run the completion action."""
+        if self.done_ or self.work is None:
+            return True
+        try:
+            return bool(self.work.is_completed())
+        except Exception:  # noqa: BLE001 - a backend without the query: wait() tells
+            return True
 
     def wait(self) -> None:
         if self.done_:
@@ -295,11 +306,13 @@ class Comm:
         self.count_sent(kind, times * sent, times * inter)
 
     def _run(self, fn, what: str, async_op: bool, post=None, link=None, nbytes=0):
+        t0 = time.perf_counter()       # (a blocking call has finished when fn returns)
         try:
             work = fn()
         except Exception as e:
             raise self.error(what, e) from e
         h = CommHandle(self, work, what, post, link, nbytes)
+        h.t0 = t0
         if not async_op:
             h.wait()
             return None

@@ -132,6 +132,9 @@ class PartitionedMemoryManager(MemoryManager):
     def fetch_async(self, g: GroupRecord, *, allow_overflow: bool) -> bool:
         if g.state in (Location.DEVICE, Location.READING, Location.TO_DEVICE):
             return True
+        wait = self._home_busy.pop(g.gid, None)
+        if wait is not None:
+            wait()          # an overlapped step still writes its home shard (Note [Overlap safety])
         buf = self._lease_device(g, allow_overflow)
         if buf is None:
             return False

@@ -69,6 +69,10 @@ class _Reduction:
     def __init__(self, fut, post, dev):
         self.fut, self.post, self.dev, self.done_ = fut, post, dev, False
 
+    def done(self) -> bool:
+        """Whether ``wait()`` would return at once (never blocks)."""
+        return self.done_ or self.fut.done()
+
     def wait(self) -> None:
         if self.done_:
             return
