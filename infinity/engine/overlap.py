@@ -91,7 +91,8 @@ log = logging.getLogger("infinity.engine")
 # gradients.  Two rules limit wasted work: no speculation in a window when the
 # previous update's norm was above the clip (norms are correlated from step to step), and
 # speculation stops as soon as the running norm of the groups stepped so far exceeds it
-# (the norm only grows).  Results equal the unclipped-then-clipped boundary step exactly.
+# (the norm only grows).  Results equal the unclipped-then-clipped boundary step: exactly when
+# the gradients were kept, within fp32 rounding when they were recovered from the moments.
 #
 # Note [Overlap across ranks]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~

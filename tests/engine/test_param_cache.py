@@ -67,9 +67,19 @@ def test_cache_parity_and_reads(harness, swap_dir, clip):
     sd_ref = dict(ref.named_parameters())
     for name in ("part", "all"):
         losses, params_out, info = runs[name]
-        assert losses == none[0], name
+        redone = info["stats"].get("optimizer_groups_redone", 0)
+        if redone:
+            # Note [Redo from moments]: with the cache the gradient buffers are leased lazily
+            # and go back once stepped, so a clipped redo recovers them from the moments
+            # (exact up to fp32 rounding); without it the kept buffers are used
+            assert harness.rel_err(losses, none[0]) < 1e-6, name
+        else:
+            assert losses == none[0], name
         for k in none[1]:
-            assert torch.equal(params_out[k], none[1][k]), (name, k)
+            if redone:
+                assert torch.allclose(params_out[k], none[1][k], rtol=1e-5, atol=1e-7), (name, k)
+            else:
+                assert torch.equal(params_out[k], none[1][k]), (name, k)
             assert torch.allclose(params_out[k], sd_ref[k].detach(), rtol=1e-4, atol=1e-5), k
         assert info["host_peak"] <= info["stats"]["host_cap_bytes"]
         st = info["stats"]
