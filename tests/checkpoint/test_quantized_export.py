@@ -199,29 +199,97 @@ def test_engine_save_pretrained_quantized(tmp_path):
     assert 0 < err < 0.2
 
 
+class _Saved:
+    """A model's parameters as a checkpoint (``bad``: a tensor given a NaN)."""
+
+    def __init__(self, m, bad=None):
+        self.m, self.bad = m, bad
+
+    def checkpoint_tensors(self):
+        for n, p in self.m.named_parameters():
+            t = p.detach().clone()
+            if n == self.bad:
+                t[0, 0] = float("nan")
+            yield n, t
+
+    def checkpoint_meta(self):
+        from infinity.checkpoint import model_meta
+        return {"step": 1, **model_meta(self.m)}
+
+
+def _gpt2(seed=0):
+    torch.manual_seed(seed)
+    cfg = transformers.GPT2Config(n_layer=2, n_head=4, n_embd=64, vocab_size=264, n_positions=64,
+                                  bos_token_id=257, eos_token_id=257, use_cache=False)
+    return transformers.GPT2LMHeadModel(cfg).eval()
+
+
+@pytest.mark.parametrize("scheme,group", [("int8", 32), ("int4", 32), ("int4", 128)])
+def test_gpt2_conv1d_export_loads_with_transformers(tmp_path, scheme, group):
+    """GPT-2's Conv1D layers (weight stored (in, out)) are quantized in their stored layout
+    (groups along the stored rows: the output features); transformers loads the export
+    (dequantizing at load: compressed-tensors rebuilds only nn.Linear compressed) and its
+    logits are exactly those of the 16-bit model with our quantized weights substituted.
+    Group 128: the Conv1D rows of 64 and 192 are not whole groups; a per-channel fallback
+    cannot be told apart by transformers' dequantizing load, so those layers stay 16-bit."""
+    from infinity.checkpoint.layerwise import is_conv1d
+    model = _gpt2()
+    save_checkpoint(_Saved(model), tmp_path / "ck")
+    out = tmp_path / "q"
+    export_quantized(str(tmp_path / "ck"), str(out), options=QuantOptions(scheme, group))
+    qcfg = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qcfg["dequantize"] is True
+    convs = sorted(n for n, m in model.named_modules() if is_conv1d(m))
+    assert len(convs) == 8
+    kept16 = [c for c in convs if not c.endswith("c_fc")] if group == 128 else []
+    assert sorted(qcfg["ignore"]) == sorted(kept16 + ["lm_head"])
+    assert list(qcfg["config_groups"]) == ["group_0"]
+    targets = qcfg["config_groups"]["group_0"]["targets"]
+    assert sorted(t for t in targets if t != "Linear") == sorted(set(convs) - set(kept16))
+    from safetensors import safe_open
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert f.get_tensor("transformer.h.0.mlp.c_fc.weight_shape").tolist() == [64, 256]
+        assert f.get_tensor("transformer.h.0.mlp.c_fc.weight_packed").dtype == torch.int32
+        assert "transformer.h.0.mlp.c_fc.weight" not in f.keys()
+    qmodel = _load(out)
+    bits = {"int8": 8, "int4": 4}[scheme]
+    sub = _gpt2().to(torch.bfloat16)
+    with torch.no_grad():
+        for name, mod in sub.named_modules():
+            if is_conv1d(mod) and name not in kept16:
+                wt = dict(model.named_modules())[name].weight.detach()
+                mod.weight.copy_(quantize(wt, bits, group, scale_dtype=torch.bfloat16)
+                                 .dequantize(torch.bfloat16))
+            elif is_conv1d(mod):
+                mod.weight.copy_(dict(model.named_modules())[name].weight.detach())
+    ids = _held_out_ids(2, 32)
+    with torch.no_grad():
+        lq, lsub, lref = qmodel(ids).logits, sub(ids).logits, model(ids).logits
+    assert _rel(lq, lsub) < 1e-3, "the loaded weights are not the ones we quantized"
+    err = _rel(lq, lref)
+    assert 0 < err < (0.01 if bits == 8 else 0.15), err
+    gen = qmodel.generate(ids[:1, :8], max_new_tokens=6, do_sample=False, pad_token_id=257)
+    assert gen.shape == (1, 14)
+
+
+def test_gpt2_conv1d_lkd(tmp_path):
+    """LKD distils GPT-2 blocks (Conv1D weights in their stored layout) and the result loads."""
+    save_checkpoint(_Saved(_gpt2()), tmp_path / "ck")
+    rep = {}
+    export_quantized(str(tmp_path / "ck"), str(tmp_path / "q"), options=QuantOptions("int4", 32),
+                     lkd=LKDOptions(steps=8), calib_ids=_held_out_ids(4, 32), report=rep)
+    assert len(rep["blocks"]) == 2
+    assert all(b["mse_lkd"] < b["mse_rtn"] for b in rep["blocks"]), rep["blocks"]
+    with torch.no_grad():
+        assert torch.isfinite(_load(tmp_path / "q")(_held_out_ids(1, 16)).logits).all()
+
+
 def test_refusals(trained, tmp_path):
-    # no nn.Linear to quantize: GPT-2's Conv1D
-    gcfg = transformers.GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=50, n_positions=16)
-    gpt = transformers.GPT2LMHeadModel(gcfg)
-    from infinity.checkpoint import model_meta
-
-    class P:
-        def __init__(self, m, bad=None):
-            self.m, self.bad = m, bad
-
-        def checkpoint_tensors(self):
-            for n, p in self.m.named_parameters():
-                t = p.detach().clone()
-                if n == self.bad:
-                    t[0, 0] = float("nan")
-                yield n, t
-
-        def checkpoint_meta(self):
-            return {"step": 1, **model_meta(self.m)}
-
-    save_checkpoint(P(gpt), tmp_path / "gpt")
-    with pytest.raises(CheckpointError, match="no nn.Linear layer to quantize"):
-        export_quantized(str(tmp_path / "gpt"), str(tmp_path / "o1"), options=QuantOptions("int8"))
+    from infinity.checkpoint.compressed import plan_linears
+    P = _Saved
+    # nothing to quantize but the LM head (which stays 16-bit unless asked)
+    with pytest.raises(CheckpointError, match="no nn.Linear or Conv1D layer to quantize"):
+        plan_linears([("lm_head", 50, 16, True, False)], QuantOptions("int8"))
     # a NaN in a weight: refused, naming it
     llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         **{k: v for k, v in TINY.items() if k != "model_type"}))
