@@ -362,3 +362,41 @@ def test_quantized_export_memory_is_bounded_by_a_layer_not_the_model(tmp_path):
     print(f"model {total / 1e6:.0f} MB fp32, block {block / 1e6:.0f} MB, export peak RSS "
           f"{extra / 1e6:.0f} MB above the baseline")
     assert extra < 2 * block, (extra, block, total)
+
+
+def test_lkd_calibration_activations_paged_to_nvme(tmp_path):
+    """LKD's calibration activations in chunks, paged: every chunk on NVMe (host budget 0)
+    writes the same files as every chunk in host memory (same chunking, the tier is all that
+    differs), with NVMe bytes written and read back and no host bytes held; one chunk in host
+    memory (the whole batch at once) gives the same distillation up to float summation order."""
+    save_checkpoint(_Saved(_gpt2(seed=1)), tmp_path / "ck")
+    ids = _held_out_ids(4, 16)
+    runs = {}
+    for name, lkd in {"nvme": LKDOptions(steps=4, chunk_tokens=16, host_bytes=0,
+                                         swap_path=str(tmp_path / "swap")),
+                      "host": LKDOptions(steps=4, chunk_tokens=16),
+                      "whole": LKDOptions(steps=4, chunk_tokens=4096)}.items():
+        rep = {}
+        export_quantized(str(tmp_path / "ck"), str(tmp_path / name),
+                         options=QuantOptions("int4", 32), lkd=lkd, calib_ids=ids, report=rep)
+        runs[name] = rep
+    pages = runs["nvme"]["lkd_pages"]
+    assert runs["nvme"]["lkd_chunks"] == 4 and runs["whole"]["lkd_chunks"] == 1
+    # X of block 0 and the targets of both blocks: 3 sets of 4 chunks of 16 x 64 fp32
+    assert pages["chunks_on_nvme"] == 12 and pages["chunks_in_host"] == 0
+    assert pages["peak_host_bytes"] == 0
+    assert pages["nvme_write_bytes"] >= 12 * 16 * 64 * 4
+    assert pages["nvme_read_bytes"] > pages["nvme_write_bytes"]    # every step re-reads them
+    assert runs["host"]["lkd_pages"]["nvme_write_bytes"] == 0
+    assert (tmp_path / "nvme" / "model.safetensors").read_bytes() == \
+        (tmp_path / "host" / "model.safetensors").read_bytes()
+    swap = tmp_path / "swap"
+    assert not swap.exists() or not os.listdir(swap)             # swap files gone with it
+    for a, b in zip(runs["host"]["blocks"], runs["whole"]["blocks"]):
+        assert a["mse_rtn"] == pytest.approx(b["mse_rtn"], rel=1e-5)
+        assert a["mse_lkd"] == pytest.approx(b["mse_lkd"], rel=2e-2)
+        assert a["mse_lkd"] < a["mse_rtn"]
+    with pytest.raises(CheckpointError, match="no NVMe path"):
+        from infinity.checkpoint.calib_pages import CalibrationPages
+        with CalibrationPages(host_bytes=0) as p:
+            p.new_set().put(0, torch.ones(4))
