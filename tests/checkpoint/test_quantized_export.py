@@ -120,9 +120,11 @@ def test_lkd_lowers_every_block_error_and_loads(trained, tmp_path):
     text.write_text(load_texts()[0][:6000])
     r = _cli("export", str(trained / "ck"), str(tmp_path / "lkd"), "--quantize", "int4",
              "--group-size", "32", "--lkd", "--calib-data", str(text), "--calib-samples", "2",
-             "--calib-len", "32", "--lkd-steps", "10")
+             "--calib-len", "32", "--lkd-steps", "10", "--lkd-chunk-tokens", "32",
+             "--lkd-host-mb", "0", "--lkd-swap", str(tmp_path / "swap"))
     assert r.returncode == 0, r.stderr
     assert r.stderr.count("LKD block") == 2
+    assert "2 chunk(s) per block" in r.stderr and "paged to NVMe" in r.stderr, r.stderr
     model = _load(tmp_path / "lkd")
     with torch.no_grad():
         assert torch.isfinite(model(_held_out_ids()).logits).all()
@@ -300,6 +302,9 @@ def test_refusals(trained, tmp_path):
     # CLI: --lkd needs --quantize; a bad group size is an argparse error
     r = _cli("export", str(trained / "ck"), str(tmp_path / "o3"), "--lkd")
     assert r.returncode != 0 and "need --quantize" in r.stderr
+    r = _cli("export", str(trained / "ck"), str(tmp_path / "o3"), "--quantize", "int4", "--lkd",
+             "--lkd-host-mb", "-1")
+    assert r.returncode != 0 and "--lkd-host-mb must be >= 0" in r.stderr
     r = _cli("export", str(trained / "ck"), str(tmp_path / "o3"), "--quantize", "int4", "--group-size", "0")
     assert r.returncode != 0 and "positive integer" in r.stderr
 
@@ -400,3 +405,68 @@ def test_lkd_calibration_activations_paged_to_nvme(tmp_path):
         from infinity.checkpoint.calib_pages import CalibrationPages
         with CalibrationPages(host_bytes=0) as p:
             p.new_set().put(0, torch.ones(4))
+
+
+_LKD_RSS_CHILD = r"""
+import json, resource, sys, torch
+from infinity.checkpoint import CheckpointReader
+from infinity.checkpoint.compressed import QuantOptions
+from infinity.checkpoint.layerwise import LayerwiseModel
+from infinity.checkpoint.lkd import LKDOptions
+from infinity.checkpoint.quantized_export import export_quantized
+ck, out, mode, swap = sys.argv[1:5]
+ids = torch.randint(0, 512, (64, 256), generator=torch.Generator().manual_seed(0))
+if mode == "baseline":      # the same imports, the layer-by-layer shell built, one chunk's run
+    with CheckpointReader(ck) as r:
+        lw = LayerwiseModel(r.meta["model_config"], r.read, r.names())
+        h, kw = lw.block_inputs(ids[:1])
+        lw.run_block(lw.load_block(0), h, kw).sum()
+else:
+    paged = mode == "paged"
+    lkd = LKDOptions(steps=1, chunk_tokens=256 if paged else 1 << 20,
+                     host_bytes=0 if paged else 1 << 40, swap_path=swap)
+    export_quantized(ck, out, options=QuantOptions("int4", 128), verify=False, lkd=lkd,
+                     calib_ids=ids)
+print(json.dumps({"maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+"""
+
+
+@pytest.mark.slow   # three child processes distilling 64 x 256 calibration tokens: ~2 min
+def test_lkd_memory_is_bounded_by_a_chunk_not_the_calibration_set(tmp_path):
+    """ru_maxrss of an LKD export whose calibration activations are paged to NVMe (one
+    sequence per chunk, no host budget) minus a baseline child stays under one activation
+    set (X: 64 x 256 x 256 fp32 = 16.8 MB) although three such sets are written; the same
+    export with the whole batch in host memory at once takes several times that (so the
+    bound can fail)."""
+    cfg = dict(model_type="llama", vocab_size=512, hidden_size=256, intermediate_size=512,
+               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+               max_position_embeddings=256, tie_word_embeddings=False)
+    from infinity.checkpoint.layerwise import meta_model
+    from infinity.checkpoint import model_meta
+    skel = meta_model(cfg)
+
+    class Lazy:
+        def checkpoint_tensors(self):
+            g = torch.Generator().manual_seed(0)
+            for n, p in skel.named_parameters():
+                yield n, torch.randn(p.shape, generator=g) * 0.02
+
+        def checkpoint_meta(self):
+            return {"step": 1, **model_meta(skel)}
+
+    save_checkpoint(Lazy(), tmp_path / "ck")
+    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="2")
+    xset = 64 * 256 * 256 * 4
+
+    def child(mode):
+        r = subprocess.run([sys.executable, "-c", _LKD_RSS_CHILD, str(tmp_path / "ck"),
+                            str(tmp_path / mode), mode, str(tmp_path / "swap")],
+                           capture_output=True, text=True, env=env, timeout=900)
+        assert r.returncode == 0, r.stderr
+        return json.loads(r.stdout.strip().splitlines()[-1])["maxrss"]
+
+    base, paged, whole = child("baseline"), child("paged"), child("whole")
+    print(f"activation set {xset / 1e6:.1f} MB; peak RSS above the baseline: paged "
+          f"{(paged - base) / 1e6:.1f} MB, whole batch in memory {(whole - base) / 1e6:.1f} MB")
+    assert paged - base < xset, (paged - base, xset)
+    assert whole - base > 3 * xset, (whole - base, xset)
