@@ -101,15 +101,24 @@ def distil_block(block, batches, weights: dict[str, tuple[int, int]],
         if training:
             optim.zero_grad(set_to_none=True)
         loss_sum = 0.0
+        # the quantized weights once per step; each chunk's gradient lands on their detached
+        # copies, and one backward through the quantizer follows the last chunk
+        with torch.set_grad_enabled(training):
+            q = quantized()
+        q_leaf = {k: v.detach().requires_grad_(training) for k, v in q.items()}
         for hidden, kwargs, target in batches():
             with torch.set_grad_enabled(training):
-                out = functional_call(block, {**frozen, **quantized()}, (hidden,), kwargs)
+                out = functional_call(block, {**frozen, **q_leaf}, (hidden,), kwargs)
                 out = out[0] if isinstance(out, (tuple, list)) else out
                 loss = torch.nn.functional.mse_loss(out.float(), target.float()) \
                     * (target.numel() / total)
                 if training:
                     loss.backward()
             loss_sum += loss.item()
+            del out, loss
+        if training:
+            keys = [k for k in q if q_leaf[k].grad is not None]
+            torch.autograd.backward([q[k] for k in keys], [q_leaf[k].grad for k in keys])
         if not math.isfinite(loss_sum):
             raise CheckpointError(f"{name}: LKD loss is {loss_sum} at step {step}; lower "
                                   f"--lkd-lr or use fewer --lkd-steps")
