@@ -24,6 +24,7 @@ print the medians of each.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -39,6 +40,41 @@ def rss_peak() -> int:
 def rss_now() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def proc_io() -> dict:
+    """This process's block-layer byte counters (``/proc/self/io``)."""
+    out = {}
+    with open("/proc/self/io") as f:
+        for line in f:
+            k, v = line.split(":")
+            out[k.strip()] = int(v)
+    return out
+
+
+def fio_gbps(path: str, size_mb: int = 2048) -> dict:
+    """fio on ``path``: sequential read, first write and rewrite (GB/s), 1 MiB blocks,
+    queue depth 32, io_uring, O_DIRECT (what infinity's swap I/O does)."""
+    import subprocess
+    import tempfile
+    if not shutil.which("fio"):
+        raise RuntimeError("--fio: fio is not installed (apt-get install fio, or "
+                           "INFINITY_WITH_FIO=1 make setup)")
+    d = tempfile.mkdtemp(prefix="fio-", dir=path)
+    try:
+        out = {}
+        for name, rw in (("write", "write"), ("rewrite", "write"), ("read", "read")):
+            cmd = ["fio", "--name=big-model-peer", f"--directory={d}", "--filename=fio.bin",
+                   f"--size={size_mb}m", "--bs=1024k", "--iodepth=32", f"--rw={rw}",
+                   "--ioengine=io_uring", "--direct=1", "--numjobs=1", "--output-format=json"]
+            r = subprocess.run(cmd, capture_output=True, text=True)
+            if r.returncode != 0:
+                raise RuntimeError(f"fio failed on {d}: {r.stderr.strip()[-2000:]}")
+            j = json.loads(r.stdout[r.stdout.index("{"):])
+            out[f"{name}_gbps"] = j["jobs"][0][rw]["bw_bytes"] / 1e9
+        return out
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def mem_total() -> int:
@@ -75,12 +111,22 @@ def main(argv=None) -> int:
     ap.add_argument("--ab", action="store_true",
                     help="alternate overlapped (even steps) and serial (odd steps) optimizer steps")
     ap.add_argument("--json", action="store_true", help="print one JSON line at the end")
+    ap.add_argument("--state-dtype", choices=("fp32", "bf16"), default="fp32",
+                    help="optimizer.state_dtype: the Adam moments' dtype (the master stays fp32)")
+    ap.add_argument("--profile", metavar="DIR", default=None,
+                    help="profile the last step into DIR (engine.profile: trace.json, "
+                         "timeline.png, summary.txt)")
+    ap.add_argument("--fio", action="store_true",
+                    help="measure fio (io_uring, O_DIRECT, 1 MiB, QD 32: read, first write, "
+                         "rewrite) on --nvme-path before the first and after the last step, and "
+                         "report the step against the disk-bound time R/fio_read + W/fio_rewrite")
     a = ap.parse_args(argv)
 
     n = count_params(a)
     states = 16 * n
     ram = mem_total()
-    need_disk = int(1.05 * (2 + 12 + 12 + 4 + 4) * n)
+    states_b = 12 if a.state_dtype == "fp32" else 8     # master + m + v (+ their commit shadows)
+    need_disk = int(1.05 * (2 + 2 * states_b + 4 + 4) * n)
     os.makedirs(a.nvme_path, exist_ok=True)
     free = shutil.disk_usage(a.nvme_path).free
     print(f"model: Llama {a.layers} layers, hidden {a.hidden}, intermediate {a.intermediate}, "
@@ -107,7 +153,8 @@ def main(argv=None) -> int:
            "offload": {"params": "nvme", "optimizer": "nvme", "nvme_paths": [a.nvme_path],
                        "host_memory_gb": a.host_gb, "device_memory_gb": a.device_gb},
            "prefetch": {"depth": a.prefetch},
-           "optimizer": {"type": "adamw", "lr": 1e-4, "weight_decay": 0.01}}
+           "optimizer": {"type": "adamw", "lr": 1e-4, "weight_decay": 0.01,
+                         "state_dtype": a.state_dtype}}
     lcfg = LlamaConfig(vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=a.intermediate,
                        num_hidden_layers=a.layers, num_attention_heads=a.heads,
                        num_key_value_heads=a.kv_heads, max_position_embeddings=max(64, a.seq),
@@ -135,6 +182,9 @@ def main(argv=None) -> int:
     print(f"initialize (adopt) in {res['initialize_s']:.1f} s, peak RSS "
           f"{res['rss_peak_after_initialize'] / 2**30:.2f} GiB, grads spilled: "
           f"{res['grads_spilled']}", flush=True)
+    if a.fio:
+        res["fio_before"] = fio_gbps(a.nvme_path)
+        print(f"fio before the steps: {res['fio_before']}", flush=True)
     g = torch.Generator().manual_seed(1)
     steps = []
     try:
@@ -142,19 +192,27 @@ def main(argv=None) -> int:
             ids = torch.randint(0, a.vocab, (a.batch, a.seq), generator=g)
             overlap = not (a.ab and i % 2)
             eng.overlap_optimizer_step = overlap
-            s0 = eng.stats()
-            t0 = time.perf_counter()
-            out = eng(input_ids=ids, labels=ids)
-            t1 = time.perf_counter()
-            eng.backward(out.loss)
-            t2 = time.perf_counter()
-            eng.step()
-            t3 = time.perf_counter()
-            s1 = eng.stats()
+            prof = contextlib.nullcontext()
+            if a.profile and i == a.steps - 1:
+                prof = eng.profile(a.profile, note=f"bench_big_model step {i}")
+            with prof:
+                s0, k0 = eng.stats(), proc_io()
+                t0 = time.perf_counter()
+                out = eng(input_ids=ids, labels=ids)
+                t1 = time.perf_counter()
+                eng.backward(out.loss)
+                t2 = time.perf_counter()
+                eng.step()
+                t3 = time.perf_counter()
+                s1, k1 = eng.stats(), proc_io()
             st = {"loss": float(out.loss.detach().float()), "step_s": t3 - t0, "forward_s": t1 - t0,
                   "backward_s": t2 - t1, "optimizer_s": t3 - t2,
                   "nvme_read_bytes": s1["nvme_read_bytes"] - s0["nvme_read_bytes"],
                   "nvme_write_bytes": s1["nvme_write_bytes"] - s0["nvme_write_bytes"],
+                  # the kernel's count of this process's block-device bytes (/proc/self/io,
+                  # io_uring workers included): O_DIRECT I/O shows up here 1:1
+                  "kernel_read_bytes": k1["read_bytes"] - k0["read_bytes"],
+                  "kernel_write_bytes": k1["write_bytes"] - k0["write_bytes"],
                   "rss_peak": rss_peak(), "overlap": overlap,
                   "groups_overlapped": s1.get("optimizer_groups_overlapped", 0)
                   - s0.get("optimizer_groups_overlapped", 0),
@@ -163,11 +221,15 @@ def main(argv=None) -> int:
             steps.append(st)
             print(f"step {i}: loss {st['loss']:.4f}, {st['step_s']:.1f} s (fwd {st['forward_s']:.1f}, "
                   f"bwd {st['backward_s']:.1f}, opt {st['optimizer_s']:.1f}), NVMe read "
-                  f"{st['nvme_read_bytes'] / 1e9:.1f} GB, written {st['nvme_write_bytes'] / 1e9:.1f} GB, "
+                  f"{st['nvme_read_bytes'] / 1e9:.2f} GB (kernel {st['kernel_read_bytes'] / 1e9:.2f}), written "
+                  f"{st['nvme_write_bytes'] / 1e9:.2f} GB (kernel {st['kernel_write_bytes'] / 1e9:.2f}), "
                   f"peak RSS {st['rss_peak'] / 2**30:.2f} GiB, groups stepped during backward "
                   f"{st['groups_overlapped']}", flush=True)
     finally:
         eng.close()
+    if a.fio:
+        res["fio_after"] = fio_gbps(a.nvme_path)
+        print(f"fio after the steps: {res['fio_after']}", flush=True)
     res["steps"] = steps
     res["rss_peak"] = rss_peak()
     for name, sel in (("overlapped", True), ("serial", False)):
@@ -178,13 +240,22 @@ def main(argv=None) -> int:
         import statistics
         med = {k: statistics.median(st[k] for st in ss)
                for k in ("step_s", "forward_s", "backward_s", "optimizer_s", "nvme_read_bytes",
-                         "nvme_write_bytes")}
+                         "nvme_write_bytes", "kernel_read_bytes", "kernel_write_bytes")}
+        if a.fio:     # the disk-bound time at the slower of fio's two measurements
+            rd = min(res["fio_before"]["read_gbps"], res["fio_after"]["read_gbps"])
+            wr = min(res["fio_before"]["rewrite_gbps"], res["fio_after"]["rewrite_gbps"])
+            med["disk_bound_s"] = med["nvme_read_bytes"] / (rd * 1e9) + \
+                med["nvme_write_bytes"] / (wr * 1e9)
+            print(f"{name}: disk-bound step (R / fio read {rd:.2f} GB/s + W / fio rewrite "
+                  f"{wr:.2f} GB/s) {med['disk_bound_s']:.1f} s; step / disk-bound "
+                  f"{med['step_s'] / med['disk_bound_s']:.2f}")
         res[name] = med
         print(f"{name} ({len(ss)} steps from step 2, medians): step {med['step_s']:.1f} s (fwd "
               f"{med['forward_s']:.1f}, bwd {med['backward_s']:.1f}, optimizer exposed "
               f"{med['optimizer_s']:.1f} s = {med['optimizer_s'] / med['step_s']:.0%}); NVMe "
               f"{(med['nvme_read_bytes'] + med['nvme_write_bytes']) / n:.1f} B/param ("
-              f"read {med['nvme_read_bytes'] / n:.1f} + written {med['nvme_write_bytes'] / n:.1f})")
+              f"read {med['nvme_read_bytes'] / n:.1f} + written {med['nvme_write_bytes'] / n:.1f}; kernel "
+              f"{(med['kernel_read_bytes'] + med['kernel_write_bytes']) / n:.1f})")
     print(f"peak RSS {res['rss_peak'] / 2**30:.2f} GiB for {n / 1e9:.2f} B params "
           f"({states / 1e9:.1f} GB of model states, {states / ram:.2f}x host RAM)")
     if a.json:

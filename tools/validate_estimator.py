@@ -59,6 +59,38 @@ CONFIGS = [
 QUICK = [CONFIGS[1], CONFIGS[2], CONFIGS[5], ("bf16", "nvme", "nvme", 1, 0.021)]
 # --only-new: the rows issue 17 added
 NEW = CONFIGS[8:]
+# --planned (issue 18): the configuration `infinity estimate --plan` picks for the validation
+# model under these offload.host_memory_gb caps (global batch 4 sequences, fp32), run here
+PLANNED_CAPS = (0.5, 0.4)
+PLANNED_GLOBAL_BATCH = 4
+
+
+def planned_configs(model, seq=64, caps=PLANNED_CAPS, global_batch=PLANNED_GLOBAL_BATCH):
+    """The planner's choice for ``model`` (a GPT2Config dict) on this CPU-only machine under
+    each cap, as CONFIGS rows (its micro-batch, accumulation, depth, activations, homes)."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from infinity.estimate import Machine, _knobs_from, spec_from_module
+    from infinity.estimate.planner import make_plan
+    with torch.device("meta"):
+        meta = GPT2LMHeadModel(GPT2Config(**model))
+    spec = spec_from_module(meta, seq=seq)
+    rows = []
+    for cap in caps:
+        knobs = _knobs_from({"precision": "fp32", "offload": {"host_memory_gb": cap}}, {})
+        b = make_plan(spec, Machine(gpus=0, host_mem_gb=1000, nvme_gb=1000), knobs,
+                      global_batch=global_batch).best
+        if b is None:
+            raise RuntimeError(f"the planner finds no plan under a {cap} GB cap")
+        k = b.knobs
+        extra = {"batch": b.micro_batch, "depth": k.prefetch_depth, "planned": True}
+        if k.activation_home != "none":
+            extra["act"] = (k.activation_home, k.activation_scope)
+        if b.checkpointing:
+            extra["ckpt"] = True
+        rows.append(("fp32", b.params_home, b.optimizer_home, k.grad_accum, cap, extra))
+    return rows
 
 def _status_kb(field):
     with open("/proc/self/status") as f:
@@ -221,6 +253,8 @@ def main():
     ap.add_argument("--quick", action="store_true", help="smaller model, 4 configurations")
     ap.add_argument("--only-new", action="store_true",
                     help="only the activation-offload and accumulation-scheme rows")
+    ap.add_argument("--planned", action="store_true",
+                    help="only the planner's choices under squeezed host caps (issue 18)")
     ap.add_argument("--json", action="store_true", help="print the rows as JSON")
     args = ap.parse_args()
     if args.child:
@@ -232,6 +266,10 @@ def main():
     else:
         model = dict(vocab_size=8192, n_embd=512, n_layer=6, n_head=8, n_positions=256)
         configs = NEW if args.only_new else CONFIGS
+        if args.planned:
+            configs = planned_configs(model)
+        elif not args.only_new:
+            configs = configs + planned_configs(model)
     rows = []
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     for precision, params, optimizer, accum, cap, *more in configs:
@@ -240,6 +278,7 @@ def main():
             spec = {"model": model, "precision": precision, "params": params,
                     "optimizer": optimizer, "swap": swap, "depth": 2, "seq": 64, "batch": 2,
                     "accum": accum, "cap": cap, **extra}
+            spec.pop("planned", None)
             t0 = time.perf_counter()
             p = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", json.dumps(spec)],
                                capture_output=True, text=True, timeout=900)
@@ -248,7 +287,10 @@ def main():
                 continue
             meas = json.loads(p.stdout.strip().splitlines()[-1])
             pred = predict(spec)
-            name = (f"{precision} params={params} optimizer={optimizer}" + (f" accum={accum}" if accum > 1 else "")
+            name = (("planned " if extra.get("planned") else "")
+                    + f"{precision} params={params} optimizer={optimizer}"
+                    + (f" B={extra['batch']} d={extra['depth']}" if "batch" in extra else "")
+                    + (f" accum={accum}" if accum > 1 else "")
                     + (f" cap={cap:g}GB" if cap is not None else "")
                     + (f" grads {extra['gdtype']}" if extra.get("gdtype") else "")
                     + (f" act={extra['act'][0]}/{extra['act'][1]}" if extra.get("act") else "")

@@ -81,7 +81,7 @@ def register(sub):
     m.add_argument("--vocab", type=int, help="vocabulary size (logits activations)")
     m.add_argument("--heads", type=int, help="attention heads (default hidden/128)")
     m.add_argument("--seq", type=int, default=2048, help="sequence length (default 2048)")
-    m.add_argument("--batch", type=int, default=1, help="micro-batch per rank (default 1)")
+    m.add_argument("--batch", type=int, help="micro-batch per rank (default 1; with --plan: searched)")
     m.add_argument("--model-factory", metavar="MODULE:FUNCTION",
                    help="build the model with this function on the meta device and count it "
                         "(also 'path/to/file.py:function')")
@@ -127,6 +127,18 @@ def register(sub):
                    help="gradient_accumulation_dtype: bf16 = partial sums on NVMe in bf16 (lossy)")
     k.add_argument("--only", action="append", metavar="PARAMS/OPTIMIZER",
                    help="estimate only these homes (repeatable), e.g. --only nvme/nvme")
+    pl = p.add_argument_group("planner")
+    pl.add_argument("--plan", action="store_true",
+                    help="search homes, activation checkpointing and offload, micro-batch x "
+                         "accumulation and prefetch depth for the fastest configuration that fits; "
+                         "print it, its derivation and a ready config (--batch/--grad-accum pin them)")
+    pl.add_argument("--allow-lossy", action="store_true",
+                    help="with --plan: also search bf16 Adam moments (optimizer.state_dtype) and bf16 "
+                         "gradient partial sums (gradient_accumulation_dtype)")
+    pl.add_argument("--global-batch", type=int, metavar="SEQS",
+                    help="with --plan: sequences per optimizer step across all ranks (default: "
+                         "--batch x --grad-accum x ranks when both are given, else 262144 tokens "
+                         "rounded up to whole sequences per rank)")
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="print one JSON object")
     o.add_argument("--explain", action="store_true",
@@ -169,16 +181,19 @@ def run(args):
     from infinity.config import ConfigError
     from infinity.estimate import EstimateError, estimate
 
+    if args.plan:
+        return run_plan(args)
+    if args.allow_lossy or args.global_batch is not None:
+        raise CLIError("--allow-lossy and --global-batch go with --plan")
+    if args.batch is None:
+        args.batch = 1
     try:
         machine = _machine(args)
         model = args.model_factory
         params = parse_count(args.params) if args.params is not None else None
         if model is None and (params is None or args.layers is None or args.hidden is None):
             raise CLIError(missing_shape_message(params, args.layers, args.hidden))
-        act_home = act_scope = None
-        if args.activation_offload:
-            act_home, _, act_scope = args.activation_offload.partition("/")
-            act_scope = act_scope or "checkpoints"
+        act_home, act_scope = _activation_offload(args)
         precision = args.precision
         if precision is None and args.config is None:
             precision = "bf16"
@@ -198,4 +213,61 @@ def run(args):
         print(json.dumps(est.as_dict()))
     else:
         print(est.text(details=args.explain and not args.brief), end="")
+    return 0
+
+
+def _activation_offload(args):
+    if not args.activation_offload:
+        return None, None
+    home, _, scope = args.activation_offload.partition("/")
+    return home, scope or "checkpoints"
+
+
+def plan_inputs(args):
+    """(ModelSpec, Machine, Knobs) of an `estimate` command line (for --plan)."""
+    from infinity.estimate import _knobs_from, spec_from_dims, spec_from_factory
+
+    machine = _machine(args)
+    params = parse_count(args.params) if args.params is not None else None
+    if args.model_factory is None and (params is None or args.layers is None or args.hidden is None):
+        raise CLIError(missing_shape_message(params, args.layers, args.hidden))
+    if args.model_factory is not None:
+        spec = spec_from_factory(args.model_factory, seq=args.seq, layers=args.layers,
+                                 hidden=args.hidden, vocab=args.vocab, heads=args.heads)
+    else:
+        spec = spec_from_dims(params, args.layers, args.hidden, seq=args.seq, vocab=args.vocab,
+                              heads=args.heads)
+    precision = args.precision
+    if precision is None and args.config is None:
+        precision = "bf16"
+    knobs = _knobs_from(args.config, dict(precision=precision, zero_stage=args.zero_stage,
+                                          host_cap_gb=args.host_cap, tile_numel=args.tile_numel,
+                                          state_dtype=args.state_dtype, grouping=args.grouping,
+                                          grad_spill=args.grad_spill,
+                                          activation_model=args.activations))
+    return spec, machine, knobs
+
+
+def run_plan(args):
+    """`infinity estimate --plan`: the fastest configuration that fits (infinity.estimate.planner)."""
+    from infinity.config import ConfigError
+    from infinity.estimate import EstimateError
+    from infinity.estimate.planner import make_plan
+
+    if args.only or args.activation_offload or args.prefetch_depth is not None or \
+            args.grad_accum_dtype or args.explain:
+        raise CLIError("--plan searches the homes, activation offload, prefetch depth and "
+                       "accumulation dtype itself: drop --only/--activation-offload/"
+                       "--prefetch-depth/--grad-accum-dtype/--explain")
+    try:
+        spec, machine, knobs = plan_inputs(args)
+        plan = make_plan(spec, machine, knobs, global_batch=args.global_batch,
+                         micro_batch=args.batch, grad_accum=args.grad_accum,
+                         allow_lossy=args.allow_lossy)
+    except (EstimateError, ConfigError) as e:
+        raise CLIError(str(e)) from e
+    if args.json:
+        print(json.dumps(plan.as_dict()))
+    else:
+        print(plan.text(), end="")
     return 0

@@ -59,6 +59,13 @@ def register(sub):
                         "the first step records the module order, so its fetches are on demand)")
     p.add_argument("--json", action="store_true",
                    help="stdout: one JSON object per step and nothing else (progress goes to stderr)")
+    p.add_argument("--auto", action="store_true",
+                   help="plan the run for this machine (`infinity estimate --plan`): offload homes, "
+                        "activation checkpointing and offload, micro-batch x accumulation (their "
+                        "product stays --batch-tokens / --seq-len x the config's accumulation), "
+                        "prefetch depth; the plan overrides those keys of --config")
+    p.add_argument("--allow-lossy", action="store_true",
+                   help="with --auto: the plan may use bf16 Adam moments and bf16 gradient partial sums")
     p.add_argument("--no-bench-io", action="store_true",
                    help="ignore a saved `infinity bench-io --sweep --save` result")
     p.set_defaults(func=run)
@@ -76,7 +83,10 @@ def run(args):
                            resume=args.resume, profile=args.profile,
                            profile_skip=args.profile_skip, json_lines=args.json,
                            seed=args.seed, use_bench_io=not args.no_bench_io,
-                           tokenizer=args.tokenizer)
+                           tokenizer=args.tokenizer, auto=args.auto,
+                           allow_lossy=args.allow_lossy)
+    if args.allow_lossy and not args.auto:
+        raise CLIError("--allow-lossy goes with --auto")
     try:
         finetune(opts)
     except FinetuneError as e:

@@ -165,14 +165,23 @@ def _host_reserve(machine):
 
 def _evaluate(spec, machine, knobs, p, o):
     plan = plan_memory(spec, machine, knobs, p, o)
+    # fp32 NVMe params under offload.host_memory_gb: released groups stay as clean host
+    # copies up to the cap (step_time._param_cache); they are resident host memory
+    from .memory_plan import Item
+    from .step_time import PARAM_CACHE_ITEM, _param_cache
+    cache = max(_param_cache(spec, machine, knobs, plan)[:3])
+    if cache:   # it gives up its room to gradient buffers as they are leased: within the cap
+        room = int(knobs.host_cap_gb * GB) - plan.tier_total("pinned") - plan.tier_total("pageable")
+        cache = max(0, min(cache, room))
+    if cache:
+        plan.items.append(Item("pageable", PARAM_CACHE_ITEM, cache,
+                               "min(N*lp, cap - other host items)"))
     dev = plan.tier_total("device")
     pinned, pageable, nvme = plan.tier_total("pinned"), plan.tier_total("pageable"), plan.tier_total("nvme")
     r = machine.ranks_per_node
     totals = {"pinned": pinned, "pageable": pageable, "nvme": nvme,
               "host_reserve": _host_reserve(machine), "gpu_reserve": int(machine.gpu_reserve_gb * GB)}
     fits, problems, steps = {}, {}, {}
-    cap = [c for c in (knobs.host_cap_gb, machine.host_mem_gb) if c]
-    host_limit = min(cap) * GB if cap else 0
     for v in VARIANTS:
         act = plan.activations[v].nbytes
         d = dev + act
@@ -190,10 +199,14 @@ def _evaluate(spec, machine, knobs, p, o):
             if d > avail:
                 probs.append(f"device: needs {d / GB:.1f} GB per GPU > {avail / GB:.1f} GB usable "
                              f"({machine.gpu_mem_gb:g} GB - {machine.gpu_reserve_gb:g} GB reserve)")
-        if host > host_limit:
-            probs.append(f"host: needs {host / GB:.1f} GB per node > {host_limit / GB:.1f} GB"
-                         + (" (offload.host_memory_gb)" if knobs.host_cap_gb and host_limit == knobs.host_cap_gb * GB
-                            else " RAM"))
+        ram = machine.host_mem_gb * GB
+        if machine.host_mem_gb and host > ram:
+            probs.append(f"host: needs {host / GB:.1f} GB per node > {ram / GB:.1f} GB RAM")
+        # offload.host_memory_gb bounds infinity's own host tiers (not the OS/runtime reserve)
+        elif knobs.host_cap_gb and host - totals["host_reserve"] > knobs.host_cap_gb * GB:
+            probs.append(f"host: needs {(host - totals['host_reserve']) / GB:.3g} GB per node "
+                         f"(without the {totals['host_reserve'] / GB:.3g} GB reserve) > "
+                         f"{knobs.host_cap_gb:g} GB (offload.host_memory_gb)")
         if nvme + off_nvme > machine.nvme_gb * GB:
             probs.append(f"NVMe: needs {(nvme + off_nvme) / GB:.1f} GB per node > "
                          f"{machine.nvme_gb:g} GB")

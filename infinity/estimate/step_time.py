@@ -104,6 +104,9 @@ def _phase(name, terms, derivation):
     return Phase(name, terms[bound], bound, terms, derivation)
 
 
+PARAM_CACHE_ITEM = "parameter cache (clean host copies within offload.host_memory_gb)"
+
+
 def _param_cache(spec, machine, knobs, plan):
     """``(cached before forward, cached before backward, cached at the step, hand-off)``
     in bytes for the engine's fp32 NVMe-param shortcuts on one CPU process (see
@@ -120,7 +123,7 @@ def _param_cache(spec, machine, knobs, plan):
     if not knobs.host_cap_gb:
         return 0, 0, 0, handoff
     cap = int(knobs.host_cap_gb * GB)
-    host = [i for i in plan.items if i.tier in ("pinned", "pageable")]
+    host = [i for i in plan.items if i.tier in ("pinned", "pageable") and i.name != PARAM_CACHE_ITEM]
     grads = sum(i.nbytes for i in host if i.name.startswith("grad accumulation"))
     init = sum(i.nbytes for i in host if "initialisation only" in i.name)
     others = sum(i.nbytes for i in host) - grads - init
@@ -167,8 +170,10 @@ def traffic_per_step(spec, machine, knobs, plan):
         gn = node_params * 4 - plan.grad_host_bytes      # bytes of fp32 grads homed on NVMe
         g = "fp32 grads N*4" + (" (minus the part in host memory)" if plan.grad_host_bytes else "")
         # streamed (Note [Streamed gradients]): the last micro-batch's final sums are stepped
-        # from memory, not written (with clipping they are, for a redo) nor read back
-        last = 0 if plan.grads_streamed and not knobs.gradient_clipping else gn
+        # from memory, not written (with clipping and bf16 moments they are, for a redo:
+        # fp32 moments redo from themselves, Note [Redo from moments]) nor read back
+        keep = knobs.gradient_clipping and knobs.state_dtype != "fp32"
+        last = 0 if plan.grads_streamed and not keep else gn
         if knobs.grad_accum_dtype == "bf16" and A > 1:
             # bf16 partial sums between micro-batches, fp32 written by the last one
             mb["nvme_write"].append(("grads: bf16 partials N*2*(A-1)/A + fp32 N*4/A"

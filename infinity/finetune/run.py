@@ -44,6 +44,8 @@ class FinetuneOptions:
     tokenizer: str = "auto"         # "auto": the model directory's own tokenizer if it has one
 
     use_bench_io: bool = True
+    auto: bool = False              # plan homes, activations, micro-batch x accumulation (finetune/auto.py)
+    allow_lossy: bool = False       # --auto may choose bf16 Adam moments / bf16 gradient partial sums
 
 
 def dist_env():
@@ -119,6 +121,11 @@ def finetune(opts, *, reporter_streams=None):
                         **streams)
     for n in notes:
         reporter.info(n)
+    auto = _auto_plan(opts, cfg, world) if opts.auto else None
+    if auto is not None:
+        cfg = auto.config
+        for line in auto.lines():
+            reporter.info(line)
 
     torch.manual_seed(opts.seed)
     own_pg = False
@@ -137,6 +144,11 @@ def finetune(opts, *, reporter_streams=None):
             model, desc = resolve_model(opts.model, init_config=cfg)
             check_vocab(model, tok)
             seq_len, batch = _shape(opts, model)
+            if auto is not None:
+                batch = auto.micro_batch
+                if auto.checkpointing:
+                    model.gradient_checkpointing_enable()
+                    model.train()
             batcher = TokenBatcher(texts, tok, seq_len=seq_len, batch_size=batch, rank=rank,
                                    world_size=world, seed=opts.seed)
         except (DataError, ModelError) as e:
@@ -240,6 +252,8 @@ def finetune(opts, *, reporter_streams=None):
                                                              "OUT`" if result.saved else ""))
             if opts.profile:
                 extra["profile"] = opts.profile
+            if auto is not None:
+                extra["auto"] = _auto_check(auto, reporter.records)
             reporter.summary(stop_reason=None if result.stop_reason == "completed"
                              else result.stop_reason, extra=extra)
     except ck.CheckpointUnavailable as e:
@@ -260,7 +274,7 @@ def finetune(opts, *, reporter_streams=None):
 
             if dist.is_initialized():
                 dist.destroy_process_group()
-    return {"records": reporter.records, "result": result, "stats": stats}
+    return {"records": reporter.records, "result": result, "stats": stats, "auto": auto}
 
 
 class _WarmProfile:
@@ -296,6 +310,45 @@ class _WarmProfile:
         if self.session is not None:
             return self.session.__exit__(*exc)
         return False
+
+
+def _auto_plan(opts, cfg, world):
+    """``--auto``: the plan for this machine (infinity.finetune.auto), for the run's batch:
+    ``--batch-tokens`` / seq per micro-batch x the config's accumulation x ranks."""
+    from types import SimpleNamespace
+
+    from infinity.finetune.auto import make_auto_plan, model_config_path
+    from infinity.finetune.model import ModelError, load_model_config
+
+    from infinity.estimate.machine import detect_gpus
+
+    if world > 1 and not detect_gpus():
+        raise FinetuneError(f"--auto plans one process per CPU-only node (the estimator models "
+                            f"ranks as GPUs); this run has {world} ranks without GPUs: run it "
+                            "as one process, or plan with `infinity estimate --plan` and pass "
+                            "the config")
+    try:
+        config = load_model_config(model_config_path(opts.model))
+        seq_len, batch = _shape(opts, SimpleNamespace(config=config))
+        gas = int(cfg.get("gradient_accumulation_steps", 1) or 1)
+        return make_auto_plan(opts, cfg, seq_len=seq_len, global_batch=batch * gas * world,
+                              allow_lossy=opts.allow_lossy)
+    except (ModelError, ValueError) as e:
+        raise FinetuneError(str(e)) from e
+
+
+def _auto_check(auto, records):
+    """The plan's predicted step time against the measured median (the first step, which
+    records the module order and writes the optimizer states once, left out)."""
+    times = [r["step_time_s"] for r in records[1:]] or [r["step_time_s"] for r in records]
+    if not times:
+        return f"predicted {auto.predicted_step_s:.3g} s per step (no step measured)"
+    import statistics
+
+    med = statistics.median(times)
+    return (f"predicted {auto.predicted_step_s:.3g} s per step, measured median {med:.3g} s "
+            f"(ratio {auto.predicted_step_s / med:.2f}); predicted host "
+            f"{auto.predicted_host_bytes / 1e6:.1f} MB, NVMe {auto.predicted_nvme_bytes / 1e6:.1f} MB")
 
 
 def _missing_dirs(paths):

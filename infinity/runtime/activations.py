@@ -80,7 +80,7 @@ class SavedActivation:
     """One offloaded saved tensor: its shape/dtype/device and where its bytes are."""
     __slots__ = ("store", "shape", "dtype", "device", "nbytes", "span", "host", "extent",
                  "write_io", "read_io", "read_buf", "order", "index", "released", "out",
-                 "__weakref__")
+                 "savers", "keep", "unpacked", "__weakref__")
 
     def __init__(self, store, t: torch.Tensor, order: list, index: int):
         self.store = store
@@ -98,6 +98,9 @@ class SavedActivation:
         self.index = index
         self.released = False
         self.out = None           # weak reference to the last tensor handed to autograd
+        self.savers = 0           # saves (packs) not unpacked yet: Note [One read per save]
+        self.keep = None          # the read-back tensor, held while savers remain
+        self.unpacked = False     # read back once already (the read-ahead skips it)
 
     def __del__(self):
         store = self.store
@@ -201,6 +204,7 @@ class ActivationOffload:
                 or base.dtype != t.dtype:
             base = t
         h = self._pack_base(base)
+        h.savers += 1
         if base is t:
             return h
         return SavedView(h, t, t.storage_offset() - base.storage_offset())
@@ -287,6 +291,7 @@ class ActivationOffload:
                 "failed (or the engine closed); run forward again to rebuild the graph")
         out = h.out() if h.out is not None else None
         if out is not None:                   # the same activation unpacked twice in a row
+            self._used(h, out)
             return out
         self._reap()
         t0 = time.perf_counter()
@@ -304,9 +309,25 @@ class ActivationOffload:
             dev.copy_(t)                                                 # may go right after)
             t = dev
         h.out = weakref.ref(t)
+        h.unpacked = True
+        self._used(h, t)
         self.acct.count("activation_fetch_bytes", h.nbytes)
         self._lane("unpack", t0, h.nbytes)
         return t
+
+    @staticmethod
+    def _used(h: SavedActivation, t: torch.Tensor) -> None:
+        """Note [One read per save]: one tensor saved by several autograd nodes (logits
+        saved by both the LM head's matmul and the loss; ``x`` by ``pow`` and ``mul``) is
+        offloaded once (``_dedupe``) and counted once per save.  The first unpack reads it
+        back; the tensor is then held (``keep``) until every save was unpacked, so the
+        later nodes do not read the same bytes from NVMe again once the first node let go
+        of it.  The hold is what autograd would hold without offload; it ends with the
+        last unpack (or the handle).  The read-ahead skips handles already read back:
+        backward's order is not exactly the reverse of forward's, and a consumed handle
+        would otherwise be read a second time for nothing."""
+        h.savers -= 1
+        h.keep = t if h.savers > 0 else None
 
     def _start_read(self, h: SavedActivation) -> None:
         h.read_buf = aligned_empty(h.span, torch.uint8, lock=False)
@@ -333,7 +354,7 @@ class ActivationOffload:
             j -= 1
             if o is None or o.released or o.host is not None or o.extent is None:
                 continue
-            if o.out is not None and o.out() is not None:
+            if o.unpacked or (o.out is not None and o.out() is not None):
                 continue
             if o.read_io is None:
                 self._start_read(o)
@@ -348,7 +369,7 @@ class ActivationOffload:
             with self._lock:
                 self.host_bytes -= host_span
             self.acct.free("host", host_span)
-        h.host = None
+        h.host = h.keep = None
         ios = [x for x in (h.write_io, h.read_io[1] if h.read_io else None) if x is not None]
         if h.extent is not None or ios:
             self._deferred.append((h.extent, ios, h.read_buf))

@@ -281,6 +281,39 @@ def test_traffic_with_the_parameter_cache():
                        gradient_clipping=1.0, host_cap_gb=None)
     t = clipped.configs[0].steps["none"].traffic
     assert t["nvme_read"] == 2 * N * 4 + 12 * N
+    # the cached copies are resident host memory: a pageable line, within the cap
+    from infinity.estimate.step_time import PARAM_CACHE_ITEM
+    c = base.configs[0]
+    cache = [i for i in c.plan.items if i.name == PARAM_CACHE_ITEM]
+    assert len(cache) == 1 and cache[0].tier == "pageable" and cache[0].nbytes == N * 4
+    assert c.totals["pinned"] + c.totals["pageable"] <= 1.0 * 1e9
+    assert not [i for i in tight.configs[0].plan.items if i.name == PARAM_CACHE_ITEM]
+    # a cap that leaves less room than the params: the cache takes only the room
+    small = estimate(small_spec(), machine=m, precision="fp32", configs=[("nvme", "nvme")],
+                     gradient_clipping=1.0, host_cap_gb=0.01)
+    c = small.configs[0]
+    cache = [i.nbytes for i in c.plan.items if i.name == PARAM_CACHE_ITEM]
+    assert cache and 0 < cache[0] < N * 4
+    assert c.totals["pinned"] + c.totals["pageable"] <= 0.01 * 1e9
+
+
+def test_cap_bounds_infinitys_own_host_tiers_not_the_reserve():
+    """offload.host_memory_gb bounds pinned + pageable (+ the device tier CPU-only); the
+    OS/runtime reserve is checked against the RAM, not the cap."""
+    m = Machine(gpus=0, host_mem_gb=100, nvme_gb=100)
+    est = estimate(small_spec(), machine=m, precision="fp32", configs=[("cpu", "cpu")])
+    c = est.configs[0]
+    own = c.totals["host_none"] - c.totals["host_reserve"]
+    just = estimate(small_spec(), machine=m, precision="fp32", configs=[("cpu", "cpu")],
+                    host_cap_gb=own / 1e9 * 1.01)
+    assert just.configs[0].fits["none"]         # the 2 GB reserve is not charged to the cap
+    under = estimate(small_spec(), machine=m, precision="fp32", configs=[("cpu", "cpu")],
+                     host_cap_gb=own / 1e9 * 0.5)
+    assert not under.configs[0].fits["none"]
+    assert any("offload.host_memory_gb" in p for p in under.configs[0].problems["none"])
+    tiny_ram = Machine(gpus=0, host_mem_gb=own / 1e9 * 1.01, nvme_gb=100)
+    e = estimate(small_spec(), machine=tiny_ram, precision="fp32", configs=[("cpu", "cpu")])
+    assert any("RAM" in p for p in e.configs[0].problems["none"])   # reserve counts vs RAM
 
 
 def test_streamed_gradients_make_no_round_trip():
@@ -303,9 +336,18 @@ def test_streamed_gradients_make_no_round_trip():
     t = est[0.0].configs[0].steps["none"].traffic
     assert t["nvme_read"] == 2 * (N * 2) + N * 12          # params fwd+bwd, master/m/v
     assert t["nvme_write"] == N * 12 + N * 2                # master/m/v, bf16 params
-    # with clipping the final sums are written (a clipped step redoes from them), not read
+    # with clipping and fp32 moments nothing more: a clipped step redoes from the moments
+    # (Note [Redo from moments])
     tc = est[1.0].configs[0].steps["none"].traffic
-    assert tc["nvme_read"] == t["nvme_read"] and tc["nvme_write"] == t["nvme_write"] + gn
+    assert tc["nvme_read"] == t["nvme_read"] and tc["nvme_write"] == t["nvme_write"]
+    # with bf16 moments the final sums are written (a clipped step redoes from them), not read
+    lo = {clip: estimate(small_spec(), machine=m, precision="bf16", host_cap_gb=cap,
+                         gradient_clipping=clip, configs=[("nvme", "nvme")], state_dtype="bf16")
+          for clip in (0.0, 1.0)}
+    assert lo[0.0].configs[0].plan.grads_streamed
+    t0, t1 = (lo[c].configs[0].steps["none"].traffic for c in (0.0, 1.0))
+    gn_lo = items(lo[0.0].configs[0].plan)[("nvme", "grad accumulation (fp32, NVMe)")]
+    assert t1["nvme_read"] == t0["nvme_read"] and t1["nvme_write"] == t0["nvme_write"] + gn_lo
 
 
 def test_state_dtype_from_the_config_halves_the_moments():

@@ -1,0 +1,144 @@
+"""`infinity finetune --auto`: plan the run for this machine, then apply the plan.
+
+The model is counted on the meta device (:func:`infinity.estimate.spec_from_module`);
+the machine is this one as it is now: RAM = ``MemAvailable`` (the machine may be
+shared; ``offload.host_memory_gb`` in ``--config`` caps it further), NVMe = the free
+space at the first swap path, NVMe bandwidth from a saved ``infinity bench-io`` result
+when there is one (else the estimator's default), and the achieved compute rate
+measured here, over about a second, by matrix products of the model's own
+shape (tokens x hidden by hidden x 4*hidden, fp32, the process's threads).  The
+planner (:mod:`infinity.estimate.planner`) then picks homes, activation checkpointing
+and offload, micro-batch x accumulation (their product stays the run's batch) and the
+prefetch depth; lossy choices only with ``--allow-lossy``.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+log = logging.getLogger("infinity.finetune")
+
+
+@dataclass
+class AutoPlan:
+    plan: object            # infinity.estimate.planner.Plan
+    config: dict            # the run's config with the plan applied
+    micro_batch: int
+    grad_accum: int
+    checkpointing: bool
+    predicted_step_s: float
+    predicted_host_bytes: int    # peak host memory above the runtime (no reserve, no init staging)
+    predicted_nvme_bytes: int    # swap space the plan uses (files)
+    machine: object
+
+    def lines(self):
+        m = self.machine
+        return [self.plan.headline(),
+                f"auto: planned for this machine: {m.host_mem_gb:g} GB RAM available, "
+                f"{m.nvme_gb:g} GB free for swap, NVMe {m.nvme_gbps:g}/{m.nvme_write_gbps:g} GB/s "
+                f"read/write, {m.tflops * 1000:.4g} GFLOPS measured; predicted host memory "
+                f"{self.predicted_host_bytes / 1e9:.3g} GB, NVMe {self.predicted_nvme_bytes / 1e9:.3g} GB"]
+
+
+def mem_available_gb():
+    """``MemAvailable`` of this machine in GB (0 if unknown)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024 / 1e9
+    except OSError:
+        pass
+    return 0.0
+
+
+def measure_tflops(hidden, tokens, *, seconds=1.0):
+    """Achieved TFLOPS of fp32 ``(tokens x H) @ (H x 4H)`` products on this process's
+    threads: total FLOPs over total time of products repeated for about ``seconds`` after
+    one warm-up (a sustained rate: on a shared machine a few short products catch a burst
+    of other work or a quiet moment, and the run that follows sees neither)."""
+    import torch
+
+    t = max(1, min(int(tokens), 8192))
+    h = max(1, int(hidden))
+    a, b = torch.randn(t, h), torch.randn(h, 4 * h)
+    torch.mm(a, b)
+    n, t0 = 0, time.perf_counter()
+    while True:
+        torch.mm(a, b)
+        n += 1
+        dt = time.perf_counter() - t0
+        if dt >= seconds and n >= 3:
+            break
+    return n * 2 * t * h * 4 * h / dt / 1e12
+
+
+def model_config_path(spec):
+    """The config.json behind a ``--model`` value (shipped name, directory or file)."""
+    from infinity.finetune.model import (DEFAULT_MODEL, SHIPPED_MODELS, ModelError,
+                                         shipped_model_config)
+
+    spec = spec or DEFAULT_MODEL
+    if spec in SHIPPED_MODELS:
+        return shipped_model_config(spec)
+    if os.path.isdir(spec):
+        return os.path.join(spec, "config.json")
+    if os.path.isfile(spec):
+        return spec
+    raise ModelError(f"--model {spec!r} is neither a shipped model nor a local file/directory")
+
+
+def make_auto_plan(opts, cfg, *, seq_len, global_batch, allow_lossy=False):
+    """Plan for this machine, ``global_batch`` sequences per optimizer step over all ranks
+    (the run's): returns an :class:`AutoPlan` (or raises ``ValueError`` with
+    the planner's reason when nothing fits)."""
+    from infinity.estimate import EstimateError, _knobs_from, spec_from_module
+    from infinity.estimate.machine import Machine, detect_free_disk_gb, detect_gpus
+    from infinity.estimate.planner import make_plan
+    from infinity.finetune.model import build_model, load_model_config, parameters_on_meta
+    from infinity.finetune.settings import find_bench_io_result
+
+    config = load_model_config(model_config_path(opts.model))
+    with parameters_on_meta():
+        meta = build_model(config)
+    spec = spec_from_module(meta, seq=seq_len)
+    del meta
+    paths = cfg["offload"]["nvme_paths"]
+    kw = dict(gpus=detect_gpus(), host_mem_gb=round(mem_available_gb(), 2),
+              nvme_gb=round(detect_free_disk_gb(paths[0]), 1), nvme_drives=1)
+    if opts.use_bench_io:
+        from infinity.profile.summary import load_ceilings
+
+        found, _ = find_bench_io_result(paths)
+        if found:
+            try:
+                ceil = load_ceilings(found)
+                kw.update({k: ceil[c] for k, c in (("nvme_gbps", "nvme_read"),
+                                                   ("nvme_write_gbps", "nvme_write")) if c in ceil})
+            except (OSError, ValueError) as e:
+                log.warning("auto: ignoring bench-io result %s: %s", found, e)
+    if not kw["gpus"]:
+        kw["tflops"] = measure_tflops(spec.hidden, seq_len * global_batch)
+    machine = Machine(**kw)
+    knobs = _knobs_from(cfg, {})
+    try:
+        plan = make_plan(spec, machine, knobs, global_batch=global_batch, allow_lossy=allow_lossy)
+    except EstimateError as e:
+        raise ValueError(f"--auto: {e}") from e
+    if plan.best is None:
+        raise ValueError(f"--auto: {plan.headline()}")
+    b = plan.best
+    from infinity.finetune.settings import deep_merge
+
+    new = deep_merge(cfg, b.config())
+    c, v = b.estimate, b.variant
+    init_only = sum(i.nbytes for i in c.plan.items if "initialisation only" in i.name)
+    off = c.plan.activation_offload.get(v)
+    off_host = off.nbytes if off is not None and off.tier == "pinned" else 0
+    host = c.totals["pinned"] + c.totals["pageable"] + off_host - init_only + \
+        (c.totals[f"device_{v}"] if machine.cpu_only else 0)
+    nvme = c.totals["nvme"] + (off.nbytes if off is not None and off.tier == "nvme" else 0)
+    return AutoPlan(plan, new, b.micro_batch, b.grad_accum, b.checkpointing, b.step.step_s,
+                    host, nvme, machine)
