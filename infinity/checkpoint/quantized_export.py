@@ -18,11 +18,11 @@ import torch
 from infinity.fsmode import makedirs
 from infinity.quant import QuantizedTensor
 
+from .calib_pages import CalibrationPages
 from .compressed import (LinearPlan, QuantOptions, output_dtype, plan_linears,
                          quantization_config, set_quantization_config, write_quantized)
 from .errors import CheckpointError
 from .export import DEFAULT_MAX_SHARD_BYTES, model_names, write_model_config
-from .calib_pages import CalibrationPages
 from .lkd import LKDOptions, distil_block, quantized_mse, round_to_nearest
 from .reader import CheckpointReader
 

@@ -21,11 +21,12 @@ Typical use: resize the vocabulary and initialise new tokens of a model built un
         model.resize_token_embeddings(len(tokenizer))
 
 Entering and leaving are collective at world size > 1 (every rank lists the same parameters
-in the same order).  Parameters that are neither Init-managed nor released by an engine are
+in the same order).  Parameters that are neither Init-managed nor held by an engine are
 left alone (the block is then a plain ``with``).
 
 Parameters held by an engine (after ``initialize`` / ``InfinityTrainer.train`` started, outside
-forward/backward) are gathered too: inside the block they hold their current values (the fp32
+forward/backward; released to placeholders or resident with ``offload.params: none``) are
+gathered too: inside the block they hold their current values (the fp32
 master in bf16/fp16 training, as ``engine.state_dict()``), and get the engine's placeholder back
 on exit.  With ``modifier_rank=r`` rank ``r``'s values (broadcast at world size > 1) are stored
 into the engine as ``engine.load_checkpoint`` stores parameters: the fp32 master of a trainable
@@ -87,8 +88,9 @@ class GatheredParameters:
         for p in self.params:
             rec = _record(p)
             if rec is None:
-                if _is_released(p):
-                    engine_held.append((p, self._holder(p)))
+                eng = _live_holder(p)     # released to a placeholder, or resident (offload none)
+                if eng is not None or _is_released(p):
+                    engine_held.append((p, eng or self._holder(p)))
                 continue
             held.append((p, rec))
         if self.modifier_rank is not None:
@@ -172,6 +174,11 @@ class GatheredParameters:
             value = value.contiguous()
         dist.broadcast(value, src=self.modifier_rank)
         return value
+
+
+def _live_holder(p):
+    from infinity.memory.record import holder_of
+    return holder_of(p)
 
 
 def _engine_world(eng) -> int:

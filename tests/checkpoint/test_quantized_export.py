@@ -309,6 +309,26 @@ def test_refusals(trained, tmp_path):
     assert r.returncode != 0 and "positive integer" in r.stderr
 
 
+def _random_checkpoint(cfg, path):
+    """A checkpoint of the model of ``cfg`` with random weights, made one tensor at a time
+    (the test process never holds the model); returns the model skeleton (meta device)."""
+    from infinity.checkpoint import model_meta
+    from infinity.checkpoint.layerwise import meta_model
+    skel = meta_model(cfg)
+
+    class Lazy:
+        def checkpoint_tensors(self):
+            g = torch.Generator().manual_seed(0)
+            for n, p in skel.named_parameters():
+                yield n, torch.randn(p.shape, generator=g) * 0.02
+
+        def checkpoint_meta(self):
+            return {"step": 1, **model_meta(skel)}
+
+    save_checkpoint(Lazy(), path)
+    return skel
+
+
 _RSS_CHILD = r"""
 import json, resource, sys, torch
 from infinity.checkpoint import CheckpointReader
@@ -333,23 +353,10 @@ def test_quantized_export_memory_is_bounded_by_a_layer_not_the_model(tmp_path):
     """ru_maxrss of the export minus that of a child doing everything but the export (same
     imports, the model skeleton, the largest tensor read) stays under two decoder blocks
     while the model is eight."""
-    from infinity.checkpoint import model_meta
-    from infinity.checkpoint.layerwise import meta_model
     cfg = dict(model_type="llama", vocab_size=512, hidden_size=768, intermediate_size=2048,
                num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=8,
                max_position_embeddings=128, tie_word_embeddings=False)
-    skel = meta_model(cfg)
-
-    class Lazy:       # one random tensor at a time: the test process never holds the model
-        def checkpoint_tensors(self):
-            g = torch.Generator().manual_seed(0)
-            for n, p in skel.named_parameters():
-                yield n, torch.randn(p.shape, generator=g) * 0.02
-
-        def checkpoint_meta(self):
-            return {"step": 1, **model_meta(skel)}
-
-    save_checkpoint(Lazy(), tmp_path / "ck")
+    skel = _random_checkpoint(cfg, tmp_path / "ck")
     total = sum(p.numel() * 4 for p in skel.parameters())
     block = sum(p.numel() * 4 for p in skel.model.layers[0].parameters())
     env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="2")
@@ -445,20 +452,7 @@ def test_lkd_memory_is_bounded_by_a_chunk_not_the_calibration_set(tmp_path):
     cfg = dict(model_type="llama", vocab_size=512, hidden_size=hidden, intermediate_size=128,
                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
                max_position_embeddings=length, tie_word_embeddings=False)
-    from infinity.checkpoint.layerwise import meta_model
-    from infinity.checkpoint import model_meta
-    skel = meta_model(cfg)
-
-    class Lazy:
-        def checkpoint_tensors(self):
-            g = torch.Generator().manual_seed(0)
-            for n_, p in skel.named_parameters():
-                yield n_, torch.randn(p.shape, generator=g) * 0.02
-
-        def checkpoint_meta(self):
-            return {"step": 1, **model_meta(skel)}
-
-    save_checkpoint(Lazy(), tmp_path / "ck")
+    _random_checkpoint(cfg, tmp_path / "ck")
     env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="2")
     xset = n * length * hidden * 4
 
