@@ -33,8 +33,13 @@ def batches(n, seed=3):
 
 
 def config(swap, home):
-    return {"offload": {"params": home, "optimizer": home, "nvme_paths": [swap]},
-            "zero_stage": 3, "optimizer": {"lr": 1e-2, "weight_decay": 0.1, "no_decay": []},
+    """``home``: params and optimizer home at ZeRO-3, or "stage2" (parameters resident and
+    replicated, optimizer states partitioned on the host)."""
+    off = ({"params": "none", "optimizer": "cpu"} if home == "stage2" else
+           {"params": home, "optimizer": home})
+    return {"offload": {**off, "nvme_paths": [swap]},
+            "zero_stage": 2 if home == "stage2" else 3,
+            "optimizer": {"lr": 1e-2, "weight_decay": 0.1, "no_decay": []},
             "gradient_clipping": 1.0}
 
 

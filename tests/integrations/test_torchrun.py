@@ -80,7 +80,8 @@ def test_gathered_parameters_two_ranks(tmp_path):
 
 
 def test_engine_edits_and_quantized_save_two_ranks(tmp_path):
-    """World size 2 (ZeRO-3, params and optimizer on cpu, then nvme): GatheredParameters with
+    """World size 2 (ZeRO-2 with resident parameters, then ZeRO-3 with params and optimizer
+    on cpu, then nvme): GatheredParameters with
     modifier_rank=1 on engine-held parameters stores rank 1's edit on both ranks (rank 0's
     writes discarded), Adam moments kept: training on equals one process with
     torch.optim.AdamW on the global batch and the same edit to p.data.  Then
@@ -92,7 +93,7 @@ def test_engine_edits_and_quantized_save_two_ranks(tmp_path):
     import engine_edit_child as C
     from infinity.checkpoint.layerwise import is_conv1d
     from infinity.quant import quantize
-    homes = ["cpu", "nvme"]
+    homes = ["stage2", "cpu", "nvme"]
     spec = {"swap": str(tmp_path / "swap"), "homes": homes,
             "weights": str(tmp_path / "w-%s.safetensors"),
             "edited": str(tmp_path / "e-%s.safetensors"),
