@@ -443,10 +443,10 @@ print(json.dumps({"maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss *
 def test_lkd_memory_is_bounded_by_a_chunk_not_the_calibration_set(tmp_path):
     """ru_maxrss of an LKD export whose calibration activations are paged to NVMe (chunks
     of 8 sequences, no host budget) minus a baseline child (same imports, the shell, one
-    chunk through a block) stays under two activation sets (X: 512 x 256 x 64 fp32 = 33.5 MB;
-    measured 47 MB: a chunk's autograd state, staging, the block's trained copy) although
-    three such sets are written and re-read every step; the same export with the whole batch
-    in host memory at once takes more than three sets (measured 800 MB), so the bound can
+    chunk through a block) stays under the three activation sets it writes and re-reads every
+    step (X: 512 x 256 x 64 fp32 = 33.5 MB each; measured 47-66 MB under load: a chunk's
+    autograd state, staging, the block's trained copy); the same export with the whole batch
+    in host memory at once takes several times that (measured 800 MB), so the bound can
     fail."""
     n, length, hidden, chunk = 512, 256, 64, 2048
     cfg = dict(model_type="llama", vocab_size=512, hidden_size=hidden, intermediate_size=128,
@@ -467,5 +467,5 @@ def test_lkd_memory_is_bounded_by_a_chunk_not_the_calibration_set(tmp_path):
     base, paged, whole = child("baseline"), child("paged"), child("whole")
     print(f"activation set {xset / 1e6:.1f} MB; peak RSS above the baseline: paged "
           f"{(paged - base) / 1e6:.1f} MB, whole batch in memory {(whole - base) / 1e6:.1f} MB")
-    assert paged - base < 2 * xset, (paged - base, xset)
-    assert whole - base > 3 * xset, (whole - base, xset)
+    assert paged - base < 3 * xset, (paged - base, xset)
+    assert whole - base > 6 * xset, (whole - base, xset)
