@@ -1,4 +1,5 @@
-"""Builds the two C++ cores of infinity: ``infinity._aio`` and ``infinity._cpu_adam``.
+"""Builds the C++ cores of infinity: ``infinity._aio``, ``infinity._cpu_adam`` and
+``infinity._quant`` (ZeRO++ blockwise quantization).
 
 No torch headers anywhere: the extensions take raw pointers, byte counts and
 file offsets. The io_uring engine is compiled only where liburing's headers
@@ -8,7 +9,7 @@ Per-file ISA flags: a source named ``*_avx2.cpp`` is compiled with AVX2+FMA
 flags, ``*_avx512.cpp`` with AVX-512 flags; everything else is compiled for the
 baseline ISA so that run-time dispatch (CPUID) is safe on any x86-64 CPU.
 
-Set ``INFINITY_BUILD_ONLY=_aio`` (or ``_cpu_adam``) to build one extension.
+Set ``INFINITY_BUILD_ONLY=_aio`` (or ``_cpu_adam``, ``_quant``) to build one extension.
 """
 import glob
 import os
@@ -107,6 +108,11 @@ def extensions():
             depends=_rel("csrc/cpu_adam/*.h"),
             extra_compile_args=COMMON + ["-pthread"], extra_link_args=["-pthread"],
             cxx_std=17))
+    quant_sources = _rel("csrc/quant/*.cpp")
+    if quant_sources:
+        exts.append(Pybind11Extension(
+            "infinity._quant", quant_sources,
+            extra_compile_args=COMMON, cxx_std=17))
     return exts
 
 

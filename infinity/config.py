@@ -24,12 +24,13 @@ from infinity.config_sections import (  # noqa: F401 (re-exported)
     ACTIVATION_SCOPES, AIO_ENGINES, GB, GRAD_ACCUM_DTYPES, ActivationOffloadConfig, OFFLOAD_HOMES, OPTIMIZER_TYPES, PARAM_GROUP_KEYS, PRECISIONS,
     SCHEDULER_TYPES, STATE_DTYPES, ZERO_STAGES, AioConfig, ConfigError, LossScaleConfig, OffloadConfig,
     OptimizerConfig, PrefetchConfig, SchedulerConfig, _check_unknown, _choice, _float, _fmt,
-    _int, _section, MAX_ACCUMULATION_STEPS, MAX_AIO_BLOCK, NONFINITE_POLICIES, max_aio_threads)
+    _int, _section, MAX_ACCUMULATION_STEPS, MAX_AIO_BLOCK, NONFINITE_POLICIES, max_aio_threads,
+    ZeroPPConfig)
 
 __all__ = [
     "ConfigError", "OffloadConfig", "PrefetchConfig", "AioConfig", "OptimizerConfig",
     "SchedulerConfig", "LossScaleConfig", "ActivationOffloadConfig", "InfinityConfig",
-    "load_config",
+    "ZeroPPConfig", "load_config",
 ]
 
 _SECTIONS = {
@@ -40,6 +41,7 @@ _SECTIONS = {
     "scheduler": SchedulerConfig,
     "fp16": LossScaleConfig,
     "activation_offload": ActivationOffloadConfig,
+    "zero_pp": ZeroPPConfig,
 }
 
 
@@ -60,6 +62,7 @@ class InfinityConfig:
     nonfinite_grads: str = "skip"
     activation_offload: ActivationOffloadConfig = field(default_factory=ActivationOffloadConfig)
     gradient_accumulation_dtype: str = "fp32"
+    zero_pp: ZeroPPConfig = field(default_factory=ZeroPPConfig)
 
     def __post_init__(self):
         self.validate()
@@ -92,6 +95,17 @@ class InfinityConfig:
                 f"offload.params: {_fmt(self.offload.params)} needs zero_stage 3 (parameters "
                 f"are only partitioned, and so only offloadable, at stage 3), got zero_stage "
                 f"{self.zero_stage}; set zero_stage to 3 or offload.params to \"none\"")
+        zpp = self.zero_pp
+        if (zpp.quantized_weights or zpp.hpz_partition_size > 1) and self.zero_stage != 3:
+            key = "zero_pp.quantized_weights" if zpp.quantized_weights \
+                else "zero_pp.hpz_partition_size"
+            raise ConfigError(f"{key}: qwZ and hpZ change the parameter all-gathers, which "
+                              f"only zero_stage 3 has; got zero_stage {self.zero_stage}: set "
+                              f"zero_stage to 3 or turn {key} off")
+        if zpp.quantized_gradients and self.zero_stage < 2:
+            raise ConfigError(f"zero_pp.quantized_gradients: qgZ replaces the gradient "
+                              f"reduce-scatter of zero_stage 2 and 3; got zero_stage "
+                              f"{self.zero_stage}: set zero_stage to 2 or 3 or turn it off")
         if self.scheduler.min_lr > self.optimizer.lr:
             raise ConfigError(
                 f"scheduler.min_lr: must be <= optimizer.lr ({self.optimizer.lr:g}), got "

@@ -297,13 +297,17 @@ def deepspeed_to_dict(ds: Any, *, approximate_schedules: bool = False
                   "mics_shard_size", "mics_hierarchical_params_gather") + DS_IGNORED_ZERO_KEYS
     _ds_unknown(zo, zero_known, "zero_optimization")
     ignored += [f"zero_optimization.{k}" for k in zo if k in DS_IGNORED_ZERO_KEYS]
-    for k, neutral in (("zero_hpz_partition_size", 1), ("zero_quantized_weights", False),
-                       ("zero_quantized_nontrainable_weights", False),
-                       ("zero_quantized_gradients", False), ("mics_shard_size", -1),
+    for k, neutral in (("zero_quantized_nontrainable_weights", False), ("mics_shard_size", -1),
                        ("mics_hierarchical_params_gather", False)):
         if k in zo and zo[k] != neutral and not (k == "mics_shard_size" and zo[k] in (0, -1)):
-            raise _ds_err(f"zero_optimization.{k}", f"got {_fmt(zo[k])}: ZeRO++/MiCS features are "
-                          f"not supported (they change partitioning or numerics); remove the key")
+            raise _ds_err(f"zero_optimization.{k}", f"got {_fmt(zo[k])}: MiCS and quantized "
+                          f"frozen weights are not supported (they change partitioning or "
+                          f"numerics); remove the key")
+    for k, ikey in (("zero_quantized_weights", "quantized_weights"),
+                    ("zero_hpz_partition_size", "hpz_partition_size"),
+                    ("zero_quantized_gradients", "quantized_gradients")):
+        if k in zo:                       # ZeRO++: validated by zero_pp (InfinityConfig)
+            put(f"zero_pp.{ikey}", zo[k], f"zero_optimization.{k}")
     stage = zo.get("stage", 0)
     if isinstance(stage, bool) or not isinstance(stage, int) or stage not in (0, 1, 2, 3):
         raise _ds_err("zero_optimization.stage", f"expected 0, 1, 2 or 3, got {_fmt(stage)}")

@@ -194,6 +194,38 @@ class ActivationOffloadConfig:
 
 
 @dataclass
+class ZeroPPConfig:
+    """ZeRO++ (:mod:`infinity.zero.zeropp`): ``quantized_weights`` (qwZ: int8 block-quantized
+    parameter all-gathers), ``hpz_partition_size`` (hpZ: a secondary copy of the
+    parameters partitioned over groups of that many consecutive ranks, so backward's
+    all-gathers stay within them; 1 = off), ``quantized_gradients`` (qgZ: the gradient
+    reduce-scatter becomes a hierarchical all-to-all of int4 block-quantized gradients).
+    The stage requirements are checked by :class:`infinity.config.InfinityConfig`; that
+    ``hpz_partition_size`` divides the world size, at ``initialize``."""
+    quantized_weights: bool = False
+    hpz_partition_size: int = 1
+    quantized_gradients: bool = False
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> None:
+        p = "zero_pp."
+        for k in ("quantized_weights", "quantized_gradients"):
+            v = getattr(self, k)
+            if not isinstance(v, bool):
+                raise ConfigError(f"{p}{k}: expected true or false, got {_fmt(v)}")
+        self.hpz_partition_size = _int(p + "hpz_partition_size", self.hpz_partition_size,
+                                       lo=1, what=">= 1 (1 turns hpZ off; N: groups of N "
+                                       "consecutive ranks, typically the ranks per node)",
+                                       example=1)
+
+    @property
+    def enabled(self) -> bool:
+        return self.quantized_weights or self.quantized_gradients or self.hpz_partition_size > 1
+
+
+@dataclass
 class PrefetchConfig:
     """How many parameter groups to fetch ahead of compute."""
     depth: int = 2

@@ -32,6 +32,10 @@ import shutil
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_e2e import fio_bw  # noqa: E402  (fio's read / first write / rewrite, huge-page buffers)
+from e2e_model import proc_io  # noqa: E402
+
 
 def rss_peak() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -42,39 +46,13 @@ def rss_now() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def proc_io() -> dict:
-    """This process's block-layer byte counters (``/proc/self/io``)."""
-    out = {}
-    with open("/proc/self/io") as f:
-        for line in f:
-            k, v = line.split(":")
-            out[k.strip()] = int(v)
-    return out
-
-
-def fio_gbps(path: str, size_mb: int = 2048) -> dict:
-    """fio on ``path``: sequential read, first write and rewrite (GB/s), 1 MiB blocks,
-    queue depth 32, io_uring, O_DIRECT (what infinity's swap I/O does)."""
-    import subprocess
-    import tempfile
-    if not shutil.which("fio"):
-        raise RuntimeError("--fio: fio is not installed (apt-get install fio, or "
-                           "INFINITY_WITH_FIO=1 make setup)")
-    d = tempfile.mkdtemp(prefix="fio-", dir=path)
-    try:
-        out = {}
-        for name, rw in (("write", "write"), ("rewrite", "write"), ("read", "read")):
-            cmd = ["fio", "--name=big-model-peer", f"--directory={d}", "--filename=fio.bin",
-                   f"--size={size_mb}m", "--bs=1024k", "--iodepth=32", f"--rw={rw}",
-                   "--ioengine=io_uring", "--direct=1", "--numjobs=1", "--output-format=json"]
-            r = subprocess.run(cmd, capture_output=True, text=True)
-            if r.returncode != 0:
-                raise RuntimeError(f"fio failed on {d}: {r.stderr.strip()[-2000:]}")
-            j = json.loads(r.stdout[r.stdout.index("{"):])
-            out[f"{name}_gbps"] = j["jobs"][0][rw]["bw_bytes"] / 1e9
-        return out
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
+def fio_gbps(path: str) -> dict | None:
+    """fio on ``path`` in GB/s: ``read``, ``first_write`` and ``rewrite`` (None: no fio)."""
+    bw = fio_bw(os.path.join(path, "fio"), 2048, 10)
+    if bw is None:
+        return None
+    return {"read_gbps": bw["read"] / 1e9, "first_write_gbps": bw["first_write"] / 1e9,
+            "rewrite_gbps": bw["write"] / 1e9}
 
 
 def mem_total() -> int:
@@ -117,9 +95,10 @@ def main(argv=None) -> int:
                     help="profile the last step into DIR (engine.profile: trace.json, "
                          "timeline.png, summary.txt)")
     ap.add_argument("--fio", action="store_true",
-                    help="measure fio (io_uring, O_DIRECT, 1 MiB, QD 32: read, first write, "
-                         "rewrite) on --nvme-path before the first and after the last step, and "
-                         "report the step against the disk-bound time R/fio_read + W/fio_rewrite")
+                    help="measure fio (tools/bench_e2e.py's fio_bw: io_uring, O_DIRECT, QD 32, "
+                         "huge-page buffers, the best block shape; read, first write, rewrite) "
+                         "on --nvme-path before the first and after the last step, and report "
+                         "the step against the disk-bound time R/fio_read + W/fio_rewrite")
     a = ap.parse_args(argv)
 
     n = count_params(a)
@@ -184,6 +163,9 @@ def main(argv=None) -> int:
           f"{res['grads_spilled']}", flush=True)
     if a.fio:
         res["fio_before"] = fio_gbps(a.nvme_path)
+        if res["fio_before"] is None:
+            print("--fio: fio did not run (see above)", file=sys.stderr)
+            return 2
         print(f"fio before the steps: {res['fio_before']}", flush=True)
     g = torch.Generator().manual_seed(1)
     steps = []
@@ -228,7 +210,7 @@ def main(argv=None) -> int:
     finally:
         eng.close()
     if a.fio:
-        res["fio_after"] = fio_gbps(a.nvme_path)
+        res["fio_after"] = fio_gbps(a.nvme_path) or res["fio_before"]
         print(f"fio after the steps: {res['fio_after']}", flush=True)
     res["steps"] = steps
     res["rss_peak"] = rss_peak()

@@ -99,6 +99,8 @@ def register(sub):
     h.add_argument("--pcie-gbps", type=float, help="host<->GPU GB/s per GPU (default 25)")
     h.add_argument("--tflops", type=float, help="achieved TFLOPS per GPU (default 150; 0.2 CPU-only)")
     h.add_argument("--interconnect-gbps", type=float, help="collective GB/s per GPU (default 100)")
+    h.add_argument("--inter-node-gbps", type=float,
+                   help="collective GB/s per GPU to other nodes (default: --interconnect-gbps)")
     h.add_argument("--cpu-adam-gps", type=float, help="CPU Adam 10^9 params/s per node (default 4)")
     h.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
     k = p.add_argument_group("infinity settings")
@@ -170,7 +172,8 @@ def _machine(args):
             kw["nvme_write_gbps"] = ceil["nvme_write"]
     for arg, field in (("nvme_gbps", "nvme_gbps"), ("nvme_write_gbps", "nvme_write_gbps"),
                        ("pcie_gbps", "pcie_gbps"), ("tflops", "tflops"),
-                       ("interconnect_gbps", "interconnect_gbps"), ("cpu_adam_gps", "cpu_adam_gparams")):
+                       ("interconnect_gbps", "interconnect_gbps"), ("cpu_adam_gps", "cpu_adam_gparams"),
+                       ("inter_node_gbps", "inter_node_gbps")):
         v = getattr(args, arg)
         if v is not None:
             kw[field] = v

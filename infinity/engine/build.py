@@ -203,8 +203,10 @@ def assemble(engine, lr_scheduler) -> None:
     if eligible(engine):
         engine.overlap = OverlappedStep(engine.opt, engine.mm, engine.coord, engine.acct,
                                         undo_budget=engine.undo_budget,
-                                        grad_window=placement.stream_window)
-        after = engine.overlap.grad_arrived
+                                        grad_window=placement.stream_window,
+                                        sharded=engine.zero is not None)
+        if engine.zero is None:      # ZeRO: the reduced shard's landing (grad_final)
+            after = engine.overlap.grad_arrived
     on_grad = grad_sink(engine.opt.accumulate, grouping.groups, after=after)
     acts = None
     if act_home != "none":                  # saved activations on the host tier or NVMe

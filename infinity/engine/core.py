@@ -464,7 +464,9 @@ class Engine:
                   "divergent_steps", "prefetch_unused", "prefetch_evicted",
                   "device_budget_overflows", "optimizer_groups_overlapped",
                   "optimizer_master_handoffs", "optimizer_master_read_bytes_saved",
-                  "activation_offload_bytes", "activation_fetch_bytes"):
+                  "activation_offload_bytes", "activation_fetch_bytes",
+                  "allgather_sent_bytes", "allgather_sent_inter_bytes",
+                  "grad_comm_sent_bytes", "grad_comm_sent_inter_bytes"):
             d.setdefault(k, 0)
         d.update({
             "step": self.opt.step_count,

@@ -1,4 +1,5 @@
-"""Overlap the optimizer step with backward (world size 1, final micro-step of a window).
+"""Overlap the optimizer step with backward (final micro-step of a window; world size 1
+and ZeRO stage 3 across ranks, Note [Overlap across ranks]).
 
 As soon as a trainable parameter group's gradient is final during the backward of the
 last micro-step of an accumulation window, its Adam update (``store.step([item])``, the
@@ -7,9 +8,10 @@ worker thread while backward continues.  ``engine.step()`` then waits for those 
 steps the remaining groups and does the bookkeeping once
 (:meth:`infinity.optim.driver.EngineOptimizer.boundary_step` with ``done=``).
 
-Only when it cannot change results (:func:`eligible`): no ZeRO partitioning, fp32 or bf16
-(fp16's loss scaler needs the global overflow check), the device tier is host memory
-itself (zero copy).  Gradients homed on NVMe are stepped from memory as they arrive
+Only when it cannot change results (:func:`eligible`): no ZeRO partitioning or stage 3,
+fp32 or bf16 (fp16's loss scaler needs the global overflow check), the device tier is
+host memory itself (zero copy) or, across ranks, any tier (gradients reach the host as
+reduced shards, not per parameter).  Gradients homed on NVMe are stepped from memory as they arrive
 (Note [Streamed gradients]); with clipping the early steps are speculative (Note
 [Speculative clipping]).  A group is stepped early only when nothing can read
 its parameters again in this backward (:meth:`OverlappedStep.grad_arrived`): paged home
@@ -91,6 +93,25 @@ log = logging.getLogger("infinity.engine")
 # speculation stops as soon as the running norm of the groups stepped so far exceeds it
 # (the norm only grows).  Results equal the unclipped-then-clipped boundary step exactly.
 #
+# Note [Overlap across ranks]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# At ZeRO stage 3 a rank steps only its shard of a group, and the shard's gradient is
+# final when the group's reduce-scatter has landed and been added into the shard's fp32
+# accumulation (PartitionedOptimizer._landed, polled without blocking at every gradient
+# and release, PartitionedOptimizer.poll_reductions): grad_final(g) then submits the group
+# like grad_arrived does at world size 1, under the same safety rules (its home shard is
+# not gathered again in this backward; a fetch that does waits, mark_home_busy).  Each
+# rank decides alone which groups it steps early: nothing of the early steps is seen by
+# another rank before the boundary.  The boundary is where ranks agree: the global norm
+# is summed over every shard (kept until then), so the clip decision and a redo (Note
+# [Speculative clipping]; a rank's running norm of its own shards only underestimates
+# the global one, so stopping on it is safe) are the same everywhere, and the commit
+# vote (PartitionedOptimizer.vote) lets no rank commit its window's transaction unless
+# every rank finished its part — a rank whose early step failed never votes, the others'
+# collectives fail (naming it, Comm.report_failure) and every rank rolls back.
+# Stages 1-2 keep a full replica of every parameter that stays in use through backward:
+# nothing is paged, so nothing is stepped early (_safe), as before.
+#
 # Note [Master hand-off]
 # ~~~~~~~~~~~~~~~~~~~~~~
 # In fp32 an NVMe-homed group's parameter buffer IS its master, and backward just read
@@ -98,7 +119,9 @@ log = logging.getLogger("infinity.engine")
 # the early step passes it as StepItem.master_buf, so the tile pipeline updates it in
 # place and writes the master tiles from it instead of reading them again.  A group with
 # a cached copy needs none: the copy is its master (Note [Cache write-through] in
-# infinity/memory/manager.py).  At most MAX_HANDOFF buffers are held at once.
+# infinity/memory/manager.py).  At most MAX_HANDOFF buffers are held at once.  Across
+# ranks (ZeRO stage 3, zero-copy tier) the released buffer holds the gathered group and
+# this rank's slice [lo, hi) of it is its shard's master, just read from NVMe: the same.
 
 __all__ = ["OverlappedStep", "eligible", "MAX_HANDOFF", "GRAD_WINDOW"]
 
@@ -121,7 +144,10 @@ def eligible(engine) -> bool:
     [Overlap safety])."""
     cfg = engine.cfg
     opt = engine.opt
-    return (engine.zero is None and cfg.precision in ("fp32", "bf16")
+    zero = engine.zero
+    if zero is not None:                   # Note [Overlap across ranks]
+        return zero.stage == 3 and cfg.precision in ("fp32", "bf16") and not zero.spill
+    return (cfg.precision in ("fp32", "bf16")
             and opt.grad_d2h is None and bool(engine.mm.dev.zero_copy))
 
 
@@ -129,7 +155,7 @@ class OverlappedStep:
     _undo_planned = 0
 
     def __init__(self, opt, mm, coord, accounting, *, undo_budget: int | None = None,
-                 grad_window: int = GRAD_WINDOW):
+                 grad_window: int = GRAD_WINDOW, sharded: bool = False):
         self.opt = opt
         self.mm = mm
         self.coord = coord
@@ -140,8 +166,15 @@ class OverlappedStep:
         self._pending: dict[int, set[int]] = {}
         self._single_use: set[int] = set()
         self.done: dict[int, float] = {}  # gid -> squared grad norm, stepped early
-        # master hand-off (fp32 NVMe params): gid -> released buffer awaiting its step
-        self.handoff = opt.precision == "fp32"
+        # ZeRO stage 3 (Note [Overlap across ranks]): a group's gradient is final when its
+        # reduced shard landed (grad_final), not per slot (grad_arrived)
+        self.sharded = sharded
+        if sharded:
+            opt.on_shard_final = self.grad_final
+        # master hand-off (fp32 NVMe params): gid -> released buffer awaiting its step;
+        # across ranks this rank's slice of the gathered buffer is its shard's master
+        # (on a zero-copy tier: the CPU optimizer cannot update device memory)
+        self.handoff = opt.precision == "fp32" and (not sharded or bool(mm.dev.zero_copy))
         self._held: dict[int, torch.Tensor] = {}
         # (future, group, handed-off buffer or None) of every submitted group step
         self._stepping: list[tuple[Future, GroupRecord, torch.Tensor | None]] = []
@@ -208,6 +241,8 @@ class OverlappedStep:
         [Master hand-off]).  Also submits ``g`` if its gradient was already final."""
         if not self.active:
             return False
+        if self.sharded:
+            self.opt.poll_reductions()      # shards that landed meanwhile (grad_final)
         self._reap()
         pend = self._pending.get(g.gid)
         if pend is None:
@@ -255,6 +290,22 @@ class OverlappedStep:
         pend.discard(slot_index)
         self._reap()
         if pend or not self._safe(g):
+            return
+        del self._pending[g.gid]
+        self._submit(g)
+
+    def grad_final(self, g: GroupRecord) -> None:
+        """ZeRO stage 3: ``g``'s reduced gradient shard landed in its accumulation (Note
+        [Overlap across ranks]); stepped now if released and not needed again, else when
+        released (``on_release``)."""
+        if not self.active:
+            return
+        pend = self._pending.get(g.gid)
+        if pend is None:
+            return
+        pend.clear()
+        self._reap()
+        if not self._safe(g):
             return
         del self._pending[g.gid]
         self._submit(g)
@@ -315,7 +366,11 @@ class OverlappedStep:
             # what the next forward uses, so it must be the one updated
             self.mm.give_back_device(buf)
             buf = None
-        item, kw = self.opt.early_item(g, master_buf=buf)   # a cached copy: its own
+        master = buf
+        if buf is not None and self.sharded:  # this rank's shard of the gathered values
+            lo, hi = self.opt.shard(g)
+            master = buf[lo:hi]
+        item, kw = self.opt.early_item(g, master_buf=master)   # a cached copy: its own
         store = self.opt.store
         undo = store.host_state_bytes(item.key, master_in_hand=item.master_buf is not None)
         if self.txn is not None and undo and self.undo_budget is not None \
@@ -430,6 +485,8 @@ class OverlappedStep:
             self._futures = []
             self.end()
             self.mm.detach_listener(self)
+            if self.sharded and getattr(self.opt, "on_shard_final", None) == self.grad_final:
+                self.opt.on_shard_final = None
             if self._pool is not None:
                 self._pool.shutdown(wait=True)
                 self._pool = None

@@ -229,7 +229,9 @@ def _knobs_from(config, overrides):
                   activation_home=cfg.activation_offload.home,
                   activation_scope=cfg.activation_offload.scope,
                   grad_accum_dtype=cfg.gradient_accumulation_dtype,
-                  state_dtype=cfg.optimizer.state_dtype)
+                  state_dtype=cfg.optimizer.state_dtype,
+                  qwz=cfg.zero_pp.quantized_weights, hpz=cfg.zero_pp.hpz_partition_size,
+                  qgz=cfg.zero_pp.quantized_gradients)
     kw.update({k: v for k, v in overrides.items() if v is not None})
     k = Knobs(**kw)
     if k.precision not in ("fp32", "bf16", "fp16"):

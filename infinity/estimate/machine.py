@@ -39,6 +39,7 @@ class Machine:
     pcie_gbps: float = DEFAULT_PCIE_GBPS
     tflops: float | None = None         # achieved per GPU (None: GPU or CPU default)
     interconnect_gbps: float = DEFAULT_INTERCONNECT_GBPS
+    inter_node_gbps: float | None = None  # per GPU to other nodes (None: interconnect_gbps)
     cpu_adam_gparams: float = DEFAULT_CPU_ADAM_GPARAMS
     gpu_reserve_gb: float | None = None  # None: DEFAULT_GPU_RESERVE_GB with GPUs, 0 without
     nodes: int = 1
@@ -50,7 +51,8 @@ class Machine:
                 raise EstimateError(f"machine.{name} must be an integer >= "
                                     f"{0 if name == 'gpus' else 1}, got {v!r}")
         for name in ("gpu_mem_gb", "host_mem_gb", "nvme_gb", "pcie_gbps", "interconnect_gbps",
-                     "cpu_adam_gparams", "nvme_gbps", "nvme_write_gbps", "tflops", "gpu_reserve_gb"):
+                     "cpu_adam_gparams", "nvme_gbps", "nvme_write_gbps", "tflops", "gpu_reserve_gb",
+                     "inter_node_gbps"):
             v = getattr(self, name)
             if v is None:
                 continue
@@ -60,11 +62,14 @@ class Machine:
             self.nvme_gbps = DEFAULT_NVME_GBPS_PER_DRIVE * self.nvme_drives
         if self.nvme_write_gbps is None:
             self.nvme_write_gbps = self.nvme_gbps
+        if self.inter_node_gbps is None:
+            self.inter_node_gbps = self.interconnect_gbps
         if self.tflops is None:
             self.tflops = DEFAULT_TFLOPS_GPU if self.gpus else DEFAULT_TFLOPS_CPU
         if self.gpu_reserve_gb is None:
             self.gpu_reserve_gb = DEFAULT_GPU_RESERVE_GB if self.gpus else 0.0
-        for name in ("nvme_gbps", "nvme_write_gbps", "tflops", "pcie_gbps", "cpu_adam_gparams"):
+        for name in ("nvme_gbps", "nvme_write_gbps", "tflops", "pcie_gbps", "cpu_adam_gparams",
+                     "inter_node_gbps"):
             if not getattr(self, name) > 0:
                 raise EstimateError(f"machine.{name} must be > 0, got {getattr(self, name)!r}")
 

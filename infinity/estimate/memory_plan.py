@@ -91,6 +91,9 @@ class Knobs:
     grad_spill: str = "auto"           # fp32 gradient home: "auto" decides as the engine does
                                        # (grad_spill_decision), "on" = on NVMe whenever a swap
                                        # space exists, "off" = always in host memory
+    qwz: bool = False                  # [zero_pp.quantized_weights]
+    hpz: int = 1                       # [zero_pp.hpz_partition_size]
+    qgz: bool = False                  # [zero_pp.quantized_gradients]
 
     def __post_init__(self):
         if self.grad_spill is True or self.grad_spill is False:   # the old boolean form
@@ -293,6 +296,12 @@ def plan_memory(spec, machine, knobs, params_home, optimizer_home):
                          "r*(d+2)*Gmax/R*lp"))
             else:
                 add(Item("pinned", "NVMe staging (initialisation only)", G * lp, "Gmax*lp"))
+
+    if stage == 3 and R > 1 and knobs.hpz > 1:
+        # hpZ (infinity/zero/zeropp.py): a secondary copy partitioned over hpz ranks,
+        # kept from forward to the step, on the device tier
+        add(Item("device", f"hpZ secondary partition (1/{knobs.hpz} of the params)",
+                 -(-N // knobs.hpz) * lp, "N/hpz*lp"))
 
     # ---------------------------------------------------------------- gradients
     grad_item = None

@@ -156,7 +156,8 @@ def traffic_per_step(spec, machine, knobs, plan):
     node_params = r * shard  # parameters whose shards this node owns
     p, o = plan.params_home, plan.optimizer_home
     gpu = not machine.cpu_only
-    links = ("nvme_read", "nvme_write", "h2d", "d2h", "allgather", "reduce_scatter")
+    links = ("nvme_read", "nvme_write", "h2d", "d2h", "allgather", "reduce_scatter",
+             "inter_node")
     mb = {k: [] for k in links}
     opt = {k: [] for k in links}
     cache_fwd, cache_bwd, cache_master, handoff = _param_cache(spec, machine, knobs, plan)
@@ -212,16 +213,51 @@ def traffic_per_step(spec, machine, knobs, plan):
         if o != "none":
             mb["d2h"].append(("grad shard N/R*lp", shard * lp))
     if R > 1:
-        frac = (R - 1) / R
-        if knobs.zero_stage == 3:
-            mb["allgather"].append(("params fwd+bwd 2*N*lp*(R-1)/R", int(2 * N * lp * frac)))
-        else:
-            opt["allgather"].append(("updated params N*lp*(R-1)/R", int(N * lp * frac)))
-        if knobs.zero_stage >= 2:
-            mb["reduce_scatter"].append(("grads N*lp*(R-1)/R", int(N * lp * frac)))
-        else:
-            mb["reduce_scatter"].append(("grads all-reduce 2*N*lp*(R-1)/R", int(2 * N * lp * frac)))
+        collective_traffic(N, machine, knobs, mb, opt)
     return {"mb": mb, "opt": opt}
+
+
+def collective_traffic(N, machine, knobs, mb, opt):
+    """Bytes one rank sends per micro-batch (``mb``) and per step (``opt``), by the
+    convention of ``engine.stats()`` (an all-gather sends the rank's shard to every other
+    rank of its group; a reduce-scatter or all-to-all each peer its chunk), with the part
+    to other nodes under ``inter_node`` (in the totals above too).  ZeRO++ (``knobs.qwz``,
+    ``hpz``, ``qgz``; infinity/zero/zeropp.py) changes the bytes per element and the groups."""
+    from infinity.zero.zeropp import qgz_wire_bytes, qwz_wire_bytes
+    R, r, lp = machine.ranks, machine.ranks_per_node, knobs.lp
+    nodes = machine.nodes
+    frac, off = (R - 1) / R, (R - r) / R           # of the world; to other nodes
+    inter = mb.setdefault("inter_node", [])
+    if knobs.zero_stage == 3:
+        w = qwz_wire_bytes(N) / N if knobs.qwz else lp
+        tag = "qwZ int8 " if knobs.qwz else ""
+        mb["allgather"].append((f"params fwd {tag}N*{w:.3g}*(R-1)/R", int(N * w * frac)))
+        inter.append(("params fwd to other nodes", int(N * w * off)))
+        H = knobs.hpz if knobs.hpz > 1 else 0
+        if H:     # backward gathers the secondary copy within groups of H ranks
+            mb["allgather"].append(("params bwd hpZ N*lp*(H-1)/H", int(N * lp * (H - 1) / H)))
+            if H > r:
+                inter.append(("params bwd hpZ beyond the node", int(N * lp * (H - r) / H)))
+        else:
+            mb["allgather"].append((f"params bwd {tag}N*{w:.3g}*(R-1)/R", int(N * w * frac)))
+            inter.append(("params bwd to other nodes", int(N * w * off)))
+    else:
+        opt["allgather"].append(("updated params N*lp*(R-1)/R", int(N * lp * frac)))
+        opt.setdefault("inter_node", []).append(("updated params to other nodes",
+                                                 int(N * lp * off)))
+    if knobs.zero_stage >= 2 and knobs.qgz:
+        g = qgz_wire_bytes(N) / N
+        mb["reduce_scatter"].append((f"grads qgZ int4 intra N*{g:.3g}*(r-1)/r",
+                                     int(N * g * (r - 1) / r)))
+        mb["reduce_scatter"].append((f"grads qgZ int4 inter N*{g:.3g}*(nodes-1)/R",
+                                     int(N * g * (nodes - 1) / R)))
+        inter.append(("grads qgZ inter", int(N * g * (nodes - 1) / R)))
+    elif knobs.zero_stage >= 2:
+        mb["reduce_scatter"].append(("grads N*lp*(R-1)/R", int(N * lp * frac)))
+        inter.append(("grads to other nodes", int(N * lp * off)))
+    else:
+        mb["reduce_scatter"].append(("grads all-reduce 2*N*lp*(R-1)/R", int(2 * N * lp * frac)))
+        inter.append(("grads all-reduce to other nodes", int(2 * N * lp * off)))
 
 
 def _with_activations(parts, plan, checkpointing):
@@ -265,10 +301,13 @@ def estimate_step(spec, machine, knobs, plan, *, checkpointing):
     if t_pcie:
         d1.append(f"PCIe per GPU: max(H2D {_fmt_b(mb['h2d'])}, D2H {_fmt_b(mb['d2h'])}) / "
                   f"{machine.pcie_gbps:g} GB/s = {t_pcie:.3g} s")
-    t_coll = (mb["allgather"] + mb["reduce_scatter"]) / ic
+    xb = machine.inter_node_gbps * GB
+    t_coll = (mb["allgather"] + mb["reduce_scatter"] - mb["inter_node"]) / ic + mb["inter_node"] / xb
     if t_coll:
         d1.append(f"collectives per GPU: all-gather {_fmt_b(mb['allgather'])} + reduce "
-                  f"{_fmt_b(mb['reduce_scatter'])} / {machine.interconnect_gbps:g} GB/s = {t_coll:.3g} s")
+                  f"{_fmt_b(mb['reduce_scatter'])}, of which {_fmt_b(mb['inter_node'])} to other "
+                  f"nodes at {machine.inter_node_gbps:g} GB/s, the rest at "
+                  f"{machine.interconnect_gbps:g} GB/s = {t_coll:.3g} s")
     fb = _phase("forward+backward (one micro-batch)",
                 {"compute": t_comp, "nvme": t_nvme, "pcie": t_pcie, "collectives": t_coll}, d1)
 
@@ -289,7 +328,7 @@ def estimate_step(spec, machine, knobs, plan, *, checkpointing):
     t_opcie = opt["h2d"] / pcie
     if t_opcie:
         d2.append(f"PCIe: updated params H2D {_fmt_b(opt['h2d'])} / {machine.pcie_gbps:g} GB/s = {t_opcie:.3g} s")
-    t_ocoll = opt["allgather"] / ic
+    t_ocoll = (opt["allgather"] - opt["inter_node"]) / ic + opt["inter_node"] / xb
     if t_ocoll:
         d2.append(f"collectives: all-gather updated params {_fmt_b(opt['allgather'])} / "
                   f"{machine.interconnect_gbps:g} GB/s = {t_ocoll:.3g} s")

@@ -12,7 +12,12 @@ nothing a loader could turn into NaN.
 A flat buffer (a ZeRO shard: qwZ) is the ``(1, n)`` case: pass ``x.view(1, -1)``.
 
 Non-finite input is refused (:class:`QuantizationError`, naming the tensor and the first
-bad index) rather than silently turned into a NaN scale for a whole group.
+bad index) rather than silently turned into a NaN scale for a whole group -- unless the
+caller asks ``nonfinite="nan"`` (ZeRO++'s collectives, where raising on one rank would
+leave its peers waiting in a collective): then a group holding inf or NaN gets a NaN
+scale and ``q = 0``, so it dequantizes to NaN as a whole and the non-finite value stays
+visible downstream (a NaN loss, a non-finite gradient norm: the step is skipped as
+without quantization).
 
 :func:`pack_bits` / :func:`unpack_bits` pack ``bits``-bit integers densely into int32
 words along the last dimension, 32/bits per word, element ``j`` of a word at bit
@@ -103,10 +108,14 @@ def group_scales(x: torch.Tensor, bits: int, group_size: int, *,
 
 
 def quantize(x: torch.Tensor, bits: int, group_size: int, *, scale_dtype=torch.float32,
-             scale: torch.Tensor | None = None, name: str = "") -> QuantizedTensor:
+             scale: torch.Tensor | None = None, name: str = "",
+             nonfinite: str = "raise") -> QuantizedTensor:
     """Group-wise symmetric quantization of ``x`` (``(..., n)``; groups along the last dim).
     ``scale``: use these scales instead of absmax ones (learned scales); ``name``: for
-    error messages."""
+    error messages; ``nonfinite``: ``"raise"`` (:class:`QuantizationError`) or ``"nan"``
+    (a group holding inf/NaN gets a NaN scale and q = 0: it dequantizes to NaN)."""
+    if nonfinite not in ("raise", "nan"):
+        raise QuantizationError(f"nonfinite must be 'raise' or 'nan', got {nonfinite!r}")
     _check_bits(bits)
     _check_group(group_size)
     if not x.is_floating_point():
@@ -114,6 +123,8 @@ def quantize(x: torch.Tensor, bits: int, group_size: int, *, scale_dtype=torch.f
                                 f"floating point")
     if x.dim() == 0:
         x = x.reshape(1)
+    if nonfinite == "nan" and scale is None:
+        return _quantize_nan(x, bits, group_size, scale_dtype)
     _check_finite(x, name)
     if scale is None:
         scale = group_scales(x, bits, group_size, scale_dtype=scale_dtype)
@@ -126,6 +137,29 @@ def quantize(x: torch.Tensor, bits: int, group_size: int, *, scale_dtype=torch.f
     q = torch.round(g / scale.float().unsqueeze(-1)).clamp_(qmin, qmax).to(torch.int8)
     q = q.reshape(*q.shape[:-2], -1)[..., :n]
     return QuantizedTensor(q.contiguous(), scale, bits, group_size)
+
+
+def _quantize_nan(x: torch.Tensor, bits: int, group_size: int,
+                  scale_dtype: torch.dtype) -> QuantizedTensor:
+    """:func:`quantize` with ``nonfinite="nan"``: one pass for the scales, one for q."""
+    qmin, qmax = qrange(bits)
+    g, n = _grouped(x.float(), group_size)
+    amax = g.abs().amax(dim=-1)                  # NaN/inf for a group holding one
+    bad = ~torch.isfinite(amax)
+    s = amax / qmax
+    tiny = torch.finfo(scale_dtype).tiny
+    s = torch.where(amax == 0, torch.ones_like(s), s.clamp_min(tiny))
+    s = s.to(scale_dtype)
+    has_bad = bool(bad.any())
+    if has_bad:
+        s = s.masked_fill(bad, float("nan"))
+        div = s.float().masked_fill(bad, 1.0).unsqueeze(-1)
+        g = g.masked_fill(bad.unsqueeze(-1), 0.0)
+    else:
+        div = s.float().unsqueeze(-1)
+    q = torch.round(g / div).clamp_(qmin, qmax).to(torch.int8)
+    q = q.reshape(*q.shape[:-2], -1)[..., :n]
+    return QuantizedTensor(q.contiguous(), s, bits, group_size)
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, group_size: int, *,

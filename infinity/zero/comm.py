@@ -15,7 +15,15 @@
   reductions, issued only by the training thread).  Collectives are matched across ranks
   by their order *within one process group*; keeping each group to a single issuing
   thread keeps that order identical on every rank while both overlap.
-* Every collective returns a :class:`CommHandle` (``wait()``), or waits itself when
+* Bytes this rank *sends* are counted by convention (gloo is opaque) into the accounting's
+  ``allgather_sent_bytes`` / ``grad_comm_sent_bytes`` and their ``*_inter_bytes`` part to
+  ranks of other nodes (nodes from ``LOCAL_WORLD_SIZE``, :mod:`infinity.zero.hierarchy`):
+  an all-gather sends this rank's shard to every other rank of its group, a
+  reduce-scatter every other rank its chunk, an all-to-all each peer its row; a gradient
+  all-reduce counts as a reduce-scatter plus an all-gather.  ZeRO++'s sub-groups
+  (:mod:`infinity.zero.zeropp`) are registered with :meth:`Comm.add_group`.
+* Every collective returns a :class:`CommHandle` (``wait()``; ``done()`` asks without
+  blocking), or waits itself when
   ``async_op=False``.  A failure — including a peer that died or stopped participating,
   which gloo/NCCL turn into an error after the process-group timeout — raises
   :class:`CollectiveError` naming this rank, the collective, the tensor and the timeout.
@@ -34,6 +42,8 @@ import time
 
 import torch
 import torch.distributed as dist
+
+from infinity.zero.hierarchy import Topology
 
 log = logging.getLogger("infinity.zero")
 
@@ -150,6 +160,16 @@ class CommHandle:
         self.link = link
         self.nbytes = nbytes
 
+    def done(self) -> bool:
+        """Whether ``wait()`` would return at once (the collective completed or failed);
+        never blocks.  ``wait()`` still has to be called to run the completion action."""
+        if self.done_ or self.work is None:
+            return True
+        try:
+            return bool(self.work.is_completed())
+        except Exception:  # noqa: BLE001 - a backend without the query: wait() tells
+            return True
+
     def wait(self) -> None:
         if self.done_:
             return
@@ -188,6 +208,12 @@ class Comm:
         self.groups = {"default": None,
                        "param": dist.new_group(timeout=td),
                        "grad": dist.new_group(timeout=td)}
+        self._group_ranks: dict[str, list[int]] = {}      # sub-groups (ZeRO++); else the world
+        try:     # nodes (for the inter-node byte counters) from LOCAL_WORLD_SIZE
+            self.topo = Topology.from_env(self.rank, self.world_size)
+        except ValueError as e:
+            log.warning("comm: %s; counting every rank as one node", e)
+            self.topo = Topology(self.rank, self.world_size, self.world_size)
         self.device = torch.device("cpu")
         st = self._store()
         if st is not None:             # a failure reported by an earlier engine is stale
@@ -258,12 +284,35 @@ class Comm:
         if tl is not None and getattr(tl, "enabled", False):
             tl.add(link, link, t0, t1, nbytes)
 
+    # ---- bytes this rank sends (engine.stats(): gloo is opaque, so counted by convention)
+    def add_group(self, name: str, pg, ranks: list[int]) -> None:
+        """Register a sub-group (created with :func:`infinity.zero.hierarchy.new_subgroups`)
+        under ``name``; :meth:`close` destroys it."""
+        self.groups[name] = pg
+        self._group_ranks[name] = list(ranks)
+
+    def group_ranks(self, group: str) -> list[int]:
+        return self._group_ranks.get(group) or list(range(self.world_size))
+
+    def count_sent(self, kind: str, sent: int, inter: int) -> None:
+        """``kind``: ``"allgather"`` (parameter gathers) or ``"grad_comm"`` (gradient
+        reduction): ``<kind>_sent_bytes`` and ``<kind>_sent_inter_bytes`` (to other nodes)."""
+        if self.acct is not None:
+            self.acct.count(f"{kind}_sent_bytes", int(sent))
+            self.acct.count(f"{kind}_sent_inter_bytes", int(inter))
+
+    def _count_chunks(self, kind: str, chunk_bytes: int, group: str, times: int = 1) -> None:
+        sent, inter = self.topo.sent_all_gather(chunk_bytes, self.group_ranks(group))
+        self.count_sent(kind, times * sent, times * inter)
+
     def _run(self, fn, what: str, async_op: bool, post=None, link=None, nbytes=0):
+        t0 = time.perf_counter()       # (a blocking call has finished when fn returns)
         try:
             work = fn()
         except Exception as e:
             raise self.error(what, e) from e
         h = CommHandle(self, work, what, post, link, nbytes)
+        h.t0 = t0
         if not async_op:
             h.wait()
             return None
@@ -272,13 +321,15 @@ class Comm:
     # ------------------------------------------------------------------ collectives
     def all_gather_into(self, out: torch.Tensor, shard: torch.Tensor, *, group: str = "param",
                         async_op: bool = False, name: str = "") -> CommHandle | None:
-        """``out`` (W x shard numel) receives every rank's ``shard`` in rank order."""
-        if out.numel() != shard.numel() * self.world_size:
+        """``out`` (group size x shard numel) receives every rank's ``shard`` in rank order."""
+        n = len(self.group_ranks(group))
+        if out.numel() != shard.numel() * n:
             raise ValueError(f"all_gather: output has {out.numel()} elements, expected "
-                             f"{self.world_size} x {shard.numel()}")
+                             f"{n} x {shard.numel()}")
         pg = self.groups[group]
         nbytes = out.numel() * out.element_size()
         what = f"all_gather of {name or 'tensor'} ({nbytes} bytes, group {group!r})"
+        self._count_chunks("allgather", shard.numel() * shard.element_size(), group)
         return self._run(lambda: _all_gather(out, shard, group=pg, async_op=async_op),
                          what, async_op, link="allgather", nbytes=nbytes)
 
@@ -291,6 +342,7 @@ class Comm:
         pg = self.groups[group]
         nbytes = full.numel() * full.element_size()
         what = f"reduce_scatter of {name or 'tensor'} ({nbytes} bytes, group {group!r})"
+        self._count_chunks("grad_comm", out.numel() * out.element_size(), group)
         if _reduce_scatter is not None:
             fn = lambda: _reduce_scatter(out, full, op=dist.ReduceOp.SUM, group=pg,
                                          async_op=async_op)
@@ -310,9 +362,28 @@ class Comm:
         pg = self.groups[group]
         nbytes = t.numel() * t.element_size()
         what = f"all_reduce of {name or 'tensor'} ({nbytes} bytes, group {group!r})"
+        if group == "grad":      # gradients (stage 1): a reduce-scatter + an all-gather
+            self._count_chunks("grad_comm", -(-nbytes // len(self.group_ranks(group))),
+                               group, times=2)
         return self._run(lambda: dist.all_reduce(t, op=dist.ReduceOp.SUM, group=pg,
                                                  async_op=async_op),
                          what, async_op, post, link="reduce_scatter", nbytes=nbytes)
+
+    def all_to_all_into(self, out: torch.Tensor, inp: torch.Tensor, *, group: str,
+                        name: str = "") -> None:
+        """Row ``i`` of ``inp`` (one row per rank of ``group``, group order) goes to rank
+        ``i``; row ``j`` of ``out`` comes from rank ``j``.  Counted as gradient traffic
+        (qgZ is its only user)."""
+        n = len(self.group_ranks(group))
+        if inp.shape[0] != n or out.shape != inp.shape:
+            raise ValueError(f"all_to_all: {tuple(inp.shape)} -> {tuple(out.shape)}; expected "
+                             f"{n} equal rows each way")
+        pg = self.groups[group]
+        nbytes = inp.numel() * inp.element_size()
+        what = f"all_to_all of {name or 'tensor'} ({nbytes} bytes, group {group!r})"
+        self._count_chunks("grad_comm", nbytes // n, group)
+        self._run(lambda: dist.all_to_all_single(out, inp, group=pg), what, False,
+                  link="reduce_scatter", nbytes=nbytes)
 
     def all_reduce_scalar(self, x: float, *, name: str = "scalar") -> float:
         t = torch.tensor([float(x)], dtype=torch.float64, device=self.device)
@@ -324,7 +395,7 @@ class Comm:
         self.all_reduce_sum(t, group="default", name=name)
 
     def close(self) -> None:
-        for k in ("param", "grad"):
+        for k in [k for k in self.groups if k != "default"]:
             pg = self.groups.get(k)
             if pg is not None:
                 try:

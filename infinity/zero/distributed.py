@@ -22,14 +22,16 @@ from infinity.zero.partition import Partition
 log = logging.getLogger("infinity.zero")
 
 __all__ = ["ZeroSetup", "gathered_state_dict", "grad_spill_needed", "partition_placement",
-           "read_param_gathered"]
+           "read_param_gathered", "zeropp_placement"]
 
 
 class ZeroSetup:
     """Process group + stage for one engine; ``None`` from :meth:`from_config` at world size 1."""
 
-    def __init__(self, comm: Comm, stage: int, created_pg: bool, spill_grads: bool = False):
+    def __init__(self, comm: Comm, stage: int, created_pg: bool, spill_grads: bool = False,
+                 zeropp=None):
         self.comm = comm
+        self.zeropp = zeropp             # infinity.zero.zeropp.ZeroPP when zero_pp is on
         self.stage = int(stage)
         self.created_pg = created_pg
         self.spill = spill_grads
@@ -55,7 +57,16 @@ class ZeroSetup:
                     device=device)
         log.info("ZeRO stage %d over %d ranks (%s), this is rank %d", stage, comm.world_size,
                  comm.backend, comm.rank)
-        return cls(comm, stage, created)
+        zpp = getattr(cfg, "zero_pp", None)
+        zeropp = None
+        if zpp is not None and zpp.enabled:
+            from infinity.zero.zeropp import ZeroPP
+            try:
+                zeropp = ZeroPP(zpp, comm)
+            except BaseException:
+                comm.close()
+                raise
+        return cls(comm, stage, created, zeropp=zeropp)
 
     @classmethod
     def with_grad_spill(cls, zero: "ZeroSetup", cfg, groups) -> "ZeroSetup":
@@ -70,17 +81,27 @@ class ZeroSetup:
     def memory_manager(self, groups, **kw):
         if self.stage == 3:
             from infinity.zero.partitioned_memory import PartitionedMemoryManager
-            return PartitionedMemoryManager(groups, comm=self.comm, **kw)
+            return PartitionedMemoryManager(groups, comm=self.comm, zeropp=self.zeropp, **kw)
         from infinity.memory.manager import MemoryManager
-        return MemoryManager(groups, **kw)
+        mm = MemoryManager(groups, **kw)
+        if self.zeropp is not None:          # qgZ at stage 2 orders its reads after compute
+            self.zeropp.attach_device(mm.dev)
+        return mm
 
     def optimizer(self, model, cfg, groups, names, **kw):
         from infinity.zero.partitioned_optimizer import PartitionedOptimizer
-        return PartitionedOptimizer(model, cfg, groups, names, comm=self.comm,
-                                    stage=self.stage, spill_grads=self.spill, **kw)
+        opt = PartitionedOptimizer(model, cfg, groups, names, comm=self.comm,
+                                   stage=self.stage, spill_grads=self.spill, **kw)
+        if self.zeropp is not None and self.zeropp.qg and self.stage >= 2:
+            opt.reduce_scatter_sum = self.zeropp.reduce_scatter_sum      # qgZ
+        return opt
 
     def close(self) -> None:
-        self.comm.close()
+        try:
+            if self.zeropp is not None:
+                self.zeropp.close()
+        finally:
+            self.comm.close()
 
 
 def partition_placement(placement, zero: "ZeroSetup | None") -> None:
@@ -118,10 +139,30 @@ def partition_placement(placement, zero: "ZeroSetup | None") -> None:
         placement.device[f"gradients awaiting reduce-scatter (fp32, {k + 3} x largest group "
                          f"+ {2 * k + 1} shards)"] = (k + 3) * full + (2 * k + 1) * shard
         placement.host[f"reduced gradient shard D2H staging ({k} shards)"] = k * shard
+    zpp = getattr(zero, "zeropp", None)
+    if zpp is not None:
+        zeropp_placement(placement, zpp, zero.stage)
     if zero.spill:
         key = "fp32 gradient accumulation"
         if key in placement.host:
             placement.nvme[key + " (spilled)"] = placement.host.pop(key)
+
+
+def zeropp_placement(placement, zpp, stage: int) -> None:
+    """ZeRO++'s device memory (:mod:`infinity.zero.zeropp`): the hpZ secondary shards
+    (1/hpz of every group, kept from forward to the step) and qwZ's transient buffers of
+    one gather (the int8 values and scales, the fp32 dequantized group)."""
+    from infinity.memory.pool import ALIGN, round_up
+    from infinity.zero.zeropp import qwz_wire_bytes
+    groups = placement.groups
+    if stage == 3 and zpp.hpz > 1:
+        placement.device[f"hpZ secondary partition (1/{zpp.hpz} of the params)"] = sum(
+            round_up(zpp.secondary_numel(g.padded_numel) * g.dtype.itemsize, ALIGN)
+            for g in groups)
+    if stage == 3 and zpp.qw and groups:
+        n = max(g.padded_numel for g in groups)
+        placement.device["qwZ gather buffers (int8 + scales + fp32, largest group)"] = \
+            qwz_wire_bytes(n) + 4 * n
 
 
 def grad_spill_needed(cfg, groups, world_size: int, stage: int) -> bool:

@@ -66,9 +66,12 @@ class _Gather:
 
 
 class PartitionedMemoryManager(MemoryManager):
-    def __init__(self, groups: list[GroupRecord], *, comm: Comm, **kw):
+    def __init__(self, groups: list[GroupRecord], *, comm: Comm, zeropp=None, **kw):
         super().__init__(groups, **kw)
         self.comm = comm
+        self.zeropp = zeropp            # ZeRO++ qwZ/hpZ (infinity.zero.zeropp), or None
+        if zeropp is not None:
+            zeropp.attach_device(self.dev)
         self.part = Partition(comm.rank, comm.world_size)
         self._worker = ThreadPoolExecutor(1, thread_name_prefix=f"infinity-gather-r{comm.rank}")
         # device home: this rank's resident shard in device memory (on a zero-copy tier
@@ -129,6 +132,9 @@ class PartitionedMemoryManager(MemoryManager):
     def fetch_async(self, g: GroupRecord, *, allow_overflow: bool) -> bool:
         if g.state in (Location.DEVICE, Location.READING, Location.TO_DEVICE):
             return True
+        wait = self._home_busy.pop(g.gid, None)
+        if wait is not None:
+            wait()          # an overlapped step still writes its home shard (Note [Overlap safety])
         buf = self._lease_device(g, allow_overflow)
         if buf is None:
             return False
@@ -164,7 +170,7 @@ class PartitionedMemoryManager(MemoryManager):
                 if x is not None:
                     x.wait_host()             # the last refresh from the mirror has landed
                 self.dev.wait_free(buf)
-                self.comm.all_gather_into(buf, src, group="param", name=name)
+                self._gather_params(g, buf, src, name)
                 return self.dev.mark(buf)
             if g.home == "nvme":
                 t0 = time.perf_counter()
@@ -179,8 +185,15 @@ class PartitionedMemoryManager(MemoryManager):
                 self._link("h2d", x.nbytes, x.t0, x.t_end)
             else:
                 self.dev.wait_free(buf)
-            self.comm.all_gather_into(buf, mine, group="param", name=name)   # in place
+            self._gather_params(g, buf, mine, name)   # in place
             return self.dev.mark(buf)
+
+    def _gather_params(self, g: GroupRecord, buf: torch.Tensor, shard: torch.Tensor,
+                       name: str) -> None:
+        if self.zeropp is not None:
+            self.zeropp.gather_params(g.gid, buf, shard, name)
+        else:
+            self.comm.all_gather_into(buf, shard, group="param", name=name)
 
     def _wait_resident(self, g: GroupRecord) -> None:
         self._progress()
@@ -233,7 +246,8 @@ class PartitionedMemoryManager(MemoryManager):
                 self._refresh(g)
 
     def wait_host_reads(self) -> None:
-        """No gather in flight still reads a home the optimizer is about to update."""
+        """No gather in flight still reads a home the optimizer is about to update (and
+        the hpZ secondary shards, copies of the current values, are dropped)."""
         for g in list(self._inflight.values()):
             f = g.pending
             if isinstance(f, Fetch) and isinstance(f.handle, _Gather):
@@ -241,6 +255,8 @@ class PartitionedMemoryManager(MemoryManager):
                     f.handle.fut.exception()   # finished (its error is raised by its wait)
                 except BaseException:  # noqa: BLE001 - cancelled: nothing in flight
                     pass
+        if self.zeropp is not None:
+            self.zeropp.invalidate()
         super().wait_host_reads()
 
     # ------------------------------------------------------------------ lifetime
@@ -250,6 +266,8 @@ class PartitionedMemoryManager(MemoryManager):
         try:
             super().close()                    # waits for every in-flight gather
         finally:
+            if self.zeropp is not None:        # its secondary shards go back to the tier
+                self.zeropp.close()
             self._worker.shutdown(wait=True)
             self._resident.clear()
             self._refreshed.clear()

@@ -11,7 +11,8 @@ and keeps the fp32 master, ``exp_avg`` and ``exp_avg_sq`` of that shard only (ke
 * stage 2: the gradient is partitioned too.  During backward a group's gradients land in
   a transient full-size buffer; as soon as every trainable parameter of the group has its
   gradient, an *asynchronous* reduce-scatter leaves this rank only its averaged slice,
-  added into a persistent shard-sized accumulation buffer, while backward continues with
+  accumulated in a persistent shard-sized buffer (the window's first reduction lands in it
+  directly, later micro-steps' are added), while backward continues with
   the next groups.  At the end of backward the outstanding reductions are waited for
   (and groups that received no gradient on this rank are reduced too, with zeros, in
   group order, so every rank issues the same collectives).  After the step the updated
@@ -66,6 +67,8 @@ class PartitionedOptimizer(EngineOptimizer):
         self.comm = comm
         self.stage = stage
         self.part = Partition(comm.rank, comm.world_size)
+        # the gradient reduction of stages 2-3 (ZeRO++ qgZ replaces it: ZeroSetup.optimizer)
+        self.reduce_scatter_sum = comm.reduce_scatter_sum
         # stages 2, 3 on separate device memory (attach_device): each group's gradient is
         # assembled and reduce-scattered on the device; only the shard leaves it (D2H)
         self.dev = None
@@ -96,6 +99,13 @@ class PartitionedOptimizer(EngineOptimizer):
         self._grad_valid: dict[int, bool] = {}
         self._grad_sq: dict[int, float] = {}
         self._writes: list = []          # (io handle, buffers to give back)
+        # Note [Overlap across ranks] (infinity/engine/overlap.py): called with ``g`` once
+        # its averaged shard is final in ``g.grad_buf`` (the engine's OverlappedStep)
+        self.on_shard_final = None
+        # stages 2, 3 on host memory: groups whose shard accumulation holds nothing of
+        # this window yet (their first reduction lands in it directly)
+        self._fresh: set[int] = set()
+        self._dropping = False           # abandon_window: landing reductions are dropped
 
     # ------------------------------------------------------------------ shards
     def shard(self, g: GroupRecord) -> tuple[int, int]:
@@ -130,6 +140,7 @@ class PartitionedOptimizer(EngineOptimizer):
                 continue
             g.grad_buf = self.host_pool.lease((hi - lo) * 4, torch.float32)
             g.grad_buf.zero_()
+            self._fresh.add(g.gid)
 
     # ------------------------------------------------------------------ registration
     def register(self, g: GroupRecord, init_fp32: torch.Tensor | None) -> None:
@@ -161,14 +172,27 @@ class PartitionedOptimizer(EngineOptimizer):
         return per_size_class(((hi - lo) * 4 for lo, hi in map(self.shard, self.groups)),
                               MAX_INFLIGHT_REDUCTIONS)
 
-    def _lease_full(self, g: GroupRecord) -> torch.Tensor:
-        """A zeroed full-size fp32 gradient buffer (device tier or host pool)."""
+    def _lease_full(self, g: GroupRecord, zero: bool = True) -> torch.Tensor:
+        """A full-size fp32 gradient buffer (device tier or host pool), zeroed; with
+        ``zero=False`` only outside the trainable slots (each slot's first gradient is
+        copied in, a slot that got none is zeroed before the reduction: one pass over the
+        buffer less per group and backward)."""
         if self.on_device:
             buf = self.dev.lease_or_overflow(g.padded_numel * 4, torch.float32,
                                              "gradients awaiting their reduce-scatter")
         else:
             buf = self.host_pool.lease(g.padded_numel * 4, torch.float32)
-        return buf.zero_()
+        if zero:
+            return buf.zero_()
+        pos = 0
+        for s in g.slots:
+            if s.trainable:
+                if s.offset > pos:
+                    buf[pos:s.offset].zero_()
+                pos = max(pos, s.offset + s.numel)
+        if pos < g.padded_numel:
+            buf[pos:].zero_()
+        return buf
 
     def _give_full(self, buf: torch.Tensor) -> None:
         (self.dev if self.on_device else self.host_pool).give_back(buf)
@@ -178,16 +202,40 @@ class PartitionedOptimizer(EngineOptimizer):
             return super().accumulate(g, slot, grad)
         full = self._full.get(g.gid)
         if full is None:
-            full = self._lease_full(g)
+            full = self._lease_full(g, zero=False)
             self._full[g.gid] = full
             self._missing[g.gid] = set(self._trainable_slots[g.gid])
-        full[slot.offset:slot.offset + slot.numel].add_(grad.reshape(-1))
         missing = self._missing[g.gid]
-        missing.discard(self._slot_index[id(slot)])
+        i = self._slot_index[id(slot)]
+        dst = full[slot.offset:slot.offset + slot.numel]
+        if i in missing:                   # the slot's first gradient in this backward
+            dst.copy_(grad.reshape(-1))
+            missing.discard(i)
+        else:
+            dst.add_(grad.reshape(-1))
         self._open_backward = True
         self._queue_flush()
         if not missing and g.gid not in self._launched:
             self._reduce(g)
+        self.poll_reductions()
+
+    def poll_reductions(self) -> None:
+        """Without blocking: finish the reductions whose collective completed (their
+        averaged shards go into the accumulation now, not when the window of
+        ``MAX_INFLIGHT_REDUCTIONS`` forces a wait or backward ends), so a group's shard
+        is final as early as the network allows (Note [Overlap across ranks])."""
+        if self._inflight:
+            for h in [h for h in self._inflight if h.done()]:
+                self._inflight.remove(h)
+                h.wait()                   # at once; raises a failed collective's error
+        if self._landing:
+            self._poll_landing()
+
+    def _landed(self, g: GroupRecord) -> None:
+        """``g``'s averaged shard is in ``g.grad_buf`` (for this backward)."""
+        cb = self.on_shard_final
+        if cb is not None:
+            cb(g)
 
     def _queue_flush(self) -> None:
         if self._flush_queued:
@@ -201,26 +249,45 @@ class PartitionedOptimizer(EngineOptimizer):
         """Start the asynchronous reduce-scatter of ``g``'s full gradient into its shard."""
         self._launched.add(g.gid)
         full = self._full.pop(g.gid, None)
-        self._missing.pop(g.gid, None)
+        missing = self._missing.pop(g.gid, ())
         if full is None:       # no gradient on this rank in this backward: contribute zeros
             full = self._lease_full(g)
+        for i in missing:      # slots without a gradient in this backward (never written)
+            s = g.slots[i]
+            full[s.offset:s.offset + s.numel].zero_()
         lo, hi = self.shard(g)
         name = f"gradients of group {g.gid} ({g.name or '<root>'})"
         if self.on_device:
             out = self.dev.lease_or_overflow((hi - lo) * 4, torch.float32,
                                              "a reduced gradient shard")
+        elif not self.spill and g.gid in self._fresh:
+            # the window's first reduction of g: straight into its accumulation (nothing
+            # to add to; nothing reads it before this lands)
+            out = g.grad_buf
         else:
             out = self.host_pool.lease((hi - lo) * 4, torch.float32)
-        h = self.comm.reduce_scatter_sum(
+        self._fresh.discard(g.gid)
+        bufs = [full] if out is g.grad_buf else [out, full]
+        h = self.reduce_scatter_sum(
             out, full, async_op=True, name=name,
-            post=lambda g=g, out=out, full=full: self._shard_done(g, out, [out, full]))
+            post=lambda g=g, out=out, bufs=bufs: self._shard_done(g, out, bufs))
         self._inflight.append(h)
         while len(self._inflight) > MAX_INFLIGHT_REDUCTIONS:
             self._inflight.pop(0).wait()
 
     def _shard_done(self, g: GroupRecord, summed: torch.Tensor, bufs: list) -> None:
         """``summed``: this rank's slice of the gradient summed over ranks."""
+        if self._dropping:                 # its window was abandoned: buffers back only
+            for b in bufs:
+                if b is not g.grad_buf:
+                    self._give_full(b)
+            return
         summed.mul_(1.0 / self.comm.world_size)
+        if summed is g.grad_buf:           # landed where it accumulates (_reduce)
+            for b in bufs:
+                self.host_pool.give_back(b)
+            self._landed(g)
+            return
         if self.on_device:                 # only the averaged shard leaves the device
             for b in bufs:                 # the reduce-scatter's input is done with
                 if b is not summed:
@@ -230,7 +297,7 @@ class PartitionedOptimizer(EngineOptimizer):
             x = self.dev.d2h(host, summed)
             if self._adder is not None:    # the worker waits for the copy and adds
                 fut = self._adder.submit(self._add_shard, x, g, host)
-                self._landing.append((fut, x, host, bufs))
+                self._landing.append((fut, x, host, bufs, g))
                 self._poll_landing()
                 if len(self._landing) > MAX_INFLIGHT_REDUCTIONS:   # as the plan counts
                     self._poll_landing(oldest=True)
@@ -245,6 +312,7 @@ class PartitionedOptimizer(EngineOptimizer):
             g.grad_buf.add_(summed)
             for b in bufs:
                 self.host_pool.give_back(b)
+            self._landed(g)
             return
         ext = self._grad_ext[g.gid]
         if self._grad_valid[g.gid]:       # accumulation: add what earlier micro-steps left
@@ -271,7 +339,7 @@ class PartitionedOptimizer(EngineOptimizer):
         q = self._landing
         while q and (wait or oldest or q[0][0].done()):
             oldest = False
-            fut, x, host, bufs = q.popleft()
+            fut, x, host, bufs, g = q.popleft()
             try:
                 fut.result()                 # re-raises the worker's error here
             finally:
@@ -281,6 +349,7 @@ class PartitionedOptimizer(EngineOptimizer):
                 self.host_pool.give_back(host)
                 for b in bufs:
                     self.dev.give_back(b)
+            self._landed(g)
 
     def _wait_write(self) -> None:
         h, bufs, nbytes, t0 = self._writes.pop(0)
@@ -316,6 +385,22 @@ class PartitionedOptimizer(EngineOptimizer):
         while self._writes:
             self._wait_write()
 
+    def abandon_window(self) -> None:
+        """The window is dropped (Note [window abort]): reductions still in flight are
+        waited for and their shards thrown away (one may be writing into a shard
+        accumulation, _reduce), so nothing of this window lands in the next one."""
+        inflight, self._inflight = self._inflight, []
+        self._dropping = True
+        try:
+            for h in inflight:
+                try:
+                    h.wait()
+                except Exception as e:  # noqa: BLE001 - the window is dropped anyway
+                    log.debug("zero: a reduction of the abandoned window failed: %s", e)
+        finally:
+            self._dropping = False
+        super().abandon_window()
+
     def zero_grad(self) -> None:
         self._poll_landing(wait=True)       # nothing may land after the reset
         for full in self._full.values():
@@ -330,18 +415,24 @@ class PartitionedOptimizer(EngineOptimizer):
                 if self.spill:
                     self._grad_valid[g.gid] = False
                     self._grad_sq[g.gid] = 0.0
+                elif g.gid in self._fresh:
+                    continue               # nothing written since the last reset
                 else:
                     g.grad_buf.zero_()
+                    self._fresh.add(g.gid)
 
     def _zero_unwritten(self, skip=()) -> None:
         # stages 2, 3: every group is reduced into its (zeroed) shard buffer each backward,
         # so there is nothing stale; the shard buffer is not indexed by slot offsets
-        # (nothing is stepped during backward across ranks: ``skip`` is always empty)
+        # (``skip``: groups stepped during backward, stage 3 only, kept their shards)
         if self.stage == 1:
             super()._zero_unwritten(skip)
 
-    def grad_norm(self) -> float:
-        """Global L2 norm of the averaged gradient (squared shard norms summed over ranks)."""
+    def grad_norm(self, skip: dict[int, float] | None = None) -> float:
+        """Global L2 norm of the averaged gradient (squared shard norms summed over ranks).
+        ``skip`` (groups stepped during backward) is not needed: their shards are kept
+        until the boundary, so every shard is summed here and the decision (clip, skip)
+        is the same on every rank."""
         if self.spill:
             local = sum(self._grad_sq.values())
             return self.comm.all_reduce_scalar(local, name="squared gradient norm") ** 0.5

@@ -1,7 +1,10 @@
 """One rank of a ZeRO test run (spawned by harness.run_ranks). Spec (JSON):
 
-    {"runs": [{"name", "config", "steps", "batch", "model", "env"}...], "fail_rank": int|None,
-     "fail_after_steps": int}
+    {"runs": [{"name", "config", "steps", "batch", "model", "env", "overlap",
+               "overlap_predict"}...], "fail_rank": int|None, "fail_after_steps": int}
+
+``overlap: false`` turns the optimizer step overlapped with backward off for the run;
+``overlap_predict: false`` makes it speculate in every window under clipping.
 
 For each run: build the seeded model, train ``steps`` steps with this rank's slice of a
 seeded global batch, record the global mean loss per step and the gathered final
@@ -62,6 +65,12 @@ def main():
         param_bytes = {"trainable": sum(g.nbytes for g in eng.grouping.groups if g.trainable),
                        "frozen": sum(g.nbytes for g in eng.grouping.groups
                                      if not g.trainable)}
+        if "overlap_predict" in run:       # False: speculate in every window (clip redos)
+            if eng.overlap is None:
+                raise AssertionError("the run asks for the overlapped step but it is off")
+            eng.overlap.predict = run["overlap_predict"]
+        if run.get("overlap") is False:
+            eng.overlap_optimizer_step = False
         if run.get("spill") and not eng.zero.spill:
             raise AssertionError("gradient spill was requested but not taken")
         losses = []
@@ -110,6 +119,10 @@ def main():
                                        "reduce_scatter_bytes": stats.get("reduce_scatter_bytes", 0),
                                        "prefetched_fetches": stats.get("prefetched_fetches", 0),
                                        "on_demand_fetches": stats.get("on_demand_fetches", 0),
+                                       **{k: stats.get(k, 0) for k in (
+                                           "optimizer_groups_overlapped", "optimizer_clip_redos",
+                                           "optimizer_groups_redone",
+                                           "optimizer_master_handoffs")},
                                        **{k: stats.get(k, 0) for k in (
                                            "h2d_bytes", "d2h_bytes", "device_peak_bytes",
                                            "device_cap_bytes", "device_budget_overflows")},

@@ -48,9 +48,11 @@ class RankResult:
 
 
 def run_ranks(script: str, spec: dict, tmp_path, *, world_size: int = 2,
-              timeout: float = 120.0) -> list[RankResult]:
+              timeout: float = 120.0, local_world_size: int | None = None) -> list[RankResult]:
     """Run ``script`` (a file in tests/zero) on ``world_size`` ranks with ``spec`` (JSON).
-    Each rank writes ``<out>/rank<r>.json``; returns one RankResult per rank."""
+    Each rank writes ``<out>/rank<r>.json``; returns one RankResult per rank.
+    ``local_world_size``: ranks per (pretend) node: ``LOCAL_WORLD_SIZE`` and ``LOCAL_RANK``
+    as torchrun sets them on each node."""
     out = Path(tmp_path) / f"ranks-{time.monotonic_ns()}"
     out.mkdir(parents=True)
     spec_path = out / "spec.json"
@@ -63,6 +65,9 @@ def run_ranks(script: str, spec: dict, tmp_path, *, world_size: int = 2,
             env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world_size),
                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
                        PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+            if local_world_size:
+                env.update(LOCAL_RANK=str(r % local_world_size),
+                           LOCAL_WORLD_SIZE=str(local_world_size))
             procs.append(subprocess.Popen(
                 [sys.executable, str(HERE / script), str(spec_path), str(out / f"rank{r}.json")],
                 env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))

@@ -8,6 +8,10 @@ WORLD_SIZE=1 and LOCAL_RANK=0 itself:
     /tmp/infinity-dsvenv/bin/python tools/peers/deepspeed_e2e.py \
         --layers 2 --hidden 2048 --tokens 128 --steps 3 --warmup 1 --nvme-path ./swap --json
 
+``--distributed``: one rank of a torchrun-style launch (the launcher sets the rank
+environment; tools/bench_zero_vs_deepspeed.py does), each rank on its own ``--tokens``
+micro-batch.
+
 Set-up (what BASELINE.md measured): fp32, ZeRO stage 3, ``offload_param`` and
 ``offload_optimizer`` on NVMe (``--offload cpu``: in host memory instead), ``aio`` block 1 MiB,
 queue depth 32, ``optimizer: {type: AdamW}`` (DeepSpeedCPUAdam under offload), the model and
@@ -80,6 +84,10 @@ def parse_args(argv=None):
                     help="zero_optimization.sub_group_size (DeepSpeed default 1e9)")
     ap.add_argument("--zero-init", action="store_true",
                     help="build the model under deepspeed.zero.Init (partitioned as constructed)")
+    ap.add_argument("--distributed", action="store_true",
+                    help="one rank of several, launched torchrun-style (RANK, WORLD_SIZE, "
+                         "LOCAL_RANK, MASTER_ADDR, MASTER_PORT set by the launcher): each rank "
+                         "trains on its own --tokens micro-batch (seed 1 + rank)")
     ap.add_argument("--json", action="store_true",
                     help="accepted for symmetry: stdout always carries the one JSON line")
     args = ap.parse_args(argv)
@@ -155,7 +163,8 @@ def peak_rss_bytes():
 
 
 def run(args, swap_dir, res):
-    single_process_env()
+    if not args.distributed:
+        single_process_env()
     import torch
     import deepspeed
     sys.path.insert(0, TOOLS_DIR)
@@ -187,7 +196,9 @@ def run(args, swap_dir, res):
     log(f"initialised in {res['init_seconds']:.1f} s, peak RSS so far "
         f"{res['rss_after_init_bytes'] / 1e9:.2f} GB, optimizer {res['optimizer_class']}")
 
-    x, y = e2e_model.make_batch(args.tokens, args.hidden)
+    rank = int(os.environ.get("RANK", "0"))
+    res.update(rank=rank, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+    x, y = e2e_model.make_batch(args.tokens, args.hidden, seed=1 + rank if args.distributed else 1)
     if args.device == "cuda":
         x, y = x.to(engine.device), y.to(engine.device)
 

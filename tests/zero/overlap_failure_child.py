@@ -1,0 +1,104 @@
+"""One rank of the "a rank fails mid-overlap" tests (test_overlap_zero.py).
+
+Trains 2 steps with the optimizer step overlapped with backward (ZeRO stage 3), snapshots
+its own optimizer shards, then on step 3 the failing rank fails while group steps run
+during backward: ``mode: "step"`` makes its overlapped group steps raise on their worker
+thread, ``mode: "backward"`` raises inside autograd after the last layers' shards were
+reduced (and stepped early on every rank).  Every rank must raise, and no rank's shards
+or step count may move; each rank writes its verdict and how many groups it
+stepped early in the failing window (the test asserts that the overlap was really on).
+In fp32 the master read back is the parameter home shard itself (``external_master``).
+"""
+import json
+import os
+import sys
+import threading
+
+import torch
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from injected_failure import boom_function  # noqa: E402
+from zero_harness import child_entry  # noqa: E402
+
+Boom = boom_function("injected backward failure")
+LAYERS = 6
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(16, 64)
+        self.body = nn.ModuleList(nn.Linear(64, 64) for _ in range(LAYERS))
+        self.out = nn.Linear(64, 4)
+
+    def forward(self, x):
+        x = Boom.apply(torch.relu(self.inp(x)))       # raises in backward when armed
+        for m in self.body:
+            x = torch.relu(m(x))
+        return self.out(x)
+
+
+def _shards(eng):
+    st = eng.opt.store
+    out = {}
+    for k in st.keys():
+        n = st.numel(k)
+        for what in ("master", "exp_avg", "exp_avg_sq"):
+            t = torch.empty(n)
+            st.read_master(k, t) if what == "master" else st.read_state(k, what, t)
+            out[f"{k}.{what}"] = t
+    return out
+
+
+def main():
+    spec = json.loads(open(sys.argv[1]).read())
+    rank = int(os.environ["RANK"])
+    torch.set_num_threads(1)
+    import infinity
+    torch.manual_seed(0)
+    eng = infinity.initialize(Net(), spec["config"])
+    failing = rank == spec["fail_rank"]
+    armed = [False]
+    store = eng.opt.store
+    orig_step = store.step
+
+    def step(items, **kw):          # the overlapped group steps run on "infinity-step"
+        if armed[0] and threading.current_thread().name.startswith("infinity-step"):
+            raise RuntimeError("injected overlapped step failure")
+        return orig_step(items, **kw)
+    store.step = step
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)) for _ in range(3)]
+    result = {"rank": rank, "overlap_on": eng.overlap is not None}
+    for i, (x, y) in enumerate(data):
+        xs, ys = x[rank * 4:(rank + 1) * 4], y[rank * 4:(rank + 1) * 4]
+        if i == 2:
+            snap = _shards(eng)
+            steps = eng.global_steps
+            before = eng.stats()["optimizer_groups_overlapped"]
+            if failing:
+                armed[0] = spec["mode"] == "step"
+                Boom.armed = spec["mode"] == "backward"
+            try:
+                eng.backward(nn.functional.mse_loss(eng(xs), ys))
+                eng.step()
+                result["raised"] = None
+            except Exception as e:  # noqa: BLE001 - reported to the test
+                result["raised"] = f"{type(e).__name__}: {e}"
+            result["overlapped"] = eng.stats()["optimizer_groups_overlapped"] - before
+            armed[0] = Boom.armed = False
+            after = _shards(eng)
+            result["unchanged"] = all(torch.equal(snap[k], after[k]) for k in snap)
+            result["global_steps_unchanged"] = eng.global_steps == steps
+            break
+        eng.backward(nn.functional.mse_loss(eng(xs), ys))
+        eng.step()
+    with open(sys.argv[2], "w") as f:
+        json.dump(result, f)
+    os._exit(0)                      # the process group is broken: no clean teardown
+
+
+if __name__ == "__main__":
+    child_entry(main)
