@@ -15,31 +15,39 @@ channel instead (strategy ``channel``, named in a second config group: exact nam
 over the class target). Everything else (embeddings, norms, biases, the LM head unless
 asked) is written as is, cast to the 16-bit dtype when floating point.
 
-Tensors stream one at a time (``get(name)``), into shards planned up front from the
-shapes, each written under a temp name and renamed: peak memory is one tensor plus its
-quantized form.
+GPT-2-style ``Conv1D`` layers (``transformers.pytorch_utils.Conv1D``: ``y = x @ W + b``, the
+weight stored ``(in, out)``, transposed against ``nn.Linear``) are quantized too, in their
+stored layout: ``weight_shape`` is ``[in, out]`` and the groups run along the stored last
+dimension (the output features), so what a loader decompresses has the Conv1D's own shape.
+compressed-tensors only rebuilds ``nn.Linear`` modules in compressed form, so a model with
+Conv1D layers is marked ``"dequantize": true`` in its ``quantization_config`` (named in the
+config groups' targets): ``transformers`` then dequantizes every quantized weight while
+loading (the model runs in 16-bit; the files stay INT8/INT4). That load applies the first
+config group's scheme to every weight, so in such a model a layer whose row size is not a
+multiple of the group size stays 16-bit (listed in ``ignore``, one warning) instead of
+falling back to per-channel scales.
+
+Tensors stream one at a time (``get(name)``) through the shared sharded writer
+(:mod:`.hf_shards`): peak memory is one tensor plus its quantized form.
 """
 from __future__ import annotations
 
 import json
 import logging
-import os
 from dataclasses import dataclass, field
 
 import torch
 
 from infinity.quant import QuantizationError, QuantizedTensor, pack_bits, quantize
 
-from . import dtypes
 from .errors import CheckpointError
-from .fsutil import atomic_write_text, fsync_dir, remove_tree
-from .safetensors_stream import SafetensorsStreamWriter, header_reserve_for
+from .fsutil import atomic_write_text
+from .hf_shards import Entry, write_hf_shards
 
 log = logging.getLogger("infinity.checkpoint")
 
 SCHEMES = {"int8": 8, "int4": 4}
 FORMAT = "pack-quantized"
-INDEX_NAME = "model.safetensors.index.json"
 CT_VERSION = "0.20.0"        # the compressed-tensors release whose format this writes
 
 
@@ -67,35 +75,53 @@ class QuantOptions:
 
 @dataclass
 class LinearPlan:
-    """The quantized Linears: ``{weight name: (module name, strategy, group size)}`` and
-    the Linear modules left 16-bit (``ignore``)."""
+    """The quantized layers: ``{weight name: (module name, strategy, group size)}``, the
+    Linear modules left 16-bit (``ignore``) and the quantized ``Conv1D`` modules (``conv1d``,
+    stored transposed: see the module doc)."""
     layers: dict[str, tuple[str, str, int]] = field(default_factory=dict)
     ignore: list[str] = field(default_factory=list)
+    conv1d: list[str] = field(default_factory=list)
 
     def __contains__(self, weight_name) -> bool:
         return weight_name in self.layers
 
 
 def plan_linears(linears, opts: QuantOptions) -> LinearPlan:
-    """``linears``: ``(module name, out_features, in_features, is_output_embedding)`` of
-    every ``nn.Linear`` of the model. Returns the plan (see :class:`LinearPlan`)."""
+    """``linears``: ``(module name, rows, cols, is_output_embedding, is_conv1d)`` of every
+    ``nn.Linear`` / ``Conv1D`` of the model (rows x cols: the stored weight's shape; groups
+    run along cols). Returns the plan (see :class:`LinearPlan`)."""
     plan = LinearPlan()
-    for mname, _out, inf, is_head in linears:
+    for mname, _rows, cols, is_head, is_conv1d in linears:
         if is_head and not opts.include_lm_head:
             plan.ignore.append(mname)
             continue
-        if inf % opts.group_size == 0:
+        if cols % opts.group_size == 0:
             plan.layers[f"{mname}.weight"] = (mname, "group", opts.group_size)
         else:
-            plan.layers[f"{mname}.weight"] = (mname, "channel", inf)
+            plan.layers[f"{mname}.weight"] = (mname, "channel", cols)
+        if is_conv1d:
+            plan.conv1d.append(mname)
+    ragged = [w for w, (m, s, _) in plan.layers.items() if s == "channel"]
+    if plan.conv1d and ragged:
+        # transformers dequantizes such a model with one scheme (the first config group's):
+        # per-channel rows cannot be told apart, so those layers stay 16-bit
+        for w in ragged:
+            m = plan.layers.pop(w)[0]
+            plan.ignore.append(m)
+            if m in plan.conv1d:
+                plan.conv1d.remove(m)
+        log.warning("%d layer(s) of this Conv1D model have a weight row size that is not a "
+                    "multiple of the group size %d and stay 16-bit (the dequantizing load of "
+                    "such models applies one group size to every layer): %s", len(ragged),
+                    opts.group_size, ", ".join(w[:-len(".weight")] for w in ragged[:8])
+                    + (" ..." if len(ragged) > 8 else ""))
     if not plan.layers:
         raise CheckpointError(
-            "the model has no nn.Linear layer to quantize (GPT-2-style Conv1D layers are not "
-            "nn.Linear and the compressed-tensors format does not cover them); export it "
-            "without --quantize")
+            "the model has no nn.Linear or Conv1D layer to quantize (only an LM head, which "
+            "stays 16-bit unless --quantize-lm-head); export it without --quantize")
     channel = [m for m, s, _ in plan.layers.values() if s == "channel"]
     if channel:
-        log.warning("%d Linear layer(s) have an input size that is not a multiple of the group "
+        log.warning("%d layer(s) have a weight row size that is not a multiple of the group "
                     "size %d and are quantized per output channel instead: %s", len(channel),
                     opts.group_size, ", ".join(channel[:8]) + (" ..." if len(channel) > 8 else ""))
     return plan
@@ -109,19 +135,23 @@ def _weights_args(bits, strategy, group_size):
 
 def quantization_config(plan: LinearPlan, opts: QuantOptions) -> dict:
     """The ``quantization_config`` entry of ``config.json``."""
-    groups = {"group_0": {"targets": ["Linear"], "format": FORMAT,
+    channel = sorted(m for m, s, _ in plan.layers.values() if s == "channel")
+    conv_group = sorted(m for m in plan.conv1d if m not in channel)
+    groups = {"group_0": {"targets": ["Linear"] + conv_group, "format": FORMAT,
                           "weights": _weights_args(opts.bits, "group", opts.group_size),
                           "input_activations": None, "output_activations": None}}
-    channel = sorted(m for m, s, _ in plan.layers.values() if s == "channel")
     if channel:
         groups["group_1"] = {"targets": channel, "format": FORMAT,
                              "weights": _weights_args(opts.bits, "channel", None),
                              "input_activations": None, "output_activations": None}
-    return {"quant_method": "compressed-tensors", "format": FORMAT,
-            "quantization_status": "compressed", "config_groups": groups,
-            "ignore": sorted(plan.ignore), "kv_cache_scheme": None,
-            "sparsity_config": {}, "transform_config": {}, "global_compression_ratio": None,
-            "version": CT_VERSION}
+    out = {"quant_method": "compressed-tensors", "format": FORMAT,
+           "quantization_status": "compressed", "config_groups": groups,
+           "ignore": sorted(plan.ignore), "kv_cache_scheme": None,
+           "sparsity_config": {}, "transform_config": {}, "global_compression_ratio": None,
+           "version": CT_VERSION}
+    if plan.conv1d:
+        out["dequantize"] = True    # Conv1D is not rebuilt compressed: see the module doc
+    return out
 
 
 def output_dtype(src: torch.dtype, opts: QuantOptions) -> torch.dtype:
@@ -131,15 +161,16 @@ def output_dtype(src: torch.dtype, opts: QuantOptions) -> torch.dtype:
     return torch.bfloat16 if src == torch.float32 else src
 
 
-def _entries(name, shape, dt, plan, opts):
-    """Output ``(key, dtype, shape)`` for one source tensor."""
+def entries(name, shape, dt, plan, opts) -> list[Entry]:
+    """The stored tensors of one source tensor."""
     if name in plan:
         _, strategy, g = plan.layers[name]
-        out, inf = shape
-        return [(f"{name[:-len('weight')]}weight_packed", torch.int32, (out, -(-inf * opts.bits // 32))),
-                (f"{name[:-len('weight')]}weight_scale", output_dtype(dt, opts), (out, -(-inf // g))),
-                (f"{name[:-len('weight')]}weight_shape", torch.int64, (2,))]
-    return [(name, output_dtype(dt, opts) if dt.is_floating_point else dt, tuple(shape))]
+        rows, cols = shape
+        base = name[:-len("weight")]
+        return [Entry(f"{base}weight_packed", torch.int32, (rows, -(-cols * opts.bits // 32))),
+                Entry(f"{base}weight_scale", output_dtype(dt, opts), (rows, -(-cols // g))),
+                Entry(f"{base}weight_shape", torch.int64, (2,))]
+    return [Entry(name, output_dtype(dt, opts) if dt.is_floating_point else dt, tuple(shape))]
 
 
 def quantize_weight(name, w, plan, opts, scale_dtype) -> dict[str, torch.Tensor]:
@@ -151,78 +182,44 @@ def quantize_weight(name, w, plan, opts, scale_dtype) -> dict[str, torch.Tensor]
         qt = quantize(w, opts.bits, g, scale_dtype=scale_dtype, name=name)
     except QuantizationError as e:
         raise CheckpointError(str(e)) from e
+    return stored_tensors(name, qt, opts)
+
+
+def stored_tensors(name, qt: QuantizedTensor, opts) -> dict[str, torch.Tensor]:
     base = name[:-len("weight")]
     return {f"{base}weight_packed": pack_bits(qt.q, opts.bits),
             f"{base}weight_scale": qt.scale,
-            f"{base}weight_shape": torch.tensor(list(w.shape), dtype=torch.int64)}
+            f"{base}weight_shape": torch.tensor(list(qt.q.shape), dtype=torch.int64)}
 
 
 def write_quantized(out_dir, names, info, get, plan: LinearPlan, opts: QuantOptions, *,
-                    max_shard_bytes: int, metadata=None) -> tuple[list[str], int]:
+                    max_shard_bytes: int, metadata=None, write: bool = True
+                    ) -> tuple[list[str], int]:
     """Write ``names`` (``info(name) -> (shape, dtype)``, ``get(name) -> tensor``, called
-    once per name in order; a Linear weight may come as a :class:`QuantizedTensor`) to ``out_dir``; returns (files written, bytes of tensor data)."""
-    plan_shards, cur, cur_bytes = [], [], 0
+    once per name in order; a Linear weight may come as a :class:`QuantizedTensor`) to
+    ``out_dir``; returns (files written, bytes of tensor data). ``write=False``: every
+    ``get`` runs, nothing is written (see :func:`~.hf_shards.write_hf_shards`)."""
+    sources = []
     for n in names:
         shape, dt = info(n)
         if n in plan and len(shape) != 2:
             raise CheckpointError(f"{n}: a Linear weight must be 2-D, got shape {list(shape)}")
-        ents = _entries(n, shape, dt, plan, opts)
-        nb = sum(dtypes.itemsize(d) * _numel(s) for _, d, s in ents)
-        if cur and cur_bytes + nb > max_shard_bytes:
-            plan_shards.append(cur)
-            cur, cur_bytes = [], 0
-        cur.append((n, ents))
-        cur_bytes += nb
-    plan_shards.append(cur)
-    k = len(plan_shards)
-    fnames = (["model.safetensors"] if k == 1 else
-              [f"model-{i + 1:05d}-of-{k:05d}.safetensors" for i in range(k)])
-    weight_map, total, written = {}, 0, []
-    for fname, group in zip(fnames, plan_shards):
-        final = os.path.join(out_dir, fname)
-        tmp = os.path.join(out_dir, f".{fname}.tmp-{os.getpid()}")
-        remove_tree(tmp)
-        reserve = header_reserve_for([(key, dtypes.to_st(d), s) for _, ents in group
-                                      for key, d, s in ents])
-        w = SafetensorsStreamWriter(tmp, header_reserve=reserve,
-                                    metadata=metadata or {"format": "pt"})
-        try:
-            for n, ents in group:
-                t = get(n)
-                if isinstance(t, QuantizedTensor):        # already quantized (LKD)
-                    base = n[:-len("weight")]
-                    outs = {f"{base}weight_packed": pack_bits(t.q, opts.bits),
-                            f"{base}weight_scale": t.scale,
-                            f"{base}weight_shape": torch.tensor(list(t.q.shape), dtype=torch.int64)}
-                elif n in plan:
-                    outs = quantize_weight(n, t, plan, opts, ents[1][1])
-                else:
-                    outs = {n: t.to(ents[0][1]) if t.dtype != ents[0][1] else t}
-                for key, d, s in ents:
-                    o = outs[key].contiguous()
-                    if o.dtype != d or tuple(o.shape) != tuple(s):
-                        raise CheckpointError(f"{n}: produced {key} {o.dtype} {list(o.shape)}, "
-                                              f"planned {d} {list(s)}")
-                    w.add(key, o)
-                    total += o.numel() * o.element_size()
-                    weight_map[key] = fname
-                del t, outs
-            w.close()
-            os.rename(tmp, final)
-        except BaseException:
-            w.abort()
-            remove_tree(tmp)
-            raise
-        written.append(final)
-    fsync_dir(out_dir)
-    index = os.path.join(out_dir, INDEX_NAME)
-    if k > 1:
-        atomic_write_text(index, json.dumps({"metadata": {"total_size": total},
-                                             "weight_map": weight_map}, indent=2) + "\n")
-        written.append(index)
-    elif os.path.exists(index):
-        os.unlink(index)
-    return written, total
+        sources.append((n, entries(n, shape, dt, plan, opts)))
+    planned = dict(sources)
+
+    def produce(n):
+        t = get(n)
+        if not write:
+            return {}
+        if isinstance(t, QuantizedTensor):        # already quantized (LKD)
+            return stored_tensors(n, t, opts)
+        if n in plan:
+            return quantize_weight(n, t, plan, opts, planned[n][1].dtype)
+        odt = planned[n][0].dtype
+        return {n: t.to(odt) if t.dtype != odt else t}
+
+    return write_hf_shards(out_dir, sources, produce, max_shard_bytes=max_shard_bytes,
+                           metadata=metadata, write=write)
 
 
 def set_quantization_config(config_path, qcfg: dict, dtype: torch.dtype) -> None:
@@ -238,9 +235,3 @@ def set_quantization_config(config_path, qcfg: dict, dtype: torch.dtype) -> None
         d["torch_dtype"] = name
     atomic_write_text(config_path, json.dumps(d, indent=2, sort_keys=True) + "\n")
 
-
-def _numel(shape):
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n

@@ -6,7 +6,8 @@ Output (Hugging Face layout): ``OUT/model.safetensors``, or when larger than
 Model tensors are every checkpoint name that does not start with ``optim.``
 (the optimizer-state namespace), unless ``meta["model_names"]`` lists them.
 Partitioned tensors (saved by several ranks) are reassembled. Tensors stream one
-at a time; each output file is written under a temp name, fsynced and renamed.
+at a time through the shared writer (:mod:`.hf_shards`): each output file is written
+under a temp name, fsynced and renamed.
 
 When the checkpoint's meta records the model (``meta["model_config"]``, and
 ``meta["generation_config"]``: see :func:`model_meta`, which ``infinity finetune``
@@ -19,18 +20,16 @@ import json
 import logging
 import os
 
-from . import dtypes
 from .errors import CheckpointError
-from .fsutil import atomic_write_text, fsync_dir, remove_tree
+from .fsutil import atomic_write_text
+from .hf_shards import INDEX_NAME, Entry, write_hf_shards
 from .reader import CheckpointReader
-from .safetensors_stream import SafetensorsStreamWriter, header_reserve_for
 from infinity.fsmode import makedirs
 
 log = logging.getLogger("infinity.checkpoint")
 
 OPTIM_PREFIX = "optim."
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
-INDEX_NAME = "model.safetensors.index.json"
 CONFIG_NAME = "config.json"
 GENERATION_CONFIG_NAME = "generation_config.json"
 
@@ -107,54 +106,22 @@ def export_model(ckpt_dir, out_dir, tag=None, *, max_shard_bytes=DEFAULT_MAX_SHA
         names = model_names(r)
         if not names:
             raise CheckpointError(f"{r.path} contains no model tensors to export")
-        plan, cur, cur_bytes = [], [], 0
+        sources = []
         for n in names:
             shape, dt = r.info(n)
             odt = dtype if (dtype is not None and dt.is_floating_point) else dt
-            nb = r.numel(n) * dtypes.itemsize(odt)
-            if cur and cur_bytes + nb > max_shard_bytes:
-                plan.append(cur)
-                cur, cur_bytes = [], 0
-            cur.append((n, shape, odt))
-            cur_bytes += nb
-        plan.append(cur)
+            sources.append((n, [Entry(n, odt, tuple(shape))]))
         if os.path.exists(out_dir) and not os.path.isdir(out_dir):
             raise CheckpointError(f"export target {out_dir} exists and is not a directory")
         makedirs(out_dir)
-        k = len(plan)
-        fnames = (["model.safetensors"] if k == 1 else
-                  [f"model-{i + 1:05d}-of-{k:05d}.safetensors" for i in range(k)])
-        weight_map, total, written = {}, 0, []
-        for fname, group in zip(fnames, plan):
-            final = os.path.join(out_dir, fname)
-            tmp = os.path.join(out_dir, f".{fname}.tmp-{os.getpid()}")
-            remove_tree(tmp)
-            reserve = header_reserve_for([(n, dtypes.to_st(d), s) for n, s, d in group])
-            w = SafetensorsStreamWriter(tmp, header_reserve=reserve, metadata={"format": "pt"})
-            try:
-                for n, shape, odt in group:
-                    t = r.read(n)
-                    if t.dtype != odt:
-                        t = t.to(odt)
-                    w.add(n, t)
-                    total += t.numel() * t.element_size()
-                    weight_map[n] = fname
-                    del t
-                w.close()
-                os.rename(tmp, final)
-            except BaseException:
-                w.abort()
-                remove_tree(tmp)
-                raise
-            written.append(final)
-        fsync_dir(out_dir)
-        index = os.path.join(out_dir, INDEX_NAME)
-        if k > 1:
-            atomic_write_text(index, json.dumps(
-                {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
-            written.append(index)
-        elif os.path.exists(index):
-            os.unlink(index)  # a stale index from an earlier sharded export would mislead loaders
+        odts = dict((n, ents[0].dtype) for n, ents in sources)
+
+        def produce(n):
+            t = r.read(n)
+            return {n: t.to(odts[n]) if t.dtype != odts[n] else t}
+
+        written, total = write_hf_shards(out_dir, sources, produce,
+                                         max_shard_bytes=max_shard_bytes)
         cfg_files = write_model_config(r.meta, out_dir)
         if cfg_files and dtype is not None:
             _set_config_dtype(cfg_files[0], dtype)
@@ -165,7 +132,7 @@ def export_model(ckpt_dir, out_dir, tag=None, *, max_shard_bytes=DEFAULT_MAX_SHA
                         r.path, out_dir)
         if meta_out is not None:
             meta_out.update(r.meta)
-        log.info("exported %d tensors (%d bytes) from %s to %s", len(weight_map), total, r.path, out_dir)
+        log.info("exported %d tensors (%d bytes) from %s to %s", len(sources), total, r.path, out_dir)
         return written
 
 

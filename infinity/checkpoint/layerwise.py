@@ -47,11 +47,27 @@ def meta_model(model_config: dict) -> nn.Module:
         return AutoModelForCausalLM.from_config(cfg)
 
 
+def is_conv1d(m: nn.Module) -> bool:
+    """GPT-2-style ``transformers.pytorch_utils.Conv1D`` (weight stored ``(in, out)``)."""
+    try:
+        from transformers.pytorch_utils import Conv1D
+    except ImportError:          # pragma: no cover - transformers is what builds these models
+        return False
+    return isinstance(m, Conv1D)
+
+
 def linear_modules(model: nn.Module):
-    """``(module name, out, in, is_output_embedding)`` of every ``nn.Linear``."""
+    """``(module name, rows, cols, is_output_embedding, is_conv1d)`` of every ``nn.Linear``
+    (rows x cols = out x in) and ``Conv1D`` (in x out: its weight as stored)."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    return [(n, m.out_features, m.in_features, m is head)
-            for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    out = []
+    for n, m in model.named_modules():
+        if isinstance(m, nn.Linear):
+            out.append((n, m.out_features, m.in_features, m is head, False))
+        elif is_conv1d(m) and getattr(m, "weight", None) is not None and m.weight.dim() == 2:
+            rows, cols = m.weight.shape
+            out.append((n, int(rows), int(cols), m is head, True))
+    return out
 
 
 def block_list(model: nn.Module, n_layers: int) -> str:

@@ -18,6 +18,7 @@ import torch
 from infinity.fsmode import makedirs
 from infinity.quant import QuantizedTensor
 
+from .calib_pages import CalibrationPages
 from .compressed import (LinearPlan, QuantOptions, output_dtype, plan_linears,
                          quantization_config, set_quantization_config, write_quantized)
 from .errors import CheckpointError
@@ -63,13 +64,18 @@ def export_quantized(ckpt_dir, out_dir, tag=None, *, options: QuantOptions,
         if os.path.exists(out_dir) and not os.path.isdir(out_dir):
             raise CheckpointError(f"export target {out_dir} exists and is not a directory")
         makedirs(out_dir)
-        get = r.read
+        get, src = r.read, None
         if lkd is not None:
-            get = _LKDSource(r, cfg, names, plan, options, lkd, calib_ids, calib_generate,
-                             seed, dtype16, report if report is not None else {}).get
-            names = get.__self__.ordered(names)
-        files, total = write_quantized(out_dir, names, r.info, get, plan, options,
-                                       max_shard_bytes=max_shard_bytes)
+            src = _LKDSource(r, cfg, names, plan, options, lkd, calib_ids, calib_generate,
+                             seed, dtype16, report if report is not None else {},
+                             swap_path=lkd.swap_path or out_dir)
+            get, names = src.get, src.ordered(names)
+        try:
+            files, total = write_quantized(out_dir, names, r.info, get, plan, options,
+                                           max_shard_bytes=max_shard_bytes)
+        finally:
+            if src is not None:
+                src.close()
         cfg_files = write_model_config(r.meta, out_dir)
         set_quantization_config(cfg_files[0], quantization_config(plan, options), dtype16)
         files += cfg_files
@@ -85,10 +91,13 @@ def export_quantized(ckpt_dir, out_dir, tag=None, *, options: QuantOptions,
 
 class _LKDSource:
     """``get(name)`` for the writer: a block's quantized Linear weights come out of its
-    distillation (run when the first of its tensors is asked for; one block cached)."""
+    distillation (run when the first of its tensors is asked for; one block cached). The
+    calibration activations entering the block and its 16-bit outputs are chunked and
+    paged (:class:`~.calib_pages.CalibrationPages`)."""
 
     def __init__(self, reader, cfg, names, plan: LinearPlan, opts: QuantOptions,
-                 lkd: LKDOptions, calib_ids, calib_generate, seed, dtype16, report):
+                 lkd: LKDOptions, calib_ids, calib_generate, seed, dtype16, report, *,
+                 swap_path):
         from .layerwise import LayerwiseModel
         self.r, self.plan, self.opts, self.lkd, self.dtype16 = reader, plan, opts, lkd, dtype16
         self.report = report
@@ -108,11 +117,32 @@ class _LKDSource:
             report["calib_source"] = f"generated {n} x {length} by the model"
         else:
             report.setdefault("calib_source", f"{tuple(calib_ids.shape)} token ids")
-        self.hidden, self.kwargs = self.lw.block_inputs(calib_ids)
+        n_seq, seq_len = calib_ids.shape
+        per = max(1, lkd.chunk_tokens // max(1, seq_len))
+        self.spans = [(a, min(a + per, n_seq)) for a in range(0, n_seq, per)]
+        self.pages = CalibrationPages(host_bytes=lkd.host_bytes, swap_path=swap_path)
+        self.kwargs = {}                 # chunk size -> the keyword arguments blocks receive
+        self.x = self.pages.new_set()    # activations entering the next block, chunk by chunk
+        try:
+            for j, (a, b) in enumerate(self.spans):
+                hidden, kw = self.lw.block_inputs(calib_ids[a:b])
+                self.kwargs.setdefault(b - a, kw)
+                self.x.put(j, hidden)
+                del hidden
+        except BaseException:
+            self.pages.close()
+            raise
+        self.elements = None
         self.next_block = 0
         self.cache: dict[str, QuantizedTensor] = {}
         self.cached_block = None
         report["blocks"] = []
+        report["lkd_chunks"] = len(self.spans)
+        report["lkd_pages"] = self.pages.stats
+
+    def close(self) -> None:
+        self.x.free()
+        self.pages.close()
 
     def ordered(self, names):
         """Names in block order (each block's tensors together, blocks ascending)."""
@@ -128,23 +158,43 @@ class _LKDSource:
             self._distil(self.next_block)
         return self.cache[local]
 
+    def _batches(self, y):
+        """``batches`` for :mod:`.lkd`: (input chunk, kwargs, target chunk) in order."""
+        def batches():
+            for j, (a, b) in enumerate(self.spans):
+                yield self.x.get(j), self.kwargs[b - a], y.get(j)
+        batches.elements = self.elements
+        return batches
+
     def _distil(self, i):
         if i >= self.lw.n_layers:
             raise CheckpointError(f"LKD: block {i} asked for out of order")
         t = time.monotonic()
         block = self.lw.load_block(i)
-        with torch.no_grad():
-            target = self.lw.run_block(block, self.hidden, self.kwargs)
-        weights = {}
-        for local, full in self.lw.block_names[i].items():
-            if full in self.plan.layers:
-                _, _strategy, g = self.plan.layers[full]
-                weights[local] = (self.opts.bits, g)
-        rtn_q = round_to_nearest(block, weights, scale_dtype=self.dtype16)
-        rtn = quantized_mse(block, self.hidden, self.kwargs, target, rtn_q)
-        result, _first, _best = distil_block(block, self.hidden, self.kwargs, target, weights,
-                                             self.lkd, scale_dtype=self.dtype16, name=f"block {i}")
-        mse = quantized_mse(block, self.hidden, self.kwargs, target, result)
+        y = self.pages.new_set()         # the 16-bit block's outputs: the targets
+        try:
+            elements = 0
+            with torch.no_grad():
+                for j, (a, b) in enumerate(self.spans):
+                    out = self.lw.run_block(block, self.x.get(j), self.kwargs[b - a])
+                    elements += out.numel()
+                    y.put(j, out)
+                    del out
+            self.elements = elements
+            weights = {}
+            for local, full in self.lw.block_names[i].items():
+                if full in self.plan.layers:
+                    _, _strategy, g = self.plan.layers[full]
+                    weights[local] = (self.opts.bits, g)
+            batches = self._batches(y)
+            rtn_q = round_to_nearest(block, weights, scale_dtype=self.dtype16)
+            rtn = quantized_mse(block, batches, rtn_q)
+            result, _first, _best = distil_block(block, batches, weights, self.lkd,
+                                                 scale_dtype=self.dtype16, name=f"block {i}")
+            mse = quantized_mse(block, batches, result)
+        except BaseException:
+            y.free()
+            raise
         kept = "distilled"
         if mse > rtn:       # never write a block worse (on the calibration data) than plain rounding
             result, mse, kept = rtn_q, rtn, "round-to-nearest kept (distillation did not help)"
@@ -155,5 +205,6 @@ class _LKDSource:
                  time.monotonic() - t)
         self.cache = result
         self.cached_block = i
-        self.hidden = target            # the 16-bit model's activations feed the next block
+        self.x.free()
+        self.x = y                  # the 16-bit model's activations feed the next block
         self.next_block = i + 1

@@ -46,8 +46,9 @@ def register(subparsers):
                    help="do not write the tokenizer files the checkpoint records")
     q = p.add_argument_group(
         "quantized export", "weight-only, symmetric, group-wise INT8/INT4 quantization of the "
-        "nn.Linear layers, written in the compressed-tensors format (transformers with the "
-        "compressed-tensors package, and vLLM, load it); the embeddings, the LM head and "
+        "nn.Linear layers (and GPT-2-style Conv1D layers, in their stored layout), written in "
+        "the compressed-tensors format (transformers with the compressed-tensors package "
+        "loads it; vLLM reads the format, not tested here); the embeddings, the LM head and "
         "every other tensor stay 16-bit (--dtype, default bf16 for an fp32 checkpoint)")
     q.add_argument("--quantize", choices=("int8", "int4"), default=None,
                    help="quantize the Linear weights")
@@ -74,6 +75,15 @@ def register(subparsers):
                         "or the per-group scales (scale)")
     q.add_argument("--lkd-lr", type=float, default=None, metavar="X",
                    help="learning rate (default 1e-4 for ste, 1e-3 for scale)")
+    q.add_argument("--lkd-chunk-tokens", type=positive_int, default=4096, metavar="N",
+                   help="calibration tokens per forward/backward of a block (whole sequences, "
+                        "at least one; default 4096): the activations held at once")
+    q.add_argument("--lkd-host-mb", type=int, default=1024, metavar="MB",
+                   help="calibration activations kept in host memory (default 1024 MB; 0: all "
+                        "on NVMe); the rest is paged to --lkd-swap")
+    q.add_argument("--lkd-swap", metavar="PATH", default=None,
+                   help="directory for the calibration activations beyond --lkd-host-mb "
+                        "(private, unlinked swap files; default: OUT)")
     q.add_argument("--seed", type=int, default=0, help="seed of the generated calibration data")
     p.set_defaults(func=run)
 
@@ -109,7 +119,8 @@ def run(args):
     from infinity.cli.main import CLIError
     meta = {}
     dtype = getattr(torch, _DTYPES[args.dtype]) if args.dtype else None
-    lkd_only = [f for f, v in (("--lkd", args.lkd), ("--calib-data", args.calib_data)) if v]
+    lkd_only = [f for f, v in (("--lkd", args.lkd), ("--calib-data", args.calib_data),
+                               ("--lkd-swap", args.lkd_swap)) if v]
     if args.quantize is None and lkd_only:
         raise CLIError(f"{' and '.join(lkd_only)} need --quantize int8|int4")
     if args.calib_data and not args.lkd:
@@ -149,7 +160,11 @@ def _export_quantized(args, dtype, meta):
                         include_lm_head=args.quantize_lm_head)
     lkd = calib = None
     if args.lkd:
-        lkd = LKDOptions(steps=args.lkd_steps, lr=args.lkd_lr, mode=args.lkd_mode)
+        if args.lkd_host_mb < 0:
+            raise CLIError(f"--lkd-host-mb must be >= 0, got {args.lkd_host_mb}")
+        lkd = LKDOptions(steps=args.lkd_steps, lr=args.lkd_lr, mode=args.lkd_mode,
+                         chunk_tokens=args.lkd_chunk_tokens, host_bytes=args.lkd_host_mb * 10**6,
+                         swap_path=args.lkd_swap)
         if args.calib_data:
             with CheckpointReader(args.dir, args.tag) as r:
                 ckpt_meta = r.meta
@@ -165,4 +180,9 @@ def _export_quantized(args, dtype, meta):
                              seed=args.seed, report=report)
     print(f"quantized export ({args.quantize}, group {args.group_size}) in "
           f"{report.get('seconds', 0):.1f} s", file=sys.stderr)
+    pages = report.get("lkd_pages")
+    if pages and pages["chunks_on_nvme"]:
+        print(f"LKD calibration activations: {report['lkd_chunks']} chunk(s) per block, "
+              f"{pages['nvme_write_bytes'] / 1e6:.1f} MB paged to NVMe, "
+              f"{pages['nvme_read_bytes'] / 1e6:.1f} MB read back", file=sys.stderr)
     return files

@@ -342,6 +342,51 @@ class EngineCheckpoint:
                 b.copy_(reader.read(name).to(b.dtype))
         self.e.mm.refresh_resident()    # separate device: resident copies from host mirrors
 
+    def write_param_values(self, values):
+        """Store new values of parameters into the engine (``infinity.GatheredParameters``
+        with ``modifier_rank``): ``values`` maps slot name -> the full tensor (the same on
+        every rank; its shape the parameter's). Each rank writes the ranges it owns exactly
+        as :meth:`load_checkpoint_tensors` does: the fp32 master of a trainable parameter
+        (and the separate compute copy at its home in bf16/fp16; at stages 1/2 the full
+        replicated parameter), a frozen parameter's home. The Adam moments are left as they
+        are (like assigning ``p.data`` under ``torch.optim.AdamW``)."""
+        self._check_idle("GatheredParameters")
+        self._release_cached()
+        self.e.mm.wait_host_reads()     # no copy still reads a home about to be written
+        home_copy = self.e.cfg.precision != "fp32" and not self.replicated
+        homes = {}
+        for g, key, s in self._trainable_slots():
+            v = values.get(s.name)
+            if v is None:
+                continue
+            flat = v.reshape(-1)
+            r = self._own(g, s)
+            if r is not None:
+                a, b = r
+                lo = self._shard(g)[0]
+                piece = flat[a - s.offset:b - s.offset].to(torch.float32).contiguous()
+                self.store.write_master(key, piece, start=a - lo)
+                if home_copy:
+                    homes.setdefault(g.gid, (g, []))[1].append((a, piece.to(g.dtype)))
+            if self.replicated:
+                homes.setdefault(g.gid, (g, []))[1].append((s.offset, flat.to(g.dtype)))
+        for g, s in self._frozen_slots():
+            v = values.get(s.name)
+            if v is None:
+                continue
+            flat = v.reshape(-1).to(g.dtype)
+            if self.sharded_home:
+                r = self._own(g, s)
+                if r is None:
+                    continue
+                a, b = r
+                homes.setdefault(g.gid, (g, []))[1].append((a, flat[a - s.offset:b - s.offset]))
+            else:
+                homes.setdefault(g.gid, (g, []))[1].append((s.offset, flat))
+        for g, items in homes.values():
+            self._write_home(g, items)
+        self.e.mm.refresh_resident()    # separate device: resident copies from host mirrors
+
     def _saved_state_dtype(self, reader, own):
         """The dtype the checkpoint's Adam moments were saved in (that of its first
         moment tensor; checkpoints before ``optimizer.state_dtype`` hold fp32).  A dtype

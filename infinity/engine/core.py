@@ -507,6 +507,30 @@ class Engine:
         self._drop_open_window("GatheredParameters")
         return read_param(self, p)
 
+    def write_held(self, values) -> None:
+        """Store new values into parameters this engine holds (``values``: ``[(param,
+        full tensor)]``, the same values on every rank; collective at world size > 1): the
+        fp32 masters and the homes, Adam moments kept. For ``infinity.GatheredParameters``
+        with ``modifier_rank`` (Note [held parameters])."""
+        from infinity.engine.checkpoint_state import EngineCheckpoint
+        from infinity.engine.weights import slot_of
+        self._enter("GatheredParameters")
+        self._drop_open_window("GatheredParameters")
+        named = {}
+        for p, v in values:
+            _g, s = slot_of(self, p)
+            if tuple(v.shape) != tuple(s.shape):
+                raise ValueError(
+                    f"GatheredParameters: parameter {s.name} of shape {tuple(s.shape)} held by "
+                    f"an infinity engine was given shape {tuple(v.shape)}; an engine's layout is "
+                    f"fixed at initialize: change shapes (resize_token_embeddings) before "
+                    f"infinity.initialize, under infinity.Init")
+            if not v.dtype.is_floating_point or not bool(torch.isfinite(v).all()):
+                raise ValueError(f"GatheredParameters: new value of {s.name} is not finite "
+                                 f"floating point ({v.dtype}); nothing was stored")
+            named[s.name] = v.detach().to("cpu")
+        EngineCheckpoint(self).write_param_values(named)
+
     def state_dict(self):
         from infinity.engine.weights import StreamedStateDict
         self._enter("state_dict")

@@ -13,7 +13,6 @@ time.
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections.abc import Mapping
@@ -64,7 +63,7 @@ class StreamedStateDict(Mapping):
         raise KeyError(key)
 
 
-def _slot_of(engine, p) -> tuple[GroupRecord, ParamSlot]:
+def slot_of(engine, p) -> tuple[GroupRecord, ParamSlot]:
     g = engine.grouping.param_group[id(p)]
     for s in g.slots:
         if s.param is p:
@@ -79,7 +78,7 @@ def read_param(engine, p: torch.nn.Parameter) -> torch.Tensor:
     if zero is not None and zero.world_size > 1:   # ZeRO shards: gather (collective)
         from infinity.zero.distributed import read_param_gathered
         return read_param_gathered(engine, p, out_dtype)
-    g, s = _slot_of(engine, p)
+    g, s = slot_of(engine, p)
     if s.trainable and engine.dtype != torch.float32:
         out = torch.empty(s.numel, dtype=torch.float32)
         engine.store.read_master(engine.opt.key(g), out, start=s.offset)
@@ -108,9 +107,7 @@ def _read_extent_range(engine, g: GroupRecord, s: ParamSlot) -> torch.Tensor:
 
 def save_pretrained(engine, directory, *, max_shard_bytes: int = 2 * 10 ** 9) -> list[str]:
     """Write safetensors shard(s) (+ index) and the HF config; returns the files written."""
-    from infinity.checkpoint.dtypes import to_st
-    from infinity.checkpoint.safetensors_stream import (SafetensorsStreamWriter,
-                                                         header_reserve_for)
+    from infinity.checkpoint.hf_shards import Entry, write_hf_shards
     zero = engine.zero
     writer = zero is None or zero.rank == 0   # at world size > 1 every rank gathers, rank 0 writes
     if writer:
@@ -118,64 +115,27 @@ def save_pretrained(engine, directory, *, max_shard_bytes: int = 2 * 10 ** 9) ->
     sd = StreamedStateDict(engine)
     # unique tensors only (safetensors cannot store aliases): tied weights keep the first name
     names = _unique_names(sd)
-
-    def source(name):
-        return _source(engine, sd, name)
-
-    def nbytes(name):
-        t, dt = source(name)
-        return t.numel() * dt.itemsize
-
-    def header_entry(name):
-        t, dt = source(name)
-        return name, to_st(dt), t.shape
-
-    shards: list[list[str]] = [[]]
-    size = 0
+    sources = []
     for n in names:
-        b = nbytes(n)
-        if shards[-1] and size + b > max_shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(n)
-        size += b
-    files = []
-    weight_map = {}
-    total = 0
-    for i, shard in enumerate(shards):
-        fname = "model.safetensors" if len(shards) == 1 else \
-            f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        path = os.path.join(directory, fname)
-        # one tensor in memory at a time: each is written as soon as it is read
-        reserve = header_reserve_for([header_entry(n) for n in shard])
-        w = SafetensorsStreamWriter(path, header_reserve=reserve,
-                                    metadata={"format": "pt"}) if writer else None
-        try:
-            for n in shard:
-                t = sd[n].contiguous()
-                total += t.numel() * t.element_size()
-                weight_map[n] = fname
-                if w is not None:
-                    w.add(n, t)
-                del t
-            if w is not None:
-                w.close()
-        except BaseException:
-            if w is not None:
-                w.abort()
-                try:
-                    os.unlink(path)
-                except OSError:
-                    pass
-            raise
-        files.append(fname)
+        t, dt = _source(engine, sd, n)
+        sources.append((n, [Entry(n, dt, tuple(t.shape))]))
+    # one tensor in memory at a time: each is written as soon as it is read
+    paths, _ = write_hf_shards(directory, sources, lambda n: {n: sd[n]},
+                               max_shard_bytes=max_shard_bytes, write=writer)
+    files = [os.path.basename(f) for f in paths]
     if not writer:
         zero.comm.barrier("save_pretrained")
         return files
-    if len(shards) > 1:
-        with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
-            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
-        files.append("model.safetensors.index.json")
+    files += _write_hf_config(engine, directory)
+    log.info("save_pretrained: wrote %d file(s) to %s", len(files), directory)
+    if zero is not None and zero.world_size > 1:
+        zero.comm.barrier("save_pretrained")
+    return files
+
+
+def _write_hf_config(engine, directory) -> list[str]:
+    """``config.json`` (+ ``generation_config.json``) of a Hugging Face model."""
+    files = []
     cfg = getattr(engine.module, "config", None)
     if cfg is not None and hasattr(cfg, "save_pretrained"):
         cfg.save_pretrained(directory)
@@ -187,9 +147,6 @@ def save_pretrained(engine, directory, *, max_shard_bytes: int = 2 * 10 ** 9) ->
                 files.append("generation_config.json")
             except Exception as e:  # generation config is optional metadata
                 log.debug("save_pretrained: generation_config not written: %s", e)
-    log.info("save_pretrained: wrote %d file(s) to %s", len(files), directory)
-    if zero is not None and zero.world_size > 1:
-        zero.comm.barrier("save_pretrained")
     return files
 
 
@@ -245,27 +202,19 @@ def save_pretrained_quantized(engine, directory, *, quantize: str, group_size: i
         t, dt = _source(engine, sd, name)
         return tuple(t.shape), dt
 
-    if not writer:                      # the gathers are collectives: every rank reads
-        for n in names:
-            del_ = sd[n]
-            del del_
+    if writer:
+        makedirs(directory)
+    # the gathers are collectives: every rank reads every tensor in the same order, rank 0 writes
+    paths, _ = write_quantized(directory, names, info, lambda n: sd[n], plan, opts,
+                               max_shard_bytes=max_shard_bytes, write=writer)
+    files = [os.path.basename(f) for f in paths]
+    if not writer:
         zero.comm.barrier("save_pretrained")
-        return []
-    makedirs(directory)
-    files, _ = write_quantized(directory, names, info, lambda n: sd[n], plan, opts,
-                               max_shard_bytes=max_shard_bytes)
-    cfg.save_pretrained(directory)
+        return files
+    files += _write_hf_config(engine, directory)
     src = next((info(n)[1] for n in plan.layers), torch.float32)
     set_quantization_config(os.path.join(directory, "config.json"),
                             quantization_config(plan, opts), output_dtype(src, opts))
-    files = [os.path.basename(f) for f in files] + ["config.json"]
-    gen = getattr(engine.module, "generation_config", None)
-    if gen is not None and hasattr(gen, "save_pretrained"):
-        try:
-            gen.save_pretrained(directory)
-            files.append("generation_config.json")
-        except Exception as e:  # generation config is optional metadata
-            log.debug("save_pretrained: generation_config not written: %s", e)
     log.info("save_pretrained(quantize=%s): %d Linear layers quantized, wrote %d file(s) to %s",
              quantize, len(plan.layers), len(files), directory)
     if zero is not None and zero.world_size > 1:

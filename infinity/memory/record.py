@@ -78,7 +78,8 @@ def is_placeholder(t: torch.Tensor) -> bool:
 # Note [held parameters]: an engine that has released its model's parameters (``.data`` =
 # placeholder) registers here, so code below the engine (``infinity.GatheredParameters``) can
 # find who holds a parameter and read its value without importing the engine.  A holder has
-# ``holds(p) -> bool`` and ``read_held(p) -> Tensor`` (collective at world size > 1).
+# ``holds(p) -> bool``, ``read_held(p) -> Tensor`` and ``write_held([(p, value)])`` (both
+# collective at world size > 1).
 _HOLDERS: "weakref.WeakSet" = weakref.WeakSet()
 
 

@@ -21,15 +21,25 @@ Typical use: resize the vocabulary and initialise new tokens of a model built un
         model.resize_token_embeddings(len(tokenizer))
 
 Entering and leaving are collective at world size > 1 (every rank lists the same parameters
-in the same order).  Parameters that are neither Init-managed nor released by an engine are
+in the same order).  Parameters that are neither Init-managed nor held by an engine are
 left alone (the block is then a plain ``with``).
 
 Parameters held by an engine (after ``initialize`` / ``InfinityTrainer.train`` started, outside
-forward/backward) are gathered too, read only: with ``modifier_rank=None`` they hold their
-current values (fp32 master in bf16/fp16 training, as ``engine.state_dict()``) and get the
-engine's placeholder back on exit.  Storing values into an engine (``modifier_rank=r``) is
-refused with an error before anything is read: the engine keeps masters and Adam moments of
-its own; edit before ``initialize`` or load values with ``engine.load_checkpoint``.
+forward/backward; released to placeholders or resident with ``offload.params: none``) are
+gathered too: inside the block they hold their current values (the fp32
+master in bf16/fp16 training, as ``engine.state_dict()``), and get the engine's placeholder back
+on exit.  With ``modifier_rank=r`` rank ``r``'s values (broadcast at world size > 1) are stored
+into the engine as ``engine.load_checkpoint`` stores parameters: the fp32 master of a trainable
+parameter (the optimizer steps from the new value), the compute-dtype copy at its home (NVMe,
+host or device; at ZeRO-3 each rank its shard), a frozen parameter's home.  **The Adam moments
+are kept** (``exp_avg``/``exp_avg_sq`` and the step count are untouched), exactly as assigning
+``p.data`` under ``torch.optim.AdamW`` keeps them; zero them yourself by loading a checkpoint if
+the new values should start fresh.  (DeepSpeed writes only the compute-dtype partition, so a
+bf16/fp16 engine's fp32 master overwrites the edit at the next step; infinity writes both.)  The
+shape of an engine-held parameter is fixed at ``initialize``: a value of another shape
+(``resize_token_embeddings``) is refused with nothing stored - resize under ``Init``, before
+``initialize``.  Called between steps; inside an accumulation window whose optimizer steps
+started during backward, the window is dropped first (one warning), as ``state_dict()`` does.
 """
 from __future__ import annotations
 
@@ -78,18 +88,17 @@ class GatheredParameters:
         for p in self.params:
             rec = _record(p)
             if rec is None:
-                if _is_released(p):
-                    engine_held.append((p, self._holder(p)))
+                eng = _live_holder(p)     # released to a placeholder, or resident (offload none)
+                if eng is not None or _is_released(p):
+                    engine_held.append((p, eng or self._holder(p)))
                 continue
             held.append((p, rec))
-        if engine_held and self.modifier_rank is not None:
-            raise RuntimeError(
-                f"GatheredParameters(modifier_rank={self.modifier_rank}): {len(engine_held)} of "
-                f"the parameters (e.g. one of shape {tuple(engine_held[0][0].shape)}) are held by "
-                f"an infinity engine, which keeps their values (and fp32 masters, Adam moments) "
-                f"in its own homes: values cannot be stored back into it. Edit parameters before "
-                f"infinity.initialize / InfinityTrainer.train (under infinity.Init), or load new "
-                f"values with engine.load_checkpoint; reading works with modifier_rank=None")
+        if self.modifier_rank is not None:
+            for _p, eng in engine_held:
+                ws = _engine_world(eng)
+                if self.modifier_rank >= ws:
+                    raise ValueError(f"GatheredParameters: modifier_rank={self.modifier_rank} but "
+                                     f"the engine holding the parameters runs {ws} rank(s)")
         try:
             for p, rec in held:
                 p.data = rec.store.get(rec)          # collective at world size > 1
@@ -124,12 +133,16 @@ class GatheredParameters:
         if not self.enabled:
             return False
         held, self._held = self._held, []
-        self._restore_engine_held()      # read only: writes are discarded
         store_back = self.modifier_rank is not None and exc_type is None
+        try:
+            if store_back:
+                self._store_engine_held()
+        finally:
+            self._restore_engine_held()
         try:
             for p, rec in held:
                 if store_back:
-                    value = self._from_modifier(p.data.detach(), rec)
+                    value = self._from_modifier(p.data.detach(), rec.store.world_size)
                     _rehome_if_reshaped(rec, value)
                     rec.store.put(rec, value.to(rec.dtype).contiguous())
         finally:
@@ -137,8 +150,19 @@ class GatheredParameters:
                 p.data = placeholder(rec.dtype, rec.shape)
         return False
 
-    def _from_modifier(self, value: torch.Tensor, rec) -> torch.Tensor:
-        if rec.store.world_size == 1:
+    def _store_engine_held(self) -> None:
+        """Rank ``modifier_rank``'s values of the engine-held parameters into their
+        engines (one ``write_held`` per engine, after every broadcast)."""
+        by_engine: dict[int, tuple] = {}
+        for p, _ph in self._engine_held:
+            eng = self._holder(p)
+            value = self._from_modifier(p.data.detach(), _engine_world(eng))
+            by_engine.setdefault(id(eng), (eng, []))[1].append((p, value))
+        for eng, values in by_engine.values():
+            eng.write_held(values)
+
+    def _from_modifier(self, value: torch.Tensor, world_size: int) -> torch.Tensor:
+        if world_size == 1:
             return value
         import torch.distributed as dist
         meta = [(tuple(value.shape), value.dtype)]
@@ -150,6 +174,16 @@ class GatheredParameters:
             value = value.contiguous()
         dist.broadcast(value, src=self.modifier_rank)
         return value
+
+
+def _live_holder(p):
+    from infinity.memory.record import holder_of
+    return holder_of(p)
+
+
+def _engine_world(eng) -> int:
+    z = getattr(eng, "zero", None)
+    return 1 if z is None else int(z.world_size)
 
 
 def _rehome_if_reshaped(rec, value: torch.Tensor) -> None:

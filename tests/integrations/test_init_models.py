@@ -64,7 +64,7 @@ def test_gathered_parameters_resize_token_embeddings(swap_dir, model_fn):
 def test_gathered_parameters_reads_engine_held_params(swap_dir, precision):
     """Parameters an engine holds (released to placeholders between steps): modifier_rank=None
     gathers their current values (what engine.state_dict() gives) and discards writes;
-    modifier_rank=r, which the engine cannot take, is refused before anything is read."""
+    modifier_rank=0 stores them."""
     from infinity.memory.record import is_placeholder
     model = H.gpt2()
     cfg = dict(_init_cfg(swap_dir), precision=precision)
@@ -90,11 +90,12 @@ def test_gathered_parameters_reads_engine_held_params(swap_dir, precision):
             assert torch.equal(model(ids).logits, before)    # the engine still trains on
         assert torch.equal(eng.state_dict()["transformer.wte.weight"],
                            want["transformer.wte.weight"])
-        with pytest.raises(RuntimeError, match=r"modifier_rank=0.*held by an infinity engine"
-                                               r".*cannot be stored back"):
-            with infinity.GatheredParameters([wte], modifier_rank=0):
-                pass
-        assert is_placeholder(wte.data)
+        # modifier_rank=0: stored into the engine (tests/engine/test_gathered_write.py)
+        with infinity.GatheredParameters([head_b], modifier_rank=0):
+            head_b.data.fill_(0.25)
+        assert is_placeholder(head_b.data)
+        got = eng.state_dict()["transformer.h.1.mlp.c_fc.bias"]
+        assert torch.equal(got, torch.full_like(got, 0.25))
         eng.backward(model(ids, labels=ids).loss)            # and trains on
         assert eng.step()
     plain = H.gpt2()

@@ -77,3 +77,65 @@ def test_gathered_parameters_two_ranks(tmp_path):
     assert got["transformer.wte.weight"].shape == (H.VOCAB + 6, 32)
     # GatheredParameters over the engine's ZeRO-3 shards (read only) gives the full value
     assert torch.equal(got["gathered.engine_held_wte"], got["transformer.wte.weight"])
+
+
+def test_engine_edits_and_quantized_save_two_ranks(tmp_path):
+    """World size 2 (ZeRO-2 with resident parameters, then ZeRO-3 with params and optimizer
+    on cpu, then nvme): GatheredParameters with
+    modifier_rank=1 on engine-held parameters stores rank 1's edit on both ranks (rank 0's
+    writes discarded), Adam moments kept: training on equals one process with
+    torch.optim.AdamW on the global batch and the same edit to p.data.  Then
+    save_pretrained(quantize="int4") at world size 2 loads with transformers, its weights
+    exactly our quantizer's output of the trained values."""
+    import torch
+    from safetensors.torch import load_file
+
+    import engine_edit_child as C
+    from infinity.checkpoint.layerwise import is_conv1d
+    from infinity.quant import quantize
+    homes = ["stage2", "cpu", "nvme"]
+    spec = {"swap": str(tmp_path / "swap"), "homes": homes,
+            "weights": str(tmp_path / "w-%s.safetensors"),
+            "edited": str(tmp_path / "e-%s.safetensors"),
+            "quantized": str(tmp_path / "q"), "full": str(tmp_path / "full")}
+    _torchrun("engine_edit_child.py", spec, tmp_path)
+    ref = H.gpt2()
+    ref.transformer.ln_f.weight.requires_grad_(False)
+    opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2,
+                            weight_decay=0.1, betas=(0.9, 0.999), eps=1e-8)
+    bs = C.batches(4)
+
+    def train(part):
+        for ids in part:
+            losses = [ref(input_ids=ids[r:r + 1], labels=ids[r:r + 1]).loss for r in (0, 1)]
+            (sum(losses) / 2).backward()
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad()
+
+    train(bs[:2])
+    C.edit(ref, torch.Generator().manual_seed(7))
+    want_edit = {k: v.detach().clone() for k, v in ref.state_dict().items()}
+    train(bs[2:])
+    for home in homes:
+        got_edit, got = load_file(spec["edited"] % home), load_file(spec["weights"] % home)
+        assert torch.equal(got_edit["transformer.ln_f.weight"],
+                           torch.full((32,), 1.5))               # rank 1's value, not rank 0's
+        assert torch.allclose(got_edit["transformer.wte.weight"][5],
+                              want_edit["transformer.wte.weight"][5], atol=1e-6)
+        for n, v in ref.named_parameters():
+            d = float((got[n] - v.detach()).norm() / v.detach().norm())
+            assert d < (5e-3 if "c_attn.bias" in n else 1e-5), (home, n, d)
+    # the quantized export of the trained engine (world size 2)
+    q = transformers.AutoModelForCausalLM.from_pretrained(spec["quantized"]).eval()
+    sub = transformers.AutoModelForCausalLM.from_pretrained(spec["full"],
+                                                            dtype=torch.bfloat16).eval()
+    full = load_file(os.path.join(spec["full"], "model.safetensors"))
+    with torch.no_grad():
+        for name, mod in sub.named_modules():
+            if is_conv1d(mod):
+                mod.weight.copy_(quantize(full[f"{name}.weight"], 4, 32,
+                                          scale_dtype=torch.bfloat16).dequantize(torch.bfloat16))
+        ids = bs[0]
+        a, b = q(ids).logits.float(), sub(ids).logits.float()
+    assert float((a - b).norm() / b.norm()) < 1e-3
