@@ -23,12 +23,13 @@ from typing import Any, Mapping
 from infinity.config_sections import (  # noqa: F401 (re-exported)
     ACTIVATION_SCOPES, AIO_ENGINES, GB, GRAD_ACCUM_DTYPES, ActivationOffloadConfig, OFFLOAD_HOMES, OPTIMIZER_TYPES, PARAM_GROUP_KEYS, PRECISIONS,
     SCHEDULER_TYPES, STATE_DTYPES, ZERO_STAGES, AioConfig, ConfigError, LossScaleConfig, OffloadConfig,
-    OptimizerConfig, PrefetchConfig, SchedulerConfig, _check_unknown, _choice, _float, _fmt,
+    OptimizerConfig, PrefetchConfig, SchedulerConfig, TilingConfig, _check_unknown, _choice, _float, _fmt,
     _int, _section, MAX_ACCUMULATION_STEPS, MAX_AIO_BLOCK, NONFINITE_POLICIES, max_aio_threads)
 
 __all__ = [
     "ConfigError", "OffloadConfig", "PrefetchConfig", "AioConfig", "OptimizerConfig",
-    "SchedulerConfig", "LossScaleConfig", "ActivationOffloadConfig", "InfinityConfig",
+    "SchedulerConfig", "LossScaleConfig", "ActivationOffloadConfig", "TilingConfig",
+    "InfinityConfig",
     "load_config",
 ]
 
@@ -40,6 +41,7 @@ _SECTIONS = {
     "scheduler": SchedulerConfig,
     "fp16": LossScaleConfig,
     "activation_offload": ActivationOffloadConfig,
+    "tiling": TilingConfig,
 }
 
 
@@ -60,6 +62,7 @@ class InfinityConfig:
     nonfinite_grads: str = "skip"
     activation_offload: ActivationOffloadConfig = field(default_factory=ActivationOffloadConfig)
     gradient_accumulation_dtype: str = "fp32"
+    tiling: TilingConfig = field(default_factory=TilingConfig)
 
     def __post_init__(self):
         self.validate()
