@@ -213,3 +213,21 @@ def test_tied_embedding_and_lm_head_tiled_consistently(harness, swap_dir, home):
         losses = harness.engine_run(eng, "lm", batches)
         perr = harness.param_rel_err(ref, eng)
     assert harness.rel_err(losses, ref_l) < 1e-5 and perr < 1e-5
+
+
+def test_whole_slot_fallback_trains_like_pytorch(harness, swap_dir):
+    """Where gradients only leave as whole slots (the D2H route of separate device memory,
+    the NVMe gradient home), a use's rows are assembled and accumulate() is called once per
+    slot: forced here on the host route, the tied pair (two uses per step) included."""
+    torch.manual_seed(0)
+    ref = harness.TinyCausalLM(vocab=512, layers=1)
+    model = harness.copy(ref)
+    g = torch.Generator().manual_seed(4)
+    batches = [torch.randint(0, 512, (2, 16), generator=g) for _ in range(4)]
+    ref_l = harness.reference_run(ref, "lm", batches, accum=2)
+    with infinity.initialize(model, _cfg(swap_dir, "cpu")) as eng:
+        assert eng.tiling is not None
+        eng.tiling.accepts_rows = lambda g: False
+        losses = harness.engine_run(eng, "lm", batches)
+        perr = harness.param_rel_err(ref, eng)
+    assert harness.rel_err(losses, ref_l) < 1e-5 and perr < 1e-5
