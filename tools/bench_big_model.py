@@ -32,6 +32,10 @@ import shutil
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_e2e import fio_bw  # noqa: E402  (fio's read / first write / rewrite, huge-page buffers)
+from e2e_model import proc_io  # noqa: E402
+
 
 def rss_peak() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -42,14 +46,13 @@ def rss_now() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def proc_io() -> dict:
-    """This process's block-layer byte counters (``/proc/self/io``)."""
-    out = {}
-    with open("/proc/self/io") as f:
-        for line in f:
-            k, v = line.split(":")
-            out[k.strip()] = int(v)
-    return out
+def fio_gbps(path: str) -> dict | None:
+    """fio on ``path`` in GB/s: ``read``, ``first_write`` and ``rewrite`` (None: no fio)."""
+    bw = fio_bw(os.path.join(path, "fio"), 2048, 10)
+    if bw is None:
+        return None
+    return {"read_gbps": bw["read"] / 1e9, "first_write_gbps": bw["first_write"] / 1e9,
+            "rewrite_gbps": bw["write"] / 1e9}
 
 
 def mem_total() -> int:
@@ -91,6 +94,11 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", metavar="DIR", default=None,
                     help="profile the last step into DIR (engine.profile: trace.json, "
                          "timeline.png, summary.txt)")
+    ap.add_argument("--fio", action="store_true",
+                    help="measure fio (tools/bench_e2e.py's fio_bw: io_uring, O_DIRECT, QD 32, "
+                         "huge-page buffers, the best block shape; read, first write, rewrite) "
+                         "on --nvme-path before the first and after the last step, and report "
+                         "the step against the disk-bound time R/fio_read + W/fio_rewrite")
     a = ap.parse_args(argv)
 
     n = count_params(a)
@@ -153,6 +161,12 @@ def main(argv=None) -> int:
     print(f"initialize (adopt) in {res['initialize_s']:.1f} s, peak RSS "
           f"{res['rss_peak_after_initialize'] / 2**30:.2f} GiB, grads spilled: "
           f"{res['grads_spilled']}", flush=True)
+    if a.fio:
+        res["fio_before"] = fio_gbps(a.nvme_path)
+        if res["fio_before"] is None:
+            print("--fio: fio did not run (see above)", file=sys.stderr)
+            return 2
+        print(f"fio before the steps: {res['fio_before']}", flush=True)
     g = torch.Generator().manual_seed(1)
     steps = []
     try:
@@ -195,6 +209,9 @@ def main(argv=None) -> int:
                   f"{st['groups_overlapped']}", flush=True)
     finally:
         eng.close()
+    if a.fio:
+        res["fio_after"] = fio_gbps(a.nvme_path) or res["fio_before"]
+        print(f"fio after the steps: {res['fio_after']}", flush=True)
     res["steps"] = steps
     res["rss_peak"] = rss_peak()
     for name, sel in (("overlapped", True), ("serial", False)):
@@ -206,6 +223,14 @@ def main(argv=None) -> int:
         med = {k: statistics.median(st[k] for st in ss)
                for k in ("step_s", "forward_s", "backward_s", "optimizer_s", "nvme_read_bytes",
                          "nvme_write_bytes", "kernel_read_bytes", "kernel_write_bytes")}
+        if a.fio:     # the disk-bound time at the slower of fio's two measurements
+            rd = min(res["fio_before"]["read_gbps"], res["fio_after"]["read_gbps"])
+            wr = min(res["fio_before"]["rewrite_gbps"], res["fio_after"]["rewrite_gbps"])
+            med["disk_bound_s"] = med["nvme_read_bytes"] / (rd * 1e9) + \
+                med["nvme_write_bytes"] / (wr * 1e9)
+            print(f"{name}: disk-bound step (R / fio read {rd:.2f} GB/s + W / fio rewrite "
+                  f"{wr:.2f} GB/s) {med['disk_bound_s']:.1f} s; step / disk-bound "
+                  f"{med['step_s'] / med['disk_bound_s']:.2f}")
         res[name] = med
         print(f"{name} ({len(ss)} steps from step 2, medians): step {med['step_s']:.1f} s (fwd "
               f"{med['forward_s']:.1f}, bwd {med['backward_s']:.1f}, optimizer exposed "

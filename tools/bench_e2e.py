@@ -94,7 +94,7 @@ def run_infinity(args, swap_dir, host_gb):
            "prefetch": {"depth": args.depth},
            "aio": {"queue_depth": 32, "threads": args.aio_threads},
            "optimizer": {"lr": 1e-4, "weight_decay": 0.0},
-           "gradient_clipping": args.clip}
+           "gradient_clipping": args.ab_clip or args.clip}
     x, y = (t.to(args.device) for t in batch(args.d, args.tokens))
     times, moved = [], []
     with infinity.initialize(model, cfg) as eng:
@@ -107,6 +107,11 @@ def run_infinity(args, swap_dir, host_gb):
         for i in range(args.warmup + args.steps):
             if i == args.warmup:
                 cpu0 = os.times()
+            if args.ab_clip:     # A/B in one process: odd steps clip, even steps do not
+                c = args.ab_clip if i % 2 else 0.0
+                eng.opt.clip = c
+                if eng.overlap is not None:
+                    eng.overlap.clip = c
             s0 = eng.stats()
             k0 = proc_io()
             sync(args.device)
@@ -123,6 +128,7 @@ def run_infinity(args, swap_dir, host_gb):
             times.append((t2 - t0, t1 - t0, t2 - t1))
             moved.append({k: s1.get(k, 0) - s0.get(k, 0) for k in DELTA_KEYS})
             moved[-1]["grad_norm"] = s1["grad_norm"]
+            moved[-1]["clip"] = eng.opt.clip
             if k0 and k1:  # what the kernel saw this process read/write from storage
                 moved[-1].update(kernel_read_bytes=k1["read_bytes"] - k0["read_bytes"],
                                  kernel_write_bytes=k1["write_bytes"] - k0["write_bytes"])
@@ -303,6 +309,10 @@ def main(argv=None):
                          "= False), as with clipping before speculative clipping")
     ap.add_argument("--clip", type=float, default=0.0,
                     help="infinity's gradient_clipping (0: none); prints how often it triggered")
+    ap.add_argument("--ab-clip", type=float, default=0.0,
+                    help="A/B in one process: steps alternate gradient_clipping AB_CLIP (odd "
+                         "steps) and none (even steps); prints both medians, their pairwise "
+                         "ratios and how often the clip triggered")
     ap.add_argument("--deepspeed-python", default=DEFAULT_DS_PYTHON,
                     help="python of the DeepSpeed venv ('' to skip; default %(default)s)")
     ap.add_argument("--ds-max-in-cpu", default=str(int(1e9)),
@@ -348,6 +358,23 @@ def main(argv=None):
               f"{[m['optimizer_clip_redos'] for m in moved]}, speculation skipped "
               f"{[m['optimizer_speculation_skipped'] for m in moved]} / stopped "
               f"{[m['optimizer_speculation_stopped'] for m in moved]}")
+    if args.ab_clip:
+        first = args.warmup
+        pairs = [(ti[j][0], ti[j + 1][0]) for j in range(len(ti) - 1)
+                 if moved[j]["clip"] == 0.0 and moved[j + 1]["clip"] > 0]
+        on = [t[0] for t, m in zip(ti, moved) if m["clip"] > 0]
+        off = [t[0] for t, m in zip(ti, moved) if m["clip"] == 0.0]
+        trig = [m for m in moved if m["clip"] > 0]
+        ratios = [b / a for a, b in pairs]
+        print(f"    A/B clip {args.ab_clip} (odd steps) vs none (even steps) from step {first}: "
+              f"median {statistics.median(on):.2f} vs {statistics.median(off):.2f} s; pairwise "
+              f"ratios {[round(r, 3) for r in ratios]} (median "
+              f"{statistics.median(ratios):.3f}); clip triggered in "
+              f"{sum(1 for m in trig if m['grad_norm'] + 1e-6 > args.ab_clip)} of {len(trig)} "
+              f"clipped steps (norms {[round(m['grad_norm'], 3) for m in trig]}), redone "
+              f"{[m['optimizer_clip_redos'] for m in trig]}; NVMe read per step clip/none "
+              f"{statistics.median(m['nvme_read_bytes'] for m in trig) / 1e9:.2f} / "
+              f"{statistics.median(m['nvme_read_bytes'] for m in moved if m['clip'] == 0) / 1e9:.2f} GB")
     print("    per step (median), engine.stats() deltas: link, bytes, busy seconds, bytes/busy s")
     for k in LINKS:
         b = statistics.median(m[f"{k}_bytes"] for m in moved)

@@ -35,6 +35,9 @@ import sys
 import tempfile
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from e2e_model import proc_io  # noqa: E402  (this process's block-layer bytes)
+
 # (precision, params home, optimizer home, gradient accumulation steps, offload.host_memory_gb)
 # The last two run under a host cap too small for the fp32 gradients: the engine homes them
 # on NVMe (infinity/grads/nvme_store.py) and the estimator must predict that by itself.
@@ -105,16 +108,6 @@ def _status_kb(field):
     raise RuntimeError(f"/proc/self/status has no {field}")
 
 
-def _proc_io():
-    """Bytes this process sent to / fetched from the block layer (all threads, incl. io_uring workers)."""
-    out = {}
-    with open("/proc/self/io") as f:
-        for line in f:
-            k, v = line.split(":")
-            out[k.strip()] = int(v)
-    return out
-
-
 def _trim():
     gc.collect()
     try:
@@ -171,12 +164,12 @@ def child(spec):
 
     def step():  # one optimizer step = `accum` micro-batches
         for i in range(spec["accum"]):
-            io_a = _proc_io()
+            io_a = proc_io()
             out = eng(input_ids=x, labels=x)
             eng.backward(out.loss)
             eng.step()
             if i == 0:                  # NVMe bytes of a micro-batch without the optimizer
-                io_b = _proc_io()       # (accumulation > 1) or with it (accumulation 1)
+                io_b = proc_io()       # (accumulation > 1) or with it (accumulation 1)
                 micro["bytes"] = (io_b["read_bytes"] - io_a["read_bytes"]
                                   + io_b["write_bytes"] - io_a["write_bytes"])
         return float(out.loss.detach())
@@ -186,9 +179,9 @@ def child(spec):
     _trim()
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")             # reset VmHWM to the current RSS
-    s0, io0 = eng.stats(), _proc_io()
+    s0, io0 = eng.stats(), proc_io()
     loss = step()
-    s1, io1 = eng.stats(), _proc_io()
+    s1, io1 = eng.stats(), proc_io()
     loss = step()
     hwm = _status_kb("VmHWM")
     maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

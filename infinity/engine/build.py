@@ -122,7 +122,9 @@ def assemble(engine, lr_scheduler) -> None:
     # Note [Streamed gradients]: what infinity.engine.overlap.eligible will allow
     placement.stream_grads = engine.zero is None and cfg.precision in ("fp32", "bf16") \
         and not separate
-    placement.clipping = float(cfg.gradient_clipping) > 0
+    # Note [Speculative clipping]: streamed sums are written for a redo only with bf16
+    # moments (fp32 moments redo from themselves, Note [Redo from moments])
+    placement.clipping = float(cfg.gradient_clipping) > 0 and state_dtype != torch.float32
     placement.compute(engine.gas)
     if cfg.host_memory_bytes is not None and placement.host_total > cfg.host_memory_bytes \
             and engine.swap is not None and engine.zero is None:

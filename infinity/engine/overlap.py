@@ -78,10 +78,15 @@ log = logging.getLogger("infinity.engine")
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # The clip coefficient needs the global norm, known when backward ended.  Early steps use
 # coefficient 1 into the window's transaction (Note [commit point]); when the norm turns
-# out above the clip, EngineOptimizer.boundary_step rolls the transaction back and steps
-# every group with the clipped gradients.  So the gradients of early-stepped groups are
-# kept: host buffers until the boundary, NVMe-homed ones written to their extent by the
-# worker after the step.  Two rules limit wasted work: no speculation in a window when the
+# out above the clip, EngineOptimizer.boundary_step redoes every early-stepped group
+# clipped.  With fp32 moments nothing is kept for that: each group's gradient is
+# recovered from its committed and speculative first moments, its writes rolled back and
+# it is stepped again (Note [Redo from moments] in infinity/optim/moment_redo.py), so
+# gradient buffers go back as soon as their group was stepped, as without clipping.  With
+# bf16 moments the gradients of early-stepped groups are kept (host buffers until the
+# boundary, NVMe-homed ones written to their extent by the worker after the step), and
+# the whole transaction is rolled back and every group stepped with the clipped
+# gradients.  Two rules limit wasted work: no speculation in a window when the
 # previous update's norm was above the clip (norms are correlated from step to step), and
 # speculation stops as soon as the running norm of the groups stepped so far exceeds it
 # (the norm only grows).  Results equal the unclipped-then-clipped boundary step exactly.
@@ -145,8 +150,9 @@ class OverlappedStep:
         self.txn = None
         self.undo_budget = undo_budget   # host bytes of undo copies allowed (None: any)
         # Note [Speculative clipping]: early steps are speculative; their gradients are kept
+        # for a redo unless it recovers them from the moments (Note [Redo from moments])
         self.clip = float(opt.clip)
-        self.keep_grads = self.clip > 0
+        self.keep_grads = self.clip > 0 and not opt.redo_from_moments
         # skip speculation after a clipped update (False: always speculate; tests, A/B runs)
         self.predict = True
         self.grad_window = grad_window     # kept NVMe-homed gradients at once

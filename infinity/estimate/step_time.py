@@ -170,8 +170,10 @@ def traffic_per_step(spec, machine, knobs, plan):
         gn = node_params * 4 - plan.grad_host_bytes      # bytes of fp32 grads homed on NVMe
         g = "fp32 grads N*4" + (" (minus the part in host memory)" if plan.grad_host_bytes else "")
         # streamed (Note [Streamed gradients]): the last micro-batch's final sums are stepped
-        # from memory, not written (with clipping they are, for a redo) nor read back
-        last = 0 if plan.grads_streamed and not knobs.gradient_clipping else gn
+        # from memory, not written (with clipping and bf16 moments they are, for a redo:
+        # fp32 moments redo from themselves, Note [Redo from moments]) nor read back
+        keep = knobs.gradient_clipping and knobs.state_dtype != "fp32"
+        last = 0 if plan.grads_streamed and not keep else gn
         if knobs.grad_accum_dtype == "bf16" and A > 1:
             # bf16 partial sums between micro-batches, fp32 written by the last one
             mb["nvme_write"].append(("grads: bf16 partials N*2*(A-1)/A + fp32 N*4/A"

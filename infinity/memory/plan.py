@@ -73,7 +73,7 @@ class PlacementPlan:
     # grad_home "nvme": groups are updated as their gradient arrives (the overlapped step,
     # Note [Streamed gradients]): the final sums never go to NVMe and back
     stream_grads: bool = False
-    clipping: bool = False          # gradient_clipping > 0: streamed sums are written (redo)
+    clipping: bool = False          # clipping with bf16 moments: streamed sums are written (redo)
     stream_window: int = 0          # final sums in hand at once (compute(); 0: no streaming)
     param_cache_budget: int = 0     # host bytes for clean copies of NVMe params (fp32, CPU)
     state_bytes: int = 4            # bytes per Adam moment (optimizer.state_dtype: 4 fp32, 2 bf16)

@@ -237,16 +237,19 @@ class EngineOptimizer(GradAccumulation):
                 raise RuntimeError("engine.step: groups were stepped during backward without a "
                                    "transaction although the step clips gradients (internal "
                                    "error: the overlap needs the commit point)")
-            keys = set(txn.keys)
-
-            def undo():
-                self.store.rollback(txn)
-                if on_undo is not None:
-                    on_undo(keys)
-            shield(undo)
             self.acct.count("optimizer_groups_redone", len(done))
             self.acct.count("optimizer_clip_redos")
-            done = {}
+            if self.redo_from_moments:
+                self._redo_from_moments(done, txn, clip_coef, scale, shield, on_undo)
+            else:
+                keys = set(txn.keys)
+
+                def undo():
+                    self.store.rollback(txn)
+                    if on_undo is not None:
+                        on_undo(keys)
+                shield(undo)
+                done = {}
         lrs, wds = self._next_hparams()
         step = self.step_count + 1
         items = [self._item(g, lrs, wds) for g in self.groups if g.gid not in done]
@@ -283,6 +286,50 @@ class EngineOptimizer(GradAccumulation):
             self.last_step_seconds = time.perf_counter() - t0
         shield(apply)
         return True
+
+    @property
+    def redo_from_moments(self) -> bool:
+        """Note [Redo from moments] (infinity/optim/moment_redo.py): a speculative update
+        is redone clipped from the moments (fp32 moments), so early-stepped gradients
+        need not be kept."""
+        return self.store.state_dtype == torch.float32
+
+    def _redo_from_moments(self, done, txn, clip_coef: float, scale: float, shield,
+                           on_undo) -> None:
+        """Redo each early-stepped group of ``done`` clipped, one at a time, in ``txn``:
+        its gradient (the host buffer when it was kept anyway, else recovered from its
+        moments), its writes rolled back, stepped again with ``clip_coef``."""
+        from infinity.optim.moment_redo import recover_grad
+        lrs, wds = self._next_hparams()
+        step = self.step_count + 1
+        hp = dict(step=step, beta1=self.beta1, beta2=self.beta2, eps=self.eps,
+                  adamw=self.adamw, bias_correction=True)
+        by_gid = {g.gid: g for g in self.groups}
+        for gid in done:
+            g = by_gid[gid]
+            key = self.key(g)
+            kept = g.grad_buf if not self.lazy_grads and not self._on_nvme(g) else None
+            buf = kept if kept is not None else \
+                self.host_pool.lease(g.padded_numel * 4, torch.float32)
+            try:
+                def undo_one(g=g, key=key, buf=buf, kept=kept):
+                    if kept is None:
+                        segs = self._item(g, lrs, wds).segments
+                        recover_grad(self.store, txn, key, segs, self.beta1, buf)
+                    self.store.rollback_key(txn, key)
+                    if on_undo is not None:
+                        on_undo({key})
+                shield(undo_one)
+                item = self._item(g, lrs, wds)   # (after on_undo: a cached master is gone)
+                item.grad, item.grad_dtype = buf, torch.float32
+                self.store.prepare(txn, key)
+                # a kept buffer holds the loss-scaled sum; a recovered one was unscaled
+                gs = clip_coef / scale if kept is not None else clip_coef
+                shield(lambda item=item, gs=gs: self.store.step([item], grad_scale=gs,
+                                                                  txn=txn, **hp))
+            finally:
+                if kept is None:
+                    self.host_pool.give_back(buf)
 
     def vote(self, ok: bool) -> bool:
         """Whether every rank completed its part of the update (one process: ``ok``)."""

@@ -94,14 +94,14 @@ class StepTxn:
 
     def __init__(self, host_undo: bool = True):
         self.writes: Dict[int, list] = {}   # id(backing) -> [backing, shadow extent, tiles written]
-        self.undo: List[tuple] = []         # (host view updated in place, its saved copy)
+        self.undo: List[tuple] = []         # (host view updated in place, its saved copy, key)
         self.undo_bytes = 0
         self.keys: set = set()              # partitions stepped in this window
         self.host_undo = host_undo
 
-    def save(self, view: torch.Tensor) -> None:
+    def save(self, view: torch.Tensor, key: Optional[str] = None) -> None:
         if self.host_undo:
-            self.undo.append((view, view.clone()))
+            self.undo.append((view, view.clone(), key))
             self.undo_bytes += view.numel() * view.element_size()
 
     def __bool__(self) -> bool:
@@ -393,13 +393,30 @@ class OptimizerStateStore:
         """Forget ``txn``'s writes: host tensors get their undo copies back, shadows are
         kept as spares (their contents are garbage, overwritten before any commit)."""
         with self._lock, self._spare_lock:
-            for view, saved in reversed(txn.undo):
+            for view, saved, _ in reversed(txn.undo):
                 view.copy_(saved)
             for b, shadow, _ in txn.writes.values():
                 self._spare[id(b)] = shadow
             txn.writes.clear()
             txn.undo.clear()
             txn.keys.clear()
+
+    def rollback_key(self, txn: StepTxn, key: str) -> None:
+        """:meth:`rollback` for ``key``'s writes only (the rest of ``txn`` stays)."""
+        with self._lock, self._spare_lock:
+            keep = []
+            for entry in reversed(txn.undo):
+                if entry[2] == key:
+                    entry[0].copy_(entry[1])
+                    txn.undo_bytes -= entry[1].numel() * entry[1].element_size()
+                else:
+                    keep.append(entry)
+            txn.undo[:] = keep[::-1]
+            for b in self._part(key).backing.values():
+                entry = txn.writes.pop(id(b), None)
+                if entry is not None:
+                    self._spare[id(b)] = entry[1]
+            txn.keys.discard(key)
 
     # -- the step ---------------------------------------------------------------
     def step(self, items: Sequence[StepItem], *, step: int, beta1: float, beta2: float, eps: float,

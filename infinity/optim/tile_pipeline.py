@@ -218,7 +218,7 @@ class TilePipeline:
         if self.txn is not None:       # host tensors updated in place: undo copies first
             for role in ROLES:
                 if task.part.backing[role].host is not None:
-                    self.txn.save(v[role])
+                    self.txn.save(v[role], task.part.key)
         for off, k, lr, wd, ov in task.segs:
             e = off + k
             shp = hp if ov is None else {**hp, "beta1": ov[0], "beta2": ov[1], "eps": ov[2]}

@@ -54,6 +54,10 @@ MAX_INFLIGHT_REDUCTIONS = 4
 
 
 class PartitionedOptimizer(EngineOptimizer):
+    # Note [Redo from moments] is wired for one process: across ranks a clipped redo rolls
+    # the whole transaction back and steps again from the kept gradient shards
+    redo_from_moments = False
+
     def __init__(self, model, cfg, groups: list[GroupRecord], names: dict[int, str], *,
                  comm: Comm, stage: int, store, swap, host_pool, accounting, timeline=None,
                  lr_scheduler=None, spill_grads: bool = False):

@@ -286,3 +286,53 @@ def test_estimator_models_the_streamed_window():
     from infinity.estimate import memory_plan
     from infinity.memory import plan
     assert memory_plan.STREAM_GRAD_WINDOW == plan.STREAM_GRAD_WINDOW
+
+
+def test_clipping_that_does_not_trigger_costs_no_bytes(harness, swap_dir):
+    """Note [Redo from moments]: with fp32 moments a speculative step keeps nothing for a
+    redo, so clipping that never triggers moves the same NVMe bytes as no clipping (the
+    kept gradient sums were written to NVMe before: 4 B/param more per step)."""
+    data = _data(5)
+    _, norms = _reference(_model(), data, 0.0)
+    runs = {}
+    for clip in (0.0, 10 * max(norms)):
+        model = harness.copy(_model())
+        with infinity.initialize(model, _cfg(swap_dir, "nvme", clip=clip)) as eng:
+            eng.overlap.predict = False
+            assert eng.placement.grad_home == "nvme"
+            _, per = _train(eng, data)
+            runs[clip] = (per, eng.placement.links["nvme_write"])
+    (off, _), (on, plan_write) = runs[0.0], runs[10 * max(norms)]
+    for a, b in zip(off[1:], on[1:]):
+        assert b["optimizer_groups_overlapped"] == a["optimizer_groups_overlapped"] > 0
+        assert b["nvme_write_bytes"] == a["nvme_write_bytes"] == plan_write, (a, b)
+        assert b["nvme_read_bytes"] == a["nvme_read_bytes"], (a, b)
+
+
+# optimizer states on NVMe under a host cap: gradient buffers leased lazily (the parameter
+# cache is on), so early-stepped gradients are gone and are recovered from the moments;
+# states in host memory without a cap: the gradient buffers stay, the redo uses them
+@pytest.mark.parametrize("optim,cap", [("nvme", 0.05), ("cpu", None)])
+def test_clipped_redo_at_parity(harness, swap_dir, optim, cap):
+    """Every window speculates and the clip triggers in about half of them: the groups
+    stepped early are rolled back one by one and redone clipped (Note [Redo from
+    moments]); fp32 parity with clip_grad_norm_ + AdamW."""
+    data = _data(8)
+    _, norms = _reference(_model(), data, 0.0)
+    clip = sorted(norms)[len(norms) // 2]
+    ref = _model()
+    model = harness.copy(ref)
+    ref_l, _ = _reference(ref, data, clip)
+    cfg = {"precision": "fp32", "gradient_clipping": clip,
+           "offload": {"params": "nvme", "optimizer": optim, "nvme_paths": [swap_dir],
+                       "host_memory_gb": cap},
+           "optimizer": {"lr": LR, "weight_decay": WD, "no_decay": []}}
+    with infinity.initialize(model, cfg) as eng:
+        eng.overlap.predict = False
+        losses, per = _train(eng, data)
+        perr = harness.param_rel_err(ref, eng)
+        st = eng.stats()
+        lazy = eng.opt.lazy_grads
+    assert _rel(losses, ref_l) < 1e-5 and perr < 1e-5, (_rel(losses, ref_l), perr)
+    assert st.get("optimizer_clip_redos", 0) > 0 and st.get("optimizer_groups_redone", 0) > 0, st
+    assert lazy == (cap is not None)

@@ -336,9 +336,18 @@ def test_streamed_gradients_make_no_round_trip():
     t = est[0.0].configs[0].steps["none"].traffic
     assert t["nvme_read"] == 2 * (N * 2) + N * 12          # params fwd+bwd, master/m/v
     assert t["nvme_write"] == N * 12 + N * 2                # master/m/v, bf16 params
-    # with clipping the final sums are written (a clipped step redoes from them), not read
+    # with clipping and fp32 moments nothing more: a clipped step redoes from the moments
+    # (Note [Redo from moments])
     tc = est[1.0].configs[0].steps["none"].traffic
-    assert tc["nvme_read"] == t["nvme_read"] and tc["nvme_write"] == t["nvme_write"] + gn
+    assert tc["nvme_read"] == t["nvme_read"] and tc["nvme_write"] == t["nvme_write"]
+    # with bf16 moments the final sums are written (a clipped step redoes from them), not read
+    lo = {clip: estimate(small_spec(), machine=m, precision="bf16", host_cap_gb=cap,
+                         gradient_clipping=clip, configs=[("nvme", "nvme")], state_dtype="bf16")
+          for clip in (0.0, 1.0)}
+    assert lo[0.0].configs[0].plan.grads_streamed
+    t0, t1 = (lo[c].configs[0].steps["none"].traffic for c in (0.0, 1.0))
+    gn_lo = items(lo[0.0].configs[0].plan)[("nvme", "grad accumulation (fp32, NVMe)")]
+    assert t1["nvme_read"] == t0["nvme_read"] and t1["nvme_write"] == t0["nvme_write"] + gn_lo
 
 
 def test_state_dtype_from_the_config_halves_the_moments():

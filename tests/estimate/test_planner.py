@@ -45,15 +45,20 @@ def _brute_force(dims, machine, global_batch, lossy, precision="bf16"):
     return best
 
 
-@pytest.mark.parametrize("lossy", [False, True])
-def test_plan_matches_brute_force_and_beats_every_fixed_choice(lossy):
-    # a 20B model on 2 x 24 GB GPUs with 256 GB RAM: offload is needed and the micro-batch
-    # and activation placement matter
+def _twenty_b():
+    """A 20B model on 2 x 24 GB GPUs with 256 GB RAM: offload is needed and the micro-batch
+    and activation placement matter."""
     dims = dict(params=20_000_000_000, layers=44, hidden=6144, vocab=50000, seq=2048)
     m = Machine(gpus=2, gpu_mem_gb=24, host_mem_gb=256, nvme_gb=2000, nvme_drives=2,
                 nvme_gbps=12, nvme_write_gbps=8, tflops=100)
     spec = spec_from_dims(dims["params"], dims["layers"], dims["hidden"], vocab=dims["vocab"],
                           seq=dims["seq"])
+    return dims, m, spec
+
+
+@pytest.mark.parametrize("lossy", [False, True])
+def test_plan_matches_brute_force_and_beats_every_fixed_choice(lossy):
+    dims, m, spec = _twenty_b()
     plan = make_plan(spec, m, Knobs(), global_batch=16, allow_lossy=lossy)
     bf = _brute_force(dims, m, 16, lossy)
     assert plan.best is not None and bf is not None
@@ -74,11 +79,7 @@ def test_plan_config_round_trips_through_the_estimator():
     """The config block, fed back to the estimator, gives the plan's step time and fits."""
     from infinity.config import InfinityConfig
 
-    dims = dict(params=20_000_000_000, layers=44, hidden=6144, vocab=50000, seq=2048)
-    m = Machine(gpus=2, gpu_mem_gb=24, host_mem_gb=256, nvme_gb=2000, nvme_drives=2,
-                nvme_gbps=12, nvme_write_gbps=8, tflops=100)
-    spec = spec_from_dims(dims["params"], dims["layers"], dims["hidden"], vocab=dims["vocab"],
-                          seq=dims["seq"])
+    dims, m, spec = _twenty_b()
     plan = make_plan(spec, m, Knobs(), global_batch=16, allow_lossy=True)
     b = plan.best
     cfg = b.config()
