@@ -259,6 +259,10 @@ class _Runner:
         spec = self.spec
         d = spec.in_features
         flat = ids.reshape(-1)
+        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= spec.out_features):
+            raise IndexError(f"index out of range in self: embedding {spec.weight[1].name} "
+                             f"(tiled) has {spec.out_features} rows, the indices span "
+                             f"{int(flat.min())}..{int(flat.max())}")
         out = torch.empty(flat.numel(), d, dtype=spec.weight[0].dtype, device=ids.device)
         tile_of = torch.div(flat, spec.rows, rounding_mode="floor")
         n = 0

@@ -256,3 +256,15 @@ def test_tiling_on_separate_device_memory(harness, swap_dir, home, monkeypatch):
         s = eng.stats()
     assert harness.rel_err(losses, ref_l) < 1e-5 and perr < 1e-5
     assert s.get("device_budget_overflows", 0) == 0 and s["h2d_bytes"] > 0
+
+
+def test_tiled_embedding_rejects_out_of_range_indices(harness, swap_dir):
+    """As F.embedding: an index outside the table raises IndexError (a tile is never read
+    from outside the weight's rows)."""
+    model = Lookup()
+    with infinity.initialize(model, _cfg(swap_dir, "cpu")) as eng:
+        for bad in (1000, -1):
+            with pytest.raises(IndexError, match="emb.weight.*1000 rows"):
+                eng(torch.tensor([[0, bad]]))
+        out = eng(torch.tensor([[0, 999]]))        # the engine is usable afterwards
+        assert out.shape == (1, 2, 4) and torch.isfinite(out).all()
