@@ -336,6 +336,8 @@ class Engine:
                         if ov is not None:
                             ov.end()
                     self.hooks.finish_backward()
+                    if self.tiling is not None:   # a use whose output never reached a
+                        self.tiling.reset()       # backward does not hold its group back
                     self.opt.end_backward()
                 self._has_grads = True
                 self.phase = Phase.IDLE
