@@ -22,6 +22,7 @@ DESIGN_DEFAULTS = {
     "gradient_clipping": 0.0, "gradient_accumulation_steps": 1, "dist_timeout_s": 600, "nonfinite_grads": "skip",
     "activation_offload": {"home": "none", "scope": "checkpoints"},
     "gradient_accumulation_dtype": "fp32",
+    "tiling": {"max_group_gb": None},
 }
 
 
@@ -192,6 +193,7 @@ FULL = {
     "nonfinite_grads": "skip",
     "activation_offload": {"home": "nvme", "scope": "all"},
     "gradient_accumulation_dtype": "bf16",
+    "tiling": {"max_group_gb": 0.5},
 }
 
 
@@ -244,6 +246,7 @@ gradient_accumulation_steps: 4
 dist_timeout_s: 120
 activation_offload: {home: nvme, scope: all}
 gradient_accumulation_dtype: bf16
+tiling: {max_group_gb: 0.5}
 """
 
 
