@@ -23,14 +23,14 @@ from typing import Any, Mapping
 from infinity.config_sections import (  # noqa: F401 (re-exported)
     ACTIVATION_SCOPES, AIO_ENGINES, GB, GRAD_ACCUM_DTYPES, ActivationOffloadConfig, OFFLOAD_HOMES, OPTIMIZER_TYPES, PARAM_GROUP_KEYS, PRECISIONS,
     SCHEDULER_TYPES, STATE_DTYPES, ZERO_STAGES, AioConfig, ConfigError, LossScaleConfig, OffloadConfig,
-    OptimizerConfig, PrefetchConfig, SchedulerConfig, _check_unknown, _choice, _float, _fmt,
-    _int, _section, MAX_ACCUMULATION_STEPS, MAX_AIO_BLOCK, NONFINITE_POLICIES, max_aio_threads,
-    ZeroPPConfig)
+    OptimizerConfig, PrefetchConfig, SchedulerConfig, TilingConfig, _check_unknown, _choice,
+    _float, _fmt, _int, _section, MAX_ACCUMULATION_STEPS, MAX_AIO_BLOCK, NONFINITE_POLICIES,
+    max_aio_threads, ZeroPPConfig)
 
 __all__ = [
     "ConfigError", "OffloadConfig", "PrefetchConfig", "AioConfig", "OptimizerConfig",
-    "SchedulerConfig", "LossScaleConfig", "ActivationOffloadConfig", "InfinityConfig",
-    "ZeroPPConfig", "load_config",
+    "SchedulerConfig", "LossScaleConfig", "ActivationOffloadConfig", "TilingConfig",
+    "InfinityConfig", "ZeroPPConfig", "load_config",
 ]
 
 _SECTIONS = {
@@ -42,6 +42,7 @@ _SECTIONS = {
     "fp16": LossScaleConfig,
     "activation_offload": ActivationOffloadConfig,
     "zero_pp": ZeroPPConfig,
+    "tiling": TilingConfig,
 }
 
 
@@ -62,7 +63,14 @@ class InfinityConfig:
     nonfinite_grads: str = "skip"
     activation_offload: ActivationOffloadConfig = field(default_factory=ActivationOffloadConfig)
     gradient_accumulation_dtype: str = "fp32"
-    zero_pp: ZeroPPConfig = field(default_factory=ZeroPPConfig)
+    OptimizerConfig, PrefetchConfig, SchedulerConfig, TilingConfig, _check_unknown, _choice,
+    _float, _fmt, _int, _section, MAX_ACCUMULATION_STEPS, MAX_AIO_BLOCK, NONFINITE_POLICIES,
+    max_aio_threads, ZeroPPConfig)
+
+__all__ = [
+    "ConfigError", "OffloadConfig", "PrefetchConfig", "AioConfig", "OptimizerConfig",
+    "SchedulerConfig", "LossScaleConfig", "ActivationOffloadConfig", "TilingConfig",
+    "InfinityConfig", "ZeroPPConfig", "load_config",
 
     def __post_init__(self):
         self.validate()

@@ -237,6 +237,21 @@ class PrefetchConfig:
         self.depth = _int("prefetch.depth", self.depth, lo=0, example=PrefetchConfig.depth)
 
 
+@dataclass
+class TilingConfig:
+    """Memory-centric tiling (:mod:`infinity.runtime.tiling`): a parameter group larger than
+    ``max_group_gb`` (None: ``offload.device_memory_gb / (prefetch.depth + 2)``, no limit
+    without a device budget) whose module can be tiled is never fetched whole; its rows are
+    fetched one tile at a time in forward and backward."""
+    max_group_gb: float | None = None
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> None:
+        self.max_group_gb = _opt_positive_float("tiling.max_group_gb", self.max_group_gb)
+
+
 MAX_AIO_BLOCK = 1 << 30          # the I/O engine's own bound (infinity.io.AioEngine)
 MAX_ACCUMULATION_STEPS = 1 << 20
 NONFINITE_POLICIES = ("skip", "raise")

@@ -57,11 +57,16 @@ CONFIGS = [
     ("fp32", "cpu", "cpu", 1, None, {"act": ("nvme", "all")}),
     ("fp32", "cpu", "cpu", 1, None, {"act": ("cpu", "checkpoints"), "ckpt": True}),
     ("fp32", "cpu", "cpu", 1, None, {"act": ("nvme", "checkpoints"), "ckpt": True}),
+    # memory-centric tiling (issue 18): the tied wte / lm_head group (16.8 MB) in tiles under
+    # a 6 MB limit; the fp32 nvme/nvme row above is the same run untiled
+    ("fp32", "nvme", "nvme", 1, None, {"tile": 0.006}),
 ]
 # --quick: a 4.2M-parameter model; its cap scaled so the gradients still go to NVMe
 QUICK = [CONFIGS[1], CONFIGS[2], CONFIGS[5], ("bf16", "nvme", "nvme", 1, 0.021)]
-# --only-new: the rows issue 17 added
+# --only-new: the rows issues 17 and 18 added
 NEW = CONFIGS[8:]
+# --tiling: the tiling row and its untiled peer
+TILING = [CONFIGS[4], CONFIGS[-1]]
 # --planned (issue 18): the configuration `infinity estimate --plan` picks for the validation
 # model under these offload.host_memory_gb caps (global batch 4 sequences, fp32), run here
 PLANNED_CAPS = (0.5, 0.4)
@@ -148,6 +153,8 @@ def child(spec):
         conf["activation_offload"] = {"home": spec["act"][0], "scope": spec["act"][1]}
     if spec["cap"] is not None:
         conf["offload"]["host_memory_gb"] = spec["cap"]
+    if spec.get("tile"):
+        conf["tiling"] = {"max_group_gb": spec["tile"]}
     eng = infinity.initialize(model, conf)
     del model
     g = torch.Generator().manual_seed(1)
@@ -205,7 +212,8 @@ def predict(spec):
                    precision=spec["precision"], prefetch_depth=spec["depth"], grad_accum=spec["accum"],
                    host_cap_gb=spec["cap"], configs=[(spec["params"], spec["optimizer"])],
                    activation_home=act[0], activation_scope=act[1],
-                   grad_accum_dtype=spec.get("gdtype", "fp32"))
+                   grad_accum_dtype=spec.get("gdtype", "fp32"),
+                   tiling_max_group_gb=spec.get("tile"))
     c = est.configs[0]
     v = "checkpointing" if spec.get("ckpt") else "none"
     init_only = sum(i.nbytes for i in c.plan.items if "initialisation only" in i.name)
@@ -248,6 +256,8 @@ def main():
                     help="only the activation-offload and accumulation-scheme rows")
     ap.add_argument("--planned", action="store_true",
                     help="only the planner's choices under squeezed host caps (issue 18)")
+    ap.add_argument("--tiling", action="store_true",
+                    help="only the tiling row and its untiled peer (issue 18)")
     ap.add_argument("--json", action="store_true", help="print the rows as JSON")
     args = ap.parse_args()
     if args.child:
@@ -259,7 +269,9 @@ def main():
     else:
         model = dict(vocab_size=8192, n_embd=512, n_layer=6, n_head=8, n_positions=256)
         configs = NEW if args.only_new else CONFIGS
-        if args.planned:
+        if args.tiling:
+            configs = TILING
+        elif args.planned:
             configs = planned_configs(model)
         elif not args.only_new:
             configs = configs + planned_configs(model)
@@ -287,7 +299,8 @@ def main():
                     + (f" cap={cap:g}GB" if cap is not None else "")
                     + (f" grads {extra['gdtype']}" if extra.get("gdtype") else "")
                     + (f" act={extra['act'][0]}/{extra['act'][1]}" if extra.get("act") else "")
-                    + (" ckpt" if extra.get("ckpt") else ""))
+                    + (" ckpt" if extra.get("ckpt") else "")
+                    + (f" tiling={extra['tile']:g}GB" if extra.get("tile") else ""))
             rows.append({"config": name,
                          "params": pred["params"], "seconds": time.perf_counter() - t0,
                          "pred_host": pred["host"], "meas_host": meas["steady_hwm"] - meas["base_rss"],

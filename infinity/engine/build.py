@@ -14,6 +14,7 @@ import logging
 
 import torch
 
+from infinity.config_sections import GB
 from infinity.grads.route import grad_sink
 from infinity.memory.device import default_device_budget, make_device
 from infinity.memory.manager import MemoryManager
@@ -78,6 +79,13 @@ def assemble(engine, lr_scheduler) -> None:
             for k, b in mod._buffers.items():
                 if b is not None and b.is_floating_point():
                     mod._buffers[k] = b.to(engine.dtype)
+    # memory-centric tiling (infinity.runtime.tiling): layers larger than their share of the
+    # device budget are computed tile by tile, never fetched whole
+    from infinity.runtime.tiling import plan_tiles, tiling_limit
+    tile_gb = cfg.tiling.max_group_gb
+    tile_specs = {} if engine.zero is not None else plan_tiles(grouping, tiling_limit(
+        None if tile_gb is None else int(round(tile_gb * GB)), device_budget,
+        cfg.prefetch.depth))
     act_home = cfg.activation_offload.home
     needs_nvme = param_home == "nvme" or cfg.offload.optimizer == "nvme" or act_home == "nvme"
     if needs_nvme:
@@ -108,7 +116,9 @@ def assemble(engine, lr_scheduler) -> None:
                               optimizer_ring_bytes=engine.store.host_bytes(),
                               separate_device=separate,
                               grad_accum_dtype=cfg.gradient_accumulation_dtype,
-                              state_bytes=state_dtype.itemsize)
+                              state_bytes=state_dtype.itemsize,
+                              tile_bytes={g.gid: sp.tile_bytes() for sp in tile_specs.values()
+                                          for g in sp.groups})
     # Note [Streamed gradients]: what infinity.engine.overlap.eligible will allow
     placement.stream_grads = engine.zero is None and cfg.precision in ("fp32", "bf16") \
         and not separate
@@ -216,4 +226,11 @@ def assemble(engine, lr_scheduler) -> None:
                                  host_budget=engine.undo_budget, depth=cfg.prefetch.depth)
     engine.hooks = ParamHooks(model, grouping, engine.mm, engine.coord, on_grad, gate=engine.gate,
                               activations=acts)
+    if tile_specs:
+        from infinity.runtime.tiling import Tiling
+        engine.tiling = Tiling(tile_specs, engine.mm, engine.acct, accumulate=engine.opt.accumulate,
+                               accumulate_rows=engine.opt.accumulate_rows,
+                               accepts_rows=engine.opt.accumulates_rows, after=after)
+        engine.tiling.install(grouping)
+        log.info("%s", engine.tiling.describe())
     engine.hooks.install()

@@ -77,7 +77,7 @@ class Engine:
         self.aio = self.swap = None
         self.mm = self.opt = self.hooks = self.zero = None
         self.store = self.host_pool = self.grouping = self.placement = self.coord = None
-        self.overlap = None
+        self.overlap = self.tiling = None
         self.device_budget: int | None = None
         self.undo_budget: int | None = None
         self._created_dirs: list = []
@@ -189,6 +189,8 @@ class Engine:
             with self.gate.open(), self.gate:
                 if self.hooks is not None:
                     self.hooks.reset()
+                if self.tiling is not None:
+                    self.tiling.reset()
                 self._shield(self._rollback_window)
         except KeyboardInterrupt as ki:
             if self.phase is not Phase.IDLE:    # the rollback did not finish
@@ -334,6 +336,8 @@ class Engine:
                         if ov is not None:
                             ov.end()
                     self.hooks.finish_backward()
+                    if self.tiling is not None:   # a use whose output never reached a
+                        self.tiling.reset()       # backward does not hold its group back
                     self.opt.end_backward()
                 self._has_grads = True
                 self.phase = Phase.IDLE
@@ -586,6 +590,7 @@ class Engine:
             self._worker = None
         for what, fn in (("overlapped step", getattr(self.overlap, "close", None)),
                          ("hooks", getattr(self.hooks, "remove", None)),
+                         ("tiling", getattr(self.tiling, "remove", None)),
                          ("memory", getattr(self.mm, "close", None)),
                          ("device", getattr(self._dev_tier, "close", None)),
                          ("optimizer", getattr(self.store, "close", None)),

@@ -231,7 +231,8 @@ def _knobs_from(config, overrides):
                   grad_accum_dtype=cfg.gradient_accumulation_dtype,
                   state_dtype=cfg.optimizer.state_dtype,
                   qwz=cfg.zero_pp.quantized_weights, hpz=cfg.zero_pp.hpz_partition_size,
-                  qgz=cfg.zero_pp.quantized_gradients)
+                  qgz=cfg.zero_pp.quantized_gradients,
+                  tiling_max_group_gb=cfg.tiling.max_group_gb)
     kw.update({k: v for k, v in overrides.items() if v is not None})
     k = Knobs(**kw)
     if k.precision not in ("fp32", "bf16", "fp16"):
@@ -274,7 +275,7 @@ def estimate(model=None, *, params=None, layers=None, hidden=None, seq=2048, bat
              prefetch_depth=None, grad_accum=None, host_cap_gb=None, tile_numel=None,
              state_dtype=None, grouping=None, grad_spill=None, activation_model=None, configs=None,
              gradient_clipping=None, activation_home=None, activation_scope=None,
-             grad_accum_dtype=None):
+             grad_accum_dtype=None, tiling_max_group_gb=None):
     """Estimate memory per tier and step time for every valid offload configuration.
 
     model: an ``nn.Module`` (ideally built on the meta device), a factory (callable or
@@ -290,6 +291,8 @@ def estimate(model=None, *, params=None, layers=None, hidden=None, seq=2048, bat
         and, on NVMe, traffic per micro-batch (:func:`.memory_plan.offload_activations`).
     grad_accum_dtype: ``gradient_accumulation_dtype`` ("bf16": the NVMe gradient home's
         partial sums in bf16).
+    tiling_max_group_gb: ``tiling.max_group_gb``: groups above it that tiling can split
+        (``nn.Linear``/``nn.Embedding``, one rank) put one tile on the device per fetch.
     grad_spill: where the fp32 gradients live: ``"auto"`` (default) as the engine decides
         (:func:`.memory_plan.grad_spill_decision`), ``"on"`` on NVMe whenever a swap space
         exists, ``"off"`` always in host memory (``True``/``False`` mean on/off).
@@ -329,6 +332,7 @@ def estimate(model=None, *, params=None, layers=None, hidden=None, seq=2048, bat
                                      state_dtype=state_dtype, grouping=grouping,
                                      grad_spill=grad_spill, activation_model=activation_model,
                                      gradient_clipping=gradient_clipping,
+                                     tiling_max_group_gb=tiling_max_group_gb,
                                      activation_home=activation_home,
                                      activation_scope=activation_scope,
                                      grad_accum_dtype=grad_accum_dtype))

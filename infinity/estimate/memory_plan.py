@@ -6,6 +6,7 @@ Notation (printed with every estimate):
     r    ranks per node                 lp   bytes per low-precision param (4 fp32, 2 bf16/fp16)
     sb   bytes per Adam moment (4, or 2 with bf16 states)
     Gmax largest parameter group (elements; one group = one module's own params)
+    Gf   with tiling: max(tile, largest group tiling cannot split) (elements)
     d    prefetch depth                 T    optimizer tile (elements)   D  tile ring depth (3)
     S, B, H, L, V, a   sequence, micro-batch, hidden, layers, vocabulary, heads
 
@@ -88,6 +89,8 @@ class Knobs:
     activation_home: str = "none"      # [activation_offload.home]: "none" | "cpu" | "nvme"
     activation_scope: str = "checkpoints"  # [activation_offload.scope]: "checkpoints" | "all"
     grad_accum_dtype: str = "fp32"     # [gradient_accumulation_dtype] NVMe partial sums
+    tiling_max_group_gb: float | None = None  # [tiling.max_group_gb] (None: no tiling; the
+                                       # runtime tiles at world size 1 only)
     grad_spill: str = "auto"           # fp32 gradient home: "auto" decides as the engine does
                                        # (grad_spill_decision), "on" = on NVMe whenever a swap
                                        # space exists, "off" = always in host memory
@@ -273,6 +276,16 @@ def plan_memory(spec, machine, knobs, params_home, optimizer_home):
         pl.notes.append("fp32: the parameter at its home is the optimizer's master (stored once)")
     # groups in the device tier while paged: in use, d prefetched, one being released
     win = d + 2
+    # memory-centric tiling (one rank, module grouping): a fetch puts at most a tile of the
+    # tiled groups on the device, Gf = max(min(Gmax, tile), largest untileable group)
+    Gf, gname = G, "Gmax"
+    if knobs.tiling_max_group_gb is not None and R == 1 and params_home != "none":
+        Gf = spec.fetched_numel(knobs.grouping, int(knobs.tiling_max_group_gb * GB) // lp)
+        if Gf < G:
+            gname = "Gf"
+            pl.notes.append(f"tiling: groups over {knobs.tiling_max_group_gb:g} GB are computed "
+                            f"tile by tile; Gf = max(tile, largest untileable group) = "
+                            f"{Gf:,} elements (Gmax {G:,})")
 
     # ---------------------------------------------------------------- parameters
     if params_home == "none":
@@ -285,15 +298,16 @@ def plan_memory(spec, machine, knobs, params_home, optimizer_home):
         if gpu or params_home == "nvme":
             # CPU-only: a host-homed group is used in place (no copy); NVMe-homed groups are
             # read straight into device-tier buffers
-            add(Item("device", "fetched groups (in use + prefetch)", win * G * lp, "(d+2)*Gmax*lp"))
+            add(Item("device", "fetched groups (in use + prefetch)", win * Gf * lp,
+                     f"(d+2)*{gname}*lp"))
         if params_home == "cpu":
             add(Item("pinned", "param home (host)", r * shard * lp, "r*N/R*lp"))
         else:  # nvme
             add(Item("nvme", "param home (NVMe)", r * shard * lp, "r*N/R*lp"))
             if gpu:
                 # each rank reads its 1/R share of a group, then the ranks all-gather it
-                add(Item("pinned", "NVMe->GPU staging (prefetch window)", r * win * -(-G // R) * lp,
-                         "r*(d+2)*Gmax/R*lp"))
+                add(Item("pinned", "NVMe->GPU staging (prefetch window)", r * win * -(-Gf // R) * lp,
+                         f"r*(d+2)*{gname}/R*lp"))
             else:
                 add(Item("pinned", "NVMe staging (initialisation only)", G * lp, "Gmax*lp"))
 

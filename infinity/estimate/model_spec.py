@@ -38,12 +38,27 @@ class ModelSpec:
     heads: int | None = None       # attention heads (attention-score activations)
     largest_group: dict = field(default_factory=dict)   # grouping -> numel of the largest group
     groups: dict = field(default_factory=dict)          # grouping -> number of groups
+    # memory-centric tiling (infinity.runtime.tiling splits nn.Linear / nn.Embedding groups
+    # of the "module" grouping): numel of the largest group it cannot split (None: every
+    # large group is a tileable matrix, as in a dense transformer: a norm, 2*hidden)
+    largest_untileable: int | None = None
     source: str = "dimensions"
 
     def group_numel(self, grouping: str) -> int:
         if grouping not in GROUPINGS:
             raise EstimateError(f"grouping must be one of {GROUPINGS}, got {grouping!r}")
         return int(self.largest_group[grouping])
+
+    def fetched_numel(self, grouping: str, tile_numel: int | None) -> int:
+        """Elements one fetch puts on the device: the largest group, or with tiling (tiles
+        of ``tile_numel`` elements, "module" grouping) the larger of a tile and the largest
+        group tiling cannot split."""
+        G = self.group_numel(grouping)
+        if tile_numel is None or grouping != "module":
+            return G
+        rest = self.largest_untileable if self.largest_untileable is not None \
+            else 2 * self.hidden
+        return max(min(G, int(tile_numel)), min(G, int(rest)))
 
     def as_dict(self):
         return asdict(self)
@@ -93,6 +108,17 @@ def _config_attr(cfg, *names):
     return None
 
 
+def _tileable(mod, nn) -> bool:
+    """What infinity.runtime.tiling can split (kept in step with its ``_tileable``: the
+    estimator does not import the runtime)."""
+    if isinstance(mod, nn.Linear):
+        return type(mod).forward is nn.Linear.forward
+    if isinstance(mod, nn.Embedding):
+        return type(mod).forward is nn.Embedding.forward and mod.max_norm is None \
+            and not mod.sparse and not mod.scale_grad_by_freq
+    return False
+
+
 def spec_from_module(model, *, seq=2048, batch=1, layers=None, hidden=None, vocab=None, heads=None):
     """Count a (meta-device) ``nn.Module``: unique parameters, repeated blocks, group sizes.
 
@@ -104,7 +130,7 @@ def spec_from_module(model, *, seq=2048, batch=1, layers=None, hidden=None, voca
 
     seen = set()
     total = 0
-    largest_module = 0
+    largest_module = largest_untileable = 0
     n_module_groups = 0
     for mod in model.modules():
         own = 0
@@ -116,6 +142,8 @@ def spec_from_module(model, *, seq=2048, batch=1, layers=None, hidden=None, voca
         if own:
             n_module_groups += 1
             largest_module = max(largest_module, own)
+            if not _tileable(mod, nn):
+                largest_untileable = max(largest_untileable, own)
             total += own
     if total == 0:
         raise EstimateError(f"model {type(model).__name__} has no parameters")
@@ -166,6 +194,7 @@ def spec_from_module(model, *, seq=2048, batch=1, layers=None, hidden=None, voca
                      seq=_positive_int("seq", seq), batch=_positive_int("batch", batch),
                      vocab=vocab, heads=heads,
                      largest_group={"module": int(largest_module), "block": int(largest_block)},
+                     largest_untileable=int(largest_untileable),
                      groups={"module": n_module_groups,
                              "block": n_layers + (1 if total > in_blocks else 0)},
                      source=f"module {type(model).__name__}")

@@ -10,6 +10,8 @@ model (:mod:`.memory_plan`, :mod:`.step_time`):
 * the micro-batch ``B`` and the accumulation ``A`` with ``B * A * R`` = the global batch;
 * the prefetch depth (the deepest of :data:`DEPTHS` that fits: the step-time model does
   not depend on it, a deeper read-ahead only absorbs jitter the model does not see);
+* memory-centric tiling (``tiling.max_group_gb``, tiles of Gmax / :data:`TILE_FRACTIONS`)
+  when nothing fits untiled at the shallowest depth (one rank, parameters paged);
 * with ``allow_lossy``: bf16 Adam moments (``optimizer.state_dtype``) and bf16 partial
   gradient sums (``gradient_accumulation_dtype``); without it the plan is lossless.
 
@@ -97,6 +99,8 @@ class Choice:
             cfg["gradient_accumulation_dtype"] = k.grad_accum_dtype
         if k.gradient_clipping:
             cfg["gradient_clipping"] = k.gradient_clipping
+        if k.tiling_max_group_gb is not None:
+            cfg["tiling"] = {"max_group_gb": k.tiling_max_group_gb}
         return cfg
 
     def describe(self):
@@ -110,6 +114,8 @@ class Choice:
                 f"{'activation checkpointing' if self.checkpointing else 'no checkpointing'}, "
                 f"{act}, micro-batch {self.micro_batch} x accumulation {k.grad_accum}, "
                 f"prefetch depth {k.prefetch_depth}, "
+                + (f"tiling above {k.tiling_max_group_gb:g} GB, "
+                   if k.tiling_max_group_gb is not None else "")
                 + ("lossy: " + " + ".join(lossy) if lossy else "lossless"))
 
     def as_dict(self, compute_bound=None):
@@ -237,6 +243,28 @@ def default_global_batch(seq, ranks, tokens=DEFAULT_TOKENS_PER_STEP):
     return per_rank * ranks
 
 
+#: tiling tried when nothing fits untiled: tiles of Gmax / f elements (memory-centric
+#: tiling; one rank, params paged): the step-time model is the same, only the fetch window
+#: shrinks (docs/estimator.md, "Memory-centric tiling")
+TILE_FRACTIONS = (4, 16)
+
+
+def _tile_choices(spec, knobs, R, params_home):
+    """``tiling.max_group_gb`` values to try after the untiled depths (none when tiling does
+    not apply or is set already)."""
+    if R != 1 or params_home == "none" or knobs.tiling_max_group_gb is not None \
+            or knobs.grouping != "module":
+        return []
+    G = spec.group_numel("module")
+    out = []
+    for f in TILE_FRACTIONS:
+        gb = round(max(1, G // f) * knobs.lp / GB, 6)
+        if gb > 0 and spec.fetched_numel("module", int(gb * GB) // knobs.lp) < G \
+                and gb not in out:
+            out.append(gb)
+    return out
+
+
 def _divisors(n):
     small = [d for d in range(1, int(math.isqrt(n)) + 1) if n % d == 0]
     return sorted(set(small + [n // d for d in small]))
@@ -311,11 +339,16 @@ def make_plan(spec, machine, knobs, *, global_batch=None, micro_batch=None, grad
                 for ah, sc in activations:
                     for p, o in homes:
                         done = {v: False for v in variants}
-                        for d in depths:
+                        for d, tile in [(d, None) for d in depths] + [
+                                (depths[-1], t) for t in _tile_choices(spec, knobs, R, p)]:
+                            if tile is not None and all(done.values()):
+                                break
                             k = dataclasses.replace(knobs, prefetch_depth=d, grad_accum=A,
                                                     state_dtype=sd, grad_accum_dtype=gd,
                                                     activation_home=ah, activation_scope=sc,
                                                     host_cap_gb=host_cap)
+                            if tile is not None:
+                                k = dataclasses.replace(k, tiling_max_group_gb=tile)
                             ce = _evaluate(s, machine, k, p, o)
                             evaluated += 1
                             for v in variants:
@@ -325,7 +358,7 @@ def make_plan(spec, machine, knobs, *, global_batch=None, micro_batch=None, grad
                                 if ch.fits:
                                     found.append(ch)
                                     done[v] = True
-                                elif d == depths[-1]:
+                                elif d == depths[-1] and tile is None:
                                     near.append(ch)
                             if all(done.values()):
                                 break

@@ -123,6 +123,37 @@ class GradAccumulation:
             dst.copy_(grad.reshape(-1))
             self._written.add(id(slot))
 
+    def accumulates_rows(self, g: GroupRecord) -> bool:
+        """Whether :meth:`accumulate_rows` can take ``g``'s gradient piece by piece (a host
+        buffer on a zero-copy tier; the D2H route and the NVMe gradient home take whole
+        slots)."""
+        return self.grad_d2h is None and not self._on_nvme(g)
+
+    def accumulate_rows(self, g: GroupRecord, slot: ParamSlot, start: int,
+                        part: torch.Tensor | None, last: bool, numel: int | None = None) -> None:
+        """Part of a slot's gradient (memory-centric tiling, :mod:`infinity.runtime.tiling`):
+        elements ``start .. start + part.numel()`` of the flattened slot (``part`` None:
+        ``numel`` zeros, e.g. embedding rows no index touched).  Within one use the parts of
+        a slot cover it once; ``last`` marks its final part, after which the slot counts as
+        written (later uses of the window add, as :meth:`_accumulate_host`)."""
+        if not self.accumulates_rows(g):
+            raise RuntimeError(f"gradients of group {g.gid} ({g.name}) cannot be accumulated by "
+                               "rows (D2H route or NVMe gradient home): use accumulate()")
+        n = part.numel() if part is not None else int(numel)
+        lo = slot.offset + start
+        written = id(slot) in self._written
+        if part is None and written:
+            return                        # adding zeros
+        dst = self._grad_buf(g)[lo:lo + n]
+        if part is None:
+            dst.zero_()
+        elif written:
+            dst.add_(part.reshape(-1))
+        else:
+            dst.copy_(part.reshape(-1))
+        if last and not written:
+            self._written.add(id(slot))
+
     def grad_in_hand(self, g: GroupRecord) -> torch.Tensor | None:
         """``g``'s final gradient in host memory: its host buffer, or the kept buffer of an
         NVMe-homed group (Note [Streamed gradients]); None when it is on NVMe."""

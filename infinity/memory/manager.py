@@ -167,9 +167,7 @@ class MemoryManager:
         (only possible with ``allow_overflow=False``)."""
         if g.state in (Location.DEVICE, Location.READING, Location.TO_DEVICE):
             return True
-        wait = self._home_busy.pop(g.gid, None)
-        if wait is not None:
-            wait()          # a running step still writes its home (Note [Overlap safety])
+        self.wait_home(g)   # a running step still writes its home (Note [Overlap safety])
         self._failed.pop(g.gid, None)
         if g.state in (Location.HOST, Location.CACHED) and self.dev.zero_copy:
             # the host home (or a cached copy of an NVMe home) is directly usable by CPU
@@ -205,6 +203,67 @@ class MemoryManager:
             raise
         self._inflight[g.gid] = g
         return True
+
+    def wait_home(self, g: GroupRecord) -> None:
+        """Wait for a running optimizer step that writes ``g``'s home (Note [Overlap safety])."""
+        wait = self._home_busy.pop(g.gid, None)
+        if wait is not None:
+            wait()
+
+    # ------------------------------------------------------------------ tiles
+    # Note [Tiles]: a tiled group (memory-centric tiling, infinity.runtime.tiling) is never
+    # fetched whole; compute reads element ranges of it, one tile at a time, straight from
+    # where its current values are: the fetched buffer (someone fetched it whole), the host
+    # home or cached copy (in place on a zero-copy tier, else one H2D of the range), or its
+    # NVMe extent (the 4 KiB-aligned byte range around it, read into a device-tier lease).
+    def read_range(self, g: GroupRecord, lo: int, hi: int):
+        """Elements ``lo .. hi`` of ``g``'s flat values as a device-tier tensor; returns
+        ``(tensor, lease)``, give ``lease`` back with :meth:`give_back_range`."""
+        if g.state in (Location.READING, Location.TO_DEVICE):
+            self.wait_resident(g)
+        if g.state is Location.DEVICE and g.device_buf is not None:
+            return g.device_buf[lo:hi], None
+        self.wait_home(g)
+        isz = g.dtype.itemsize
+        if g.state in (Location.HOST, Location.CACHED):
+            src = g.host_buf[lo:hi]
+            if self.dev.zero_copy:
+                return src, None
+            buf = self.dev.lease_or_overflow((hi - lo) * isz, g.dtype, "a parameter tile", True)
+            view = buf[: hi - lo]
+            t0 = time.perf_counter()
+            x = self.dev.h2d(view, src)
+            x.wait_host()
+            self.dev.compute_waits(x)
+            self._link("h2d", (hi - lo) * isz, t0)
+            return view, buf
+        if g.state is not Location.NVME:
+            raise RuntimeError(f"memory: cannot read a tile of group {g.gid} ({g.name}) in "
+                               f"state {g.state.name}")
+        a0 = (lo * isz) // 4096 * 4096
+        a1 = min(-(-(hi * isz) // 4096) * 4096, g.extent.nbytes)
+        t0 = time.perf_counter()
+        if self.dev.zero_copy:
+            buf = self.dev.lease_or_overflow(a1 - a0, torch.uint8, "a parameter tile", True)
+            raw = buf[: a1 - a0]
+            self.swap.read(g.extent, raw, a0).wait()
+            self._link("nvme_read", a1 - a0, t0)
+            return raw.view(g.dtype)[(lo * isz - a0) // isz:][: hi - lo], buf
+        with self.host_pool.scoped(a1 - a0, torch.uint8) as staging:
+            raw = staging[: a1 - a0]
+            self.swap.read(g.extent, raw, a0).wait()
+            self._link("nvme_read", a1 - a0, t0)
+            src = raw.view(g.dtype)[(lo * isz - a0) // isz:][: hi - lo]
+            buf = self.dev.lease_or_overflow((hi - lo) * isz, g.dtype, "a parameter tile", True)
+            view = buf[: hi - lo]
+            x = self.dev.h2d(view, src)
+            x.wait_host()
+            self.dev.compute_waits(x)
+        return view, buf
+
+    def give_back_range(self, lease) -> None:
+        if lease is not None:
+            self._give_back(self.dev, lease)
 
     def _landing_thread(self) -> ThreadPoolExecutor:
         if self._lander is None:

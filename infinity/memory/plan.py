@@ -77,6 +77,9 @@ class PlacementPlan:
     stream_window: int = 0          # final sums in hand at once (compute(); 0: no streaming)
     param_cache_budget: int = 0     # host bytes for clean copies of NVMe params (fp32, CPU)
     state_bytes: int = 4            # bytes per Adam moment (optimizer.state_dtype: 4 fp32, 2 bf16)
+    # memory-centric tiling (infinity.runtime.tiling): gid -> device bytes of one tile; a
+    # tiled group is never fetched whole, its tile is what it adds to the fetch window
+    tile_bytes: dict = field(default_factory=dict)
     host: dict = field(default_factory=dict)      # item -> bytes
     device: dict = field(default_factory=dict)
     nvme: dict = field(default_factory=dict)
@@ -86,7 +89,9 @@ class PlacementPlan:
         paged = [g for g in self.groups if g.home != "device"]
         trainable = [g for g in self.groups if g.trainable]
         param_bytes = sum(g.nbytes for g in self.groups)
-        largest = max((g.nbytes for g in paged), default=0)
+        largest_group = max((g.nbytes for g in paged), default=0)
+        # what one fetch puts on the device: a tiled group's tile, any other group whole
+        largest = max((self.tile_bytes.get(g.gid, g.nbytes) for g in paged), default=0)
         n_train = sum(g.padded_numel for g in trainable)
         fp32 = self.precision == "fp32"
         self.host, self.device, self.nvme = {}, {}, {}
@@ -107,7 +112,7 @@ class PlacementPlan:
             self.host["host mirror of resident params (optimizer side)"] = \
                 sum(g.nbytes for g in self.groups if g.home == "device")
         if self.param_home == "nvme" and not sep:
-            self.host["staging (init only)"] = largest
+            self.host["staging (init only)"] = largest_group
         if self.param_home == "nvme" and sep:     # NVMe -> pinned staging -> H2D
             self.host["H2D staging (largest group x (depth + 2))"] = largest * (self.depth + 2)
         if sep and trainable:

@@ -23,6 +23,7 @@ DESIGN_DEFAULTS = {
     "activation_offload": {"home": "none", "scope": "checkpoints"},
     "gradient_accumulation_dtype": "fp32",
     "zero_pp": {"quantized_weights": False, "hpz_partition_size": 1, "quantized_gradients": False},
+    "tiling": {"max_group_gb": None},
 }
 
 
@@ -194,6 +195,7 @@ FULL = {
     "activation_offload": {"home": "nvme", "scope": "all"},
     "gradient_accumulation_dtype": "bf16",
     "zero_pp": {"quantized_weights": True, "hpz_partition_size": 4, "quantized_gradients": True},
+    "tiling": {"max_group_gb": 0.5},
 }
 
 
@@ -247,6 +249,7 @@ dist_timeout_s: 120
 activation_offload: {home: nvme, scope: all}
 gradient_accumulation_dtype: bf16
 zero_pp: {quantized_weights: true, hpz_partition_size: 4, quantized_gradients: true}
+tiling: {max_group_gb: 0.5}
 """
 
 

@@ -28,12 +28,30 @@ def test_host_cap_below_working_set_fails_up_front(swap_dir):
 
 
 def test_device_cap_below_fetch_window_fails_up_front(swap_dir):
+    # 10 kB: the tiling limit (10 kB / (depth + 2)) is below one row plus the aligned NVMe
+    # range of a tile, so not even tiles fit (0.0001 GB fits with tiling: the test below)
     cfg = {"offload": {"params": "nvme", "optimizer": "nvme", "nvme_paths": [swap_dir],
-                       "device_memory_gb": 0.0001}}
+                       "device_memory_gb": 0.00001}}
     with pytest.raises(WorkingSetError, match="offload.device_memory_gb.*prefetch.depth"):
         infinity.initialize(_stack(), cfg)
     leftovers = [f for _, _, fs in os.walk(swap_dir) for f in fs] if os.path.exists(swap_dir) else []
     assert leftovers == []
+
+
+def test_device_cap_below_a_group_fits_by_tiling(swap_dir):
+    """100 kB of device budget for 263 kB Linear groups: each layer is computed in tiles of
+    8 rows (tiling.max_group_gb defaults to 100 kB / (depth + 2)); nothing goes past the
+    budget."""
+    cfg = {"offload": {"params": "nvme", "optimizer": "nvme", "nvme_paths": [swap_dir],
+                       "device_memory_gb": 0.0001}}
+    model = _stack()
+    with infinity.initialize(model, cfg) as eng:
+        assert {s.rows for s in eng.tiling.specs.values()} == {8} and len(eng.tiling.specs) == 4
+        x = torch.randn(3, 256)
+        eng.backward(eng(x).square().mean())
+        eng.step()
+        s = eng.stats()
+    assert s.get("device_budget_overflows", 0) == 0 and s["tiles_forward"] == 4 * 32
 
 
 _CHILD = r"""

@@ -391,3 +391,43 @@ def test_commit_undo_copies_follow_the_engine_rule():
     others = sum(v for (t, n), v in items(pl).items() if t in ("pinned", "pageable") and
                  (t, n) != key)
     assert items(pl).get(key, 0) == max(0, min(12_000_000, int(0.02e9) - others))
+
+
+def test_tiling_bounds_the_fetch_window_by_the_tile():
+    """tiling.max_group_gb: one fetch puts at most a tile of a tileable group on the device,
+    but never less than the largest group tiling cannot split; one rank only (the runtime
+    does not tile across ranks)."""
+    m = Machine(gpus=0, host_mem_gb=64, nvme_gb=100)
+    spec = small_spec()                             # Gmax 50 000, untileable: 2*hidden = 128
+    key = ("device", "fetched groups (in use + prefetch)")
+    cfg = {"precision": "fp32", "tiling": {"max_group_gb": 40_000 / GB}}   # 10 000 fp32 elements
+    est = estimate(spec, machine=m, config=cfg, configs=[("nvme", "nvme")])
+    assert est.knobs.tiling_max_group_gb == 40_000 / GB
+    assert items(est.configs[0].plan)[key] == (2 + 2) * 10_000 * 4
+    assert any("tiling" in n for n in est.configs[0].plan.notes)
+    spec.largest_untileable = 20_000               # e.g. a Conv1D matrix: fetched whole
+    est = estimate(spec, machine=m, config=cfg, configs=[("nvme", "nvme")])
+    assert items(est.configs[0].plan)[key] == (2 + 2) * 20_000 * 4
+    est = estimate(spec, machine=m, precision="fp32", configs=[("nvme", "nvme")])   # no tiling
+    assert items(est.configs[0].plan)[key] == (2 + 2) * 50_000 * 4
+    m2 = Machine(gpus=2, gpu_mem_gb=1, host_mem_gb=100, nvme_gb=1, gpu_reserve_gb=0)
+    est = estimate(spec, machine=m2, config=cfg, configs=[("nvme", "nvme")])
+    assert items(est.configs[0].plan)[key] == (2 + 2) * 50_000 * 4
+
+
+def test_spec_from_module_largest_untileable():
+    torch = pytest.importorskip("torch")
+    from torch import nn
+    from infinity.estimate import spec_from_module
+
+    class Odd(nn.Module):                          # a module tiling cannot split
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.empty(30, 10))
+
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Embedding(100, 10), nn.Linear(10, 50), Odd(), nn.LayerNorm(10))
+    s = spec_from_module(model, seq=4)
+    assert s.largest_group["module"] == 1000 and s.largest_untileable == 300
+    assert s.fetched_numel("module", 400) == 400 and s.fetched_numel("module", 100) == 300
+    assert s.fetched_numel("module", None) == 1000

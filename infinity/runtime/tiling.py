@@ -1,0 +1,395 @@
+"""Memory-centric tiling: a layer too large for its share of the device budget is never
+fetched whole.
+
+Which modules: an ``nn.Linear`` or ``nn.Embedding`` (their own ``forward``) whose parameter
+groups are paged (home ``cpu`` or ``nvme``), hold only that module's weight (and bias), are
+used by no module that is not tiled too (a tied embedding / LM head pair is tiled as a
+pair, with the same rows per tile), and one of which is larger than the *tiling limit*:
+``tiling.max_group_gb`` when set, else ``offload.device_memory_gb / (prefetch.depth + 2)``
+(the share of one group in the fetch window; no device budget, no limit).  A Linear is
+split by output rows, an Embedding by rows (a lookup reads only the tiles its indices
+touch), into tiles of at most the limit's bytes.
+
+How: the module's ``forward`` computes through :class:`_TiledLinearFn`, which reads each
+tile of the weight and bias from where the group's values are (Note [Tiles] in
+:mod:`infinity.memory.manager`: in place from a host home on a zero-copy tier, otherwise a
+device-tier lease the size of one tile), computes that block of output columns, and gives
+the tile back before reading the next.  Backward reads the tiles again, adds each tile's
+contribution to the input gradient and hands the tile's weight and bias gradient rows to
+the group's gradient buffer as they are made (``accumulate_rows``; where gradients only
+leave as whole slots - the D2H route, the NVMe gradient home - the rows are assembled
+into one slot-sized tensor first).  The parameters keep their names and objects (their
+``.data`` stays the released placeholder): ``state_dict``, checkpoints and the optimizer
+see the same groups as without tiling.  The hooks never fetch a tiled module's groups
+(:meth:`Tiling.install` takes them out of the module map before the hooks are installed).
+
+The overlapped step (:mod:`infinity.engine.overlap`) hears that a slot's gradient is final
+(``after``) only once every use recorded in forward has run its backward (a module called
+twice, a tied pair): :class:`Tiling` counts the uses per group.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from infinity.memory.record import GroupRecord, ParamSlot
+from infinity.runtime.groups import Grouping
+
+__all__ = ["TileSpec", "Tiling", "plan_tiles", "tiling_limit"]
+
+# an NVMe tile read covers the 4 KiB-aligned byte range around the tile (Note [Tiles])
+_IO_ALIGN = 4096
+
+
+def tiling_limit(max_group_bytes: int | None, device_budget: int | None,
+                 depth: int) -> int | None:
+    """The group size above which a tileable module is tiled (None: no tiling)."""
+    if max_group_bytes is not None:
+        return int(max_group_bytes)
+    if device_budget is None:
+        return None
+    return int(device_budget) // (int(depth) + 2)
+
+
+@dataclass
+class TileSpec:
+    """One tiled ``nn.Linear`` (tiles of ``rows`` output rows) or ``nn.Embedding`` (tiles
+    of ``rows`` rows)."""
+    module: nn.Module
+    rows: int
+    weight: tuple[GroupRecord, ParamSlot]
+    bias: tuple[GroupRecord, ParamSlot] | None
+
+    @property
+    def out_features(self) -> int:
+        return int(self.weight[1].shape[0])
+
+    @property
+    def in_features(self) -> int:
+        return int(self.weight[1].shape[1])
+
+    @property
+    def groups(self) -> list[GroupRecord]:
+        out = [self.weight[0]]
+        if self.bias is not None and self.bias[0] is not out[0]:
+            out.append(self.bias[0])
+        return out
+
+    def tiles(self):
+        n = self.out_features
+        for r0 in range(0, n, self.rows):
+            yield r0, min(n, r0 + self.rows)
+
+    def tile_bytes(self) -> int:
+        """Device bytes one tile takes (weight and bias rows, each padded to the aligned
+        range an NVMe read covers)."""
+        isz = self.weight[0].dtype.itemsize
+        if isinstance(self.module, nn.Embedding):     # the tile, and its gradient rows
+            return 2 * (self.rows * self.in_features * isz + 2 * _IO_ALIGN)
+        b = self.rows * self.in_features * isz + 2 * _IO_ALIGN
+        if self.bias is not None:
+            b += self.rows * isz + 2 * _IO_ALIGN
+        return b
+
+
+def _tileable(mod: nn.Module) -> bool:
+    if isinstance(mod, nn.Linear):
+        return type(mod).forward is nn.Linear.forward \
+            and getattr(mod, "weight", None) is not None and mod.weight.dim() == 2
+    if isinstance(mod, nn.Embedding):
+        # max_norm renormalises the weight in place; sparse / scale_grad_by_freq: not here
+        return type(mod).forward is nn.Embedding.forward and mod.max_norm is None \
+            and not mod.sparse and not mod.scale_grad_by_freq
+    return False
+
+
+def _params(mod: nn.Module) -> list:
+    return [p for p in (mod.weight, getattr(mod, "bias", None)) if p is not None]
+
+
+def plan_tiles(grouping: Grouping, limit: int | None) -> dict[nn.Module, TileSpec]:
+    """The modules to tile under ``limit`` (bytes), each with its tile rows."""
+    if limit is None:
+        return {}
+    users: dict[int, list[nn.Module]] = {}
+    for mod, groups in grouping.module_groups.items():
+        for g in groups:
+            users.setdefault(g.gid, []).append(mod)
+    cand: dict[nn.Module, dict] = {}
+    for mod, groups in grouping.module_groups.items():
+        if not _tileable(mod) or not any(g.nbytes > limit for g in groups) \
+                or any(g.home == "device" or g.sharded for g in groups):
+            continue
+        where = {id(s.param): (g, s) for g in groups for s in g.slots}
+        params = _params(mod)
+        if len(where) != len(params) or any(id(p) not in where for p in params):
+            continue                      # a group holding anything else: not tiled
+        cand[mod] = where
+    # a group used by a module that is not tiled would be fetched whole anyway: its users
+    # are all tiled, or none is
+    changed = True
+    while changed:
+        changed = False
+        for mod in list(cand):
+            if any(u not in cand for g in grouping.module_groups[mod] for u in users[g.gid]):
+                del cand[mod]
+                changed = True
+    out: dict[nn.Module, TileSpec] = {}
+    for mod, where in cand.items():
+        w = where[id(mod.weight)]
+        isz = w[0].dtype.itemsize
+        bias = getattr(mod, "bias", None)
+        row = mod.weight.shape[1] * isz + (isz if bias is not None else 0)
+        budget = limit - 4 * _IO_ALIGN
+        if isinstance(mod, nn.Embedding):
+            budget //= 2                  # the tile and its gradient rows
+        rows = max(1, min(mod.weight.shape[0], budget // row))
+        out[mod] = TileSpec(mod, int(rows), w, where[id(bias)] if bias is not None else None)
+    # a tied pair is tiled consistently: the same rows per tile for every user of a group
+    by_group: dict[int, int] = {}
+    for sp in out.values():
+        gid = sp.weight[0].gid
+        by_group[gid] = min(by_group.get(gid, sp.rows), sp.rows)
+    for sp in out.values():
+        sp.rows = by_group[sp.weight[0].gid]
+    return out
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+class _TiledFn(torch.autograd.Function):
+    """A tiled module's computation; ``params`` (the weight and bias placeholders) are
+    inputs only so that autograd knows the output depends on trainable parameters: their
+    gradients go to the groups by rows, never through autograd."""
+
+    @staticmethod
+    def forward(ctx, x, runner, *params):
+        ctx.runner = runner
+        ctx.save_for_backward(x)
+        return runner.forward_tiles(x)
+
+    @staticmethod
+    def backward(ctx, gy):
+        x, = ctx.saved_tensors
+        gx = ctx.runner.backward_tiles(x, gy, ctx.needs_input_grad[0])
+        return (gx, None) + (None,) * (len(ctx.needs_input_grad) - 2)
+
+
+class _Runner:
+    """Computes one tiled module, tile by tile."""
+
+    def __init__(self, spec: TileSpec, tiling: "Tiling"):
+        self.spec = spec
+        self.t = tiling
+
+    def _read(self, ref, r0: int, r1: int):
+        g, s = ref
+        per = int(s.shape[1]) if len(s.shape) == 2 else 1
+        view, lease = self.t.mm.read_range(g, s.offset + r0 * per, s.offset + r1 * per)
+        return (view.view(r1 - r0, per) if len(s.shape) == 2 else view), lease
+
+    def _tile(self, r0: int, r1: int):
+        w, wl = self._read(self.spec.weight, r0, r1)
+        b = bl = None
+        if self.spec.bias is not None:
+            b, bl = self._read(self.spec.bias, r0, r1)
+        return w, b, (wl, bl)
+
+    def _done(self, leases) -> None:
+        for lease in leases:
+            self.t.mm.give_back_range(lease)
+
+    def _sinks(self):
+        sp = self.spec
+        refs = [r for r in (sp.weight, sp.bias) if r is not None and r[1].trainable]
+        return [self.t.sink(r) for r in refs]
+
+    # ------------------------------------------------------------------ Linear
+    def forward_tiles(self, x: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.spec.module, nn.Embedding):
+            return self._embed_forward(x)
+        outs = []
+        for r0, r1 in self.spec.tiles():
+            w, b, leases = self._tile(r0, r1)
+            try:
+                outs.append(F.linear(x, w, b))
+            finally:
+                self._done(leases)
+        self.t.acct.count("tiles_forward", len(outs))
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+
+    def backward_tiles(self, x: torch.Tensor, gy: torch.Tensor, need_gx: bool):
+        if isinstance(self.spec.module, nn.Embedding):
+            self._embed_backward(x, gy)
+            return None
+        spec = self.spec
+        n_in = spec.in_features
+        x2 = x.reshape(-1, n_in)
+        gy2 = gy.reshape(-1, spec.out_features)
+        gx = torch.zeros_like(x2) if need_gx else None
+        sinks = self._sinks()
+        wsink = sinks[0] if sinks and spec.weight[1].trainable else None
+        bsink = sinks[-1] if spec.bias is not None and spec.bias[1].trainable else None
+        n = 0
+        for r0, r1 in spec.tiles():
+            last = r1 == spec.out_features
+            gyt = gy2[:, r0:r1]
+            if need_gx:
+                w, _, leases = self._tile(r0, r1)
+                try:
+                    gx.addmm_(gyt.to(w.dtype), w)
+                finally:
+                    self._done(leases)
+            if wsink is not None:
+                wsink(r0 * n_in, (gyt.t() @ x2).to(x2.dtype), last)
+            if bsink is not None:
+                bsink(r0, gyt.sum(0), last)
+            n += 1
+        self.t.acct.count("tiles_backward", n)
+        self.t.use_done(spec)
+        return None if gx is None else gx.view_as(x)
+
+    # ------------------------------------------------------------------ Embedding
+    def _embed_forward(self, ids: torch.Tensor) -> torch.Tensor:
+        spec = self.spec
+        d = spec.in_features
+        flat = ids.reshape(-1)
+        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= spec.out_features):
+            raise IndexError(f"index out of range in self: embedding {spec.weight[1].name} "
+                             f"(tiled) has {spec.out_features} rows, the indices span "
+                             f"{int(flat.min())}..{int(flat.max())}")
+        out = torch.empty(flat.numel(), d, dtype=spec.weight[0].dtype, device=ids.device)
+        tile_of = torch.div(flat, spec.rows, rounding_mode="floor")
+        n = 0
+        for t in torch.unique(tile_of).tolist():     # only the tiles the lookup touches
+            r0, r1 = t * spec.rows, min(spec.out_features, (t + 1) * spec.rows)
+            sel = (tile_of == t).nonzero(as_tuple=True)[0]
+            w, _, leases = self._tile(r0, r1)
+            try:
+                out[sel] = w.index_select(0, flat[sel] - r0)
+            finally:
+                self._done(leases)
+            n += 1
+        self.t.acct.count("tiles_forward", n)
+        return out.view(*ids.shape, d)
+
+    def _embed_backward(self, ids: torch.Tensor, gy: torch.Tensor) -> None:
+        spec = self.spec
+        d = spec.in_features
+        sinks = self._sinks()
+        if sinks:
+            sink = sinks[0]
+            flat = ids.reshape(-1)
+            gy2 = gy.reshape(-1, d)
+            pad = spec.module.padding_idx
+            tile_of = torch.div(flat, spec.rows, rounding_mode="floor")
+            touched = set(torch.unique(tile_of).tolist())
+            for t, (r0, r1) in enumerate(spec.tiles()):
+                last = r1 == spec.out_features
+                if t not in touched:      # no gradient rows: zeros (first use of a window)
+                    sink(r0 * d, None, last, (r1 - r0) * d)
+                    continue
+                sel = (tile_of == t).nonzero(as_tuple=True)[0]
+                part = torch.zeros(r1 - r0, d, dtype=gy2.dtype)
+                part.index_add_(0, flat[sel] - r0, gy2[sel])
+                if pad is not None and r0 <= pad < r1:
+                    part[pad - r0].zero_()   # F.embedding: no gradient for padding_idx
+                sink(r0 * d, part, last, part.numel())
+            self.t.acct.count("tiles_backward", len(touched))
+        self.t.use_done(spec)
+
+
+class Tiling:
+    """The tiled modules of one engine: installs their tiled ``forward``, routes their
+    gradient rows (``accumulate_rows`` where ``accepts_rows(g)``, else the rows assembled
+    and ``accumulate(g, slot, grad)`` once per use) and tells ``after(g, slot_index)``
+    (the overlapped step, or None) when a slot's gradient is final in this backward."""
+
+    def __init__(self, specs: dict[nn.Module, TileSpec], manager, accounting, *,
+                 accumulate, accumulate_rows, accepts_rows, after=None):
+        self.specs = specs
+        self.mm = manager
+        self.acct = accounting
+        self.accumulate = accumulate
+        self.accumulate_rows = accumulate_rows
+        self.accepts_rows = accepts_rows
+        self.after = after
+        self._installed: list[nn.Module] = []
+        self._live: dict[int, int] = {}   # gid -> uses recorded in forward, not yet backward
+        self._slot_index = {id(s): i for sp in specs.values() for g in sp.groups
+                            for i, s in enumerate(g.slots)}
+
+    @property
+    def gids(self) -> set[int]:
+        return {g.gid for s in self.specs.values() for g in s.groups}
+
+    def sink(self, ref):
+        """``put(start, part, last[, numel])`` for one slot's gradient rows in one use
+        (``part`` None: ``numel`` zeros)."""
+        g, slot = ref
+        if self.accepts_rows(g):
+            def put(start, part, last, numel=None):
+                self.accumulate_rows(g, slot, start, part, last, numel)
+            return put
+        full = torch.zeros(slot.numel, dtype=torch.float32)
+
+        def put_full(start, part, last, numel=None):
+            if part is not None:
+                full[start:start + part.numel()].copy_(part.reshape(-1))
+            if last:
+                self.accumulate(g, slot, full.view(slot.shape))
+        return put_full
+
+    def use_recorded(self, spec: TileSpec) -> None:
+        for g in spec.groups:
+            self._live[g.gid] = self._live.get(g.gid, 0) + 1
+
+    def use_done(self, spec: TileSpec) -> None:
+        """One use's backward ended: a group with no use left has its final gradient."""
+        for g in spec.groups:
+            n = self._live.get(g.gid, 0) - 1
+            if n > 0:
+                self._live[g.gid] = n
+                continue
+            self._live.pop(g.gid, None)
+            if self.after is not None:
+                for i, s in enumerate(g.slots):
+                    if s.trainable:
+                        self.after(g, i)
+
+    def reset(self) -> None:
+        """After a failed forward/backward: no use is pending."""
+        self._live.clear()
+
+    def install(self, grouping: Grouping) -> None:
+        """Tiled modules compute by tiles; their groups leave the hooks' module map."""
+        for mod, spec in self.specs.items():
+            grouping.module_groups.pop(mod, None)
+            runner = _Runner(spec, self)
+            params = tuple(_params(mod))
+
+            def forward(x, _runner=runner, _params=params, _spec=spec):
+                # (a recomputation inside backward is not a new use of the group)
+                if torch.is_grad_enabled() and not _in_backward() and (x.requires_grad or any(
+                        p.requires_grad for p in _params)):
+                    self.use_recorded(_spec)
+                return _TiledFn.apply(x, _runner, *_params)
+            mod.forward = forward        # an instance attribute: removed by remove()
+            self._installed.append(mod)
+
+    def remove(self) -> None:
+        for mod in self._installed:
+            mod.__dict__.pop("forward", None)
+        self._installed.clear()
+
+    def describe(self) -> str:
+        if not self.specs:
+            return "tiling: none"
+        parts = [f"{type(s.module).__name__} {s.weight[1].name} ({s.out_features} rows in "
+                 f"tiles of {s.rows})" for s in self.specs.values()]
+        return "tiling: " + ", ".join(parts)
