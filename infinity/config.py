@@ -63,14 +63,8 @@ class InfinityConfig:
     nonfinite_grads: str = "skip"
     activation_offload: ActivationOffloadConfig = field(default_factory=ActivationOffloadConfig)
     gradient_accumulation_dtype: str = "fp32"
-    OptimizerConfig, PrefetchConfig, SchedulerConfig, TilingConfig, _check_unknown, _choice,
-    _float, _fmt, _int, _section, MAX_ACCUMULATION_STEPS, MAX_AIO_BLOCK, NONFINITE_POLICIES,
-    max_aio_threads, ZeroPPConfig)
-
-__all__ = [
-    "ConfigError", "OffloadConfig", "PrefetchConfig", "AioConfig", "OptimizerConfig",
-    "SchedulerConfig", "LossScaleConfig", "ActivationOffloadConfig", "TilingConfig",
-    "InfinityConfig", "ZeroPPConfig", "load_config",
+    zero_pp: ZeroPPConfig = field(default_factory=ZeroPPConfig)
+    tiling: TilingConfig = field(default_factory=TilingConfig)
 
     def __post_init__(self):
         self.validate()

@@ -54,6 +54,10 @@ class _Charged:
         self.fut.result()
         self.h.wait()
 
+    def done(self) -> bool:
+        """Polled by the overlapped step (Note [Overlap across ranks]): landed on both."""
+        return self.fut.done() and self.h.done()
+
 
 def throttle(gbps: float) -> None:
     """This rank's link to the other node: one FIFO resource (a thread that sleeps bytes /
