@@ -14,7 +14,7 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from injected_failure import boom_function  # noqa: E402
-from zero_harness import child_entry  # noqa: E402
+from zero_harness import child_entry, store_snapshot  # noqa: E402
 
 
 Boom = boom_function("injected backward failure")
@@ -31,18 +31,6 @@ class Net(nn.Module):
         return self.c(torch.relu(self.b(Boom.apply(torch.relu(self.a(x))))))
 
 
-def _shards(eng):
-    st = eng.opt.store
-    out = {}
-    for k in st.keys():
-        n = st.numel(k)
-        for what in ("master", "exp_avg", "exp_avg_sq"):
-            t = torch.empty(n)
-            st.read_master(k, t) if what == "master" else st.read_state(k, what, t)
-            out[f"{k}.{what}"] = t
-    return out
-
-
 def main():
     spec = json.loads(open(sys.argv[1]).read())
     rank, ws = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -56,7 +44,7 @@ def main():
     for i, (x, y) in enumerate(data):
         xs, ys = x[rank * 4:(rank + 1) * 4], y[rank * 4:(rank + 1) * 4]
         if i == 2:
-            snap = _shards(eng)
+            snap = store_snapshot(eng)
             steps = eng.global_steps
             Boom.armed = rank == spec["fail_rank"]
             try:
@@ -65,7 +53,7 @@ def main():
                 result["raised"] = None
             except Exception as e:  # noqa: BLE001 - reported to the test
                 result["raised"] = f"{type(e).__name__}: {e}"
-            after = _shards(eng)
+            after = store_snapshot(eng)
             result["unchanged"] = all(torch.equal(snap[k], after[k]) for k in snap)
             result["global_steps_unchanged"] = eng.global_steps == steps
             break

@@ -20,7 +20,7 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from injected_failure import boom_function  # noqa: E402
-from zero_harness import child_entry  # noqa: E402
+from zero_harness import child_entry, store_snapshot  # noqa: E402
 
 Boom = boom_function("injected backward failure")
 LAYERS = 6
@@ -38,18 +38,6 @@ class Net(nn.Module):
         for m in self.body:
             x = torch.relu(m(x))
         return self.out(x)
-
-
-def _shards(eng):
-    st = eng.opt.store
-    out = {}
-    for k in st.keys():
-        n = st.numel(k)
-        for what in ("master", "exp_avg", "exp_avg_sq"):
-            t = torch.empty(n)
-            st.read_master(k, t) if what == "master" else st.read_state(k, what, t)
-            out[f"{k}.{what}"] = t
-    return out
 
 
 def main():
@@ -75,7 +63,7 @@ def main():
     for i, (x, y) in enumerate(data):
         xs, ys = x[rank * 4:(rank + 1) * 4], y[rank * 4:(rank + 1) * 4]
         if i == 2:
-            snap = _shards(eng)
+            snap = store_snapshot(eng)
             steps = eng.global_steps
             before = eng.stats()["optimizer_groups_overlapped"]
             if failing:
@@ -89,7 +77,7 @@ def main():
                 result["raised"] = f"{type(e).__name__}: {e}"
             result["overlapped"] = eng.stats()["optimizer_groups_overlapped"] - before
             armed[0] = Boom.armed = False
-            after = _shards(eng)
+            after = store_snapshot(eng)
             result["unchanged"] = all(torch.equal(snap[k], after[k]) for k in snap)
             result["global_steps_unchanged"] = eng.global_steps == steps
             break

@@ -89,3 +89,18 @@ def run_ranks(script: str, spec: dict, tmp_path, *, world_size: int = 2,
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+def store_snapshot(eng) -> dict:
+    """Every optimizer-state tensor of this rank (master, exp_avg, exp_avg_sq per key), read
+    from its home: what a failed step must leave unchanged."""
+    import torch
+    st = eng.opt.store
+    out = {}
+    for k in st.keys():
+        n = st.numel(k)
+        for what in ("master", "exp_avg", "exp_avg_sq"):
+            t = torch.empty(n)
+            st.read_master(k, t) if what == "master" else st.read_state(k, what, t)
+            out[f"{k}.{what}"] = t
+    return out
