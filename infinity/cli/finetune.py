@@ -1,17 +1,5 @@
 """`infinity finetune`: argument parsing and wiring (the work is in infinity.finetune)."""
-import argparse
-
-from .argtypes import positive_int
-
-
-def _nonneg_int(s):
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {s!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {v}")
-    return v
+from .argtypes import nonneg_int, positive_int
 
 
 def register(sub):
@@ -48,13 +36,13 @@ def register(sub):
                         "as a Hugging Face directory: AutoModelForCausalLM.from_pretrained(DIR) and "
                         "AutoTokenizer.from_pretrained(DIR) load it")
     p.add_argument("--save", metavar="DIR", help="checkpoint directory (saved at the end and on Ctrl-C)")
-    p.add_argument("--save-every", type=_nonneg_int, default=0, metavar="N",
+    p.add_argument("--save-every", type=nonneg_int, default=0, metavar="N",
                    help="also save every N steps")
-    p.add_argument("--keep-last", type=_nonneg_int, default=0, metavar="K",
+    p.add_argument("--keep-last", type=nonneg_int, default=0, metavar="K",
                    help="keep only the K newest checkpoints (0: keep all)")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --save DIR")
     p.add_argument("--profile", metavar="DIR", help="write a timeline (Chrome trace, PNG, summary) to DIR")
-    p.add_argument("--profile-skip", type=_nonneg_int, default=1, metavar="N",
+    p.add_argument("--profile-skip", type=nonneg_int, default=1, metavar="N",
                    help="leave the first N steps of the run out of --profile as warm-up (default 1: "
                         "the first step records the module order, so its fetches are on demand)")
     p.add_argument("--json", action="store_true",
