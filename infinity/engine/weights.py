@@ -108,26 +108,36 @@ def _read_extent_range(engine, g: GroupRecord, s: ParamSlot) -> torch.Tensor:
 def save_pretrained(engine, directory, *, max_shard_bytes: int = 2 * 10 ** 9) -> list[str]:
     """Write safetensors shard(s) (+ index) and the HF config; returns the files written."""
     from infinity.checkpoint.hf_shards import Entry, write_hf_shards
+
+    def write(sd, names, writer):
+        sources = []
+        for n in names:
+            t, dt = _source(engine, sd, n)
+            sources.append((n, [Entry(n, dt, tuple(t.shape))]))
+        # one tensor in memory at a time: each is written as soon as it is read
+        return write_hf_shards(directory, sources, lambda n: {n: sd[n]},
+                               max_shard_bytes=max_shard_bytes, write=writer)[0]
+
+    def finish(sd, files):
+        log.info("save_pretrained: wrote %d file(s) to %s", len(files), directory)
+    return _save(engine, directory, write, finish)
+
+
+def _save(engine, directory, write, finish) -> list[str]:
+    """The collective frame of both forms of save_pretrained: every rank streams the state
+    dict in the same order (at world size > 1 its values are gathered: collectives), only
+    rank 0 writes.  ``write(sd, names, writer)`` -> the paths written (unique tensors only:
+    safetensors cannot store aliases, tied weights keep the first name); ``finish(sd, files)``
+    runs on the writer after config.json."""
     zero = engine.zero
-    writer = zero is None or zero.rank == 0   # at world size > 1 every rank gathers, rank 0 writes
+    writer = zero is None or zero.rank == 0
     if writer:
         makedirs(directory)
     sd = StreamedStateDict(engine)
-    # unique tensors only (safetensors cannot store aliases): tied weights keep the first name
-    names = _unique_names(sd)
-    sources = []
-    for n in names:
-        t, dt = _source(engine, sd, n)
-        sources.append((n, [Entry(n, dt, tuple(t.shape))]))
-    # one tensor in memory at a time: each is written as soon as it is read
-    paths, _ = write_hf_shards(directory, sources, lambda n: {n: sd[n]},
-                               max_shard_bytes=max_shard_bytes, write=writer)
-    files = [os.path.basename(f) for f in paths]
-    if not writer:
-        zero.comm.barrier("save_pretrained")
-        return files
-    files += _write_hf_config(engine, directory)
-    log.info("save_pretrained: wrote %d file(s) to %s", len(files), directory)
+    files = [os.path.basename(f) for f in write(sd, _unique_names(sd), writer)]
+    if writer:
+        files += _write_hf_config(engine, directory)
+        finish(sd, files)
     if zero is not None and zero.world_size > 1:
         zero.comm.barrier("save_pretrained")
     return files
@@ -193,30 +203,20 @@ def save_pretrained_quantized(engine, directory, *, quantize: str, group_size: i
                          f"{type(engine.module).__name__} has none")
     opts = QuantOptions(quantize, group_size=group_size, include_lm_head=quantize_lm_head)
     plan = plan_linears(linear_modules(engine.module), opts)
-    zero = getattr(engine, "zero", None)
-    writer = zero is None or zero.rank == 0
-    sd = StreamedStateDict(engine)
-    names = _unique_names(sd)
 
-    def info(name):
+    def info(sd, name):
         t, dt = _source(engine, sd, name)
         return tuple(t.shape), dt
 
-    if writer:
-        makedirs(directory)
-    # the gathers are collectives: every rank reads every tensor in the same order, rank 0 writes
-    paths, _ = write_quantized(directory, names, info, lambda n: sd[n], plan, opts,
-                               max_shard_bytes=max_shard_bytes, write=writer)
-    files = [os.path.basename(f) for f in paths]
-    if not writer:
-        zero.comm.barrier("save_pretrained")
-        return files
-    files += _write_hf_config(engine, directory)
-    src = next((info(n)[1] for n in plan.layers), torch.float32)
-    set_quantization_config(os.path.join(directory, "config.json"),
-                            quantization_config(plan, opts), output_dtype(src, opts))
-    log.info("save_pretrained(quantize=%s): %d Linear layers quantized, wrote %d file(s) to %s",
-             quantize, len(plan.layers), len(files), directory)
-    if zero is not None and zero.world_size > 1:
-        zero.comm.barrier("save_pretrained")
-    return files
+    def write(sd, names, writer):
+        # the gathers are collectives: every rank reads every tensor in the same order
+        return write_quantized(directory, names, lambda n: info(sd, n), lambda n: sd[n], plan,
+                               opts, max_shard_bytes=max_shard_bytes, write=writer)[0]
+
+    def finish(sd, files):
+        src = next((info(sd, n)[1] for n in plan.layers), torch.float32)
+        set_quantization_config(os.path.join(directory, "config.json"),
+                                quantization_config(plan, opts), output_dtype(src, opts))
+        log.info("save_pretrained(quantize=%s): %d Linear layers quantized, wrote %d file(s) "
+                 "to %s", quantize, len(plan.layers), len(files), directory)
+    return _save(engine, directory, write, finish)
