@@ -20,7 +20,7 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from injected_failure import boom_function  # noqa: E402
-from zero_harness import child_entry, store_snapshot  # noqa: E402
+from zero_harness import attempt_step, child_entry, report_and_exit  # noqa: E402
 
 Boom = boom_function("injected backward failure")
 LAYERS = 6
@@ -63,29 +63,17 @@ def main():
     for i, (x, y) in enumerate(data):
         xs, ys = x[rank * 4:(rank + 1) * 4], y[rank * 4:(rank + 1) * 4]
         if i == 2:
-            snap = store_snapshot(eng)
-            steps = eng.global_steps
             before = eng.stats()["optimizer_groups_overlapped"]
             if failing:
                 armed[0] = spec["mode"] == "step"
                 Boom.armed = spec["mode"] == "backward"
-            try:
-                eng.backward(nn.functional.mse_loss(eng(xs), ys))
-                eng.step()
-                result["raised"] = None
-            except Exception as e:  # noqa: BLE001 - reported to the test
-                result["raised"] = f"{type(e).__name__}: {e}"
+            result.update(attempt_step(eng, xs, ys))
             result["overlapped"] = eng.stats()["optimizer_groups_overlapped"] - before
             armed[0] = Boom.armed = False
-            after = store_snapshot(eng)
-            result["unchanged"] = all(torch.equal(snap[k], after[k]) for k in snap)
-            result["global_steps_unchanged"] = eng.global_steps == steps
             break
         eng.backward(nn.functional.mse_loss(eng(xs), ys))
         eng.step()
-    with open(sys.argv[2], "w") as f:
-        json.dump(result, f)
-    os._exit(0)                      # the process group is broken: no clean teardown
+    report_and_exit(result, sys.argv[2])
 
 
 if __name__ == "__main__":

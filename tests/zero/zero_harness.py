@@ -104,3 +104,28 @@ def store_snapshot(eng) -> dict:
             st.read_master(k, t) if what == "master" else st.read_state(k, what, t)
             out[f"{k}.{what}"] = t
     return out
+
+
+def attempt_step(eng, xs, ys) -> dict:
+    """One training step (MSE) that may fail on some rank: what it raised (None: nothing)
+    and whether this rank's optimizer states and ``global_steps`` came out unchanged."""
+    import torch
+    snap, steps = store_snapshot(eng), eng.global_steps
+    try:
+        eng.backward(torch.nn.functional.mse_loss(eng(xs), ys))
+        eng.step()
+        raised = None
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        raised = f"{type(e).__name__}: {e}"
+    after = store_snapshot(eng)
+    return {"raised": raised, "unchanged": all(torch.equal(snap[k], after[k]) for k in snap),
+            "global_steps_unchanged": eng.global_steps == steps}
+
+
+def report_and_exit(result: dict, path: str) -> None:
+    """Write a rank child's result and leave at once: after a failed collective the process
+    group is broken, so there is no clean teardown."""
+    import json
+    with open(path, "w") as f:
+        json.dump(result, f)
+    os._exit(0)
