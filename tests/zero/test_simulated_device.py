@@ -126,7 +126,7 @@ def test_rank_dying_mid_step_on_the_simulated_device(tmp_path, monkeypatch):
     """A rank that raises mid-training makes the other fail with a CollectiveError within
     dist_timeout_s (never a hang), with the simulated device tier on every rank."""
     monkeypatch.setenv("INFINITY_SIMULATE_DEVICE", "1")
-    cfg = base_config(3, "nvme", str(tmp_path / "swap"), dist_timeout_s=3)
+    cfg = base_config(3, "nvme", str(tmp_path / "swap"), dist_timeout_s=8)
     spec = {"runs": [{"name": "fail", "model": "awkward", "steps": 6, "batch": 8,
                       "config": cfg}], "fail_rank": 1, "fail_after_steps": 2}
     res = run_ranks("dist_child.py", spec, tmp_path, timeout=120)
