@@ -225,13 +225,26 @@ def _bottleneck(fractions, idle_fraction):
     return lane, f
 
 
-def bottleneck_sentence(lane, fraction):
+#: a link busy at least this fraction of the step is named next to a compute-bound headline
+#: (hidden under compute, it is the bound once compute gets faster)
+BUSY_LINK_NOTE = 0.5
+
+
+def bottleneck_sentence(lane, fraction, busy_links=None):
+    """The headline; ``busy_links`` (lane -> busy fraction) names the busiest link next to a
+    compute-bound step when it is busy >= :data:`BUSY_LINK_NOTE` of the step."""
     pct = round(100 * fraction)
     if lane == "overhead":
         return (f"step is overhead-bound: {pct} % of step time no link or compute lane was busy "
                 "(Python, allocation or synchronisation outside the recorded spans)")
     if lane == "compute":
-        return f"step is compute-bound: {pct} % of step time"
+        out = f"step is compute-bound: {pct} % of step time"
+        if busy_links:
+            link, busy = max(busy_links.items(), key=lambda kv: (kv[1], kv[0]))
+            if busy >= BUSY_LINK_NOTE:
+                out += (f" ({LANE_LABELS[link]} busy {round(100 * busy)} % of it, hidden under "
+                        "compute: the next bound)")
+        return out
     return f"step is {LANE_LABELS[lane]} bound: {pct} % of step time"
 
 
@@ -328,7 +341,9 @@ def summarize(timeline, *, ceilings=None, counters=None, note=None):
     idle_fraction = max(0.0, 1.0 - anything / wall)
     out["idle_fraction"] = idle_fraction
     lane, frac = _bottleneck(fractions, idle_fraction)
-    out["bottleneck"] = {"lane": lane, "fraction": frac, "sentence": bottleneck_sentence(lane, frac),
+    busy_links = {k: e["busy_fraction"] for k, e in out["links"].items()}
+    out["bottleneck"] = {"lane": lane, "fraction": frac,
+                         "sentence": bottleneck_sentence(lane, frac, busy_links),
                          "fractions": fractions}
     out["steps"] = _per_step(timeline, per_lane, wait_iv, lo, hi)
     return out

@@ -87,7 +87,17 @@ def test_transfers_hidden_under_compute_are_not_the_bottleneck():
     s = summarize(tl)
     assert s["links"]["nvme_read"]["busy_fraction"] == pytest.approx(0.95)
     assert s["links"]["nvme_read"]["exposed_fraction"] == pytest.approx(0.07)
-    assert s["bottleneck"]["sentence"] == "step is compute-bound: 93 % of step time"
+    # the busy link is named: hidden now, it bounds the step once compute gets faster
+    assert s["bottleneck"]["sentence"] == ("step is compute-bound: 93 % of step time (NVMe-read "
+                                           "busy 95 % of it, hidden under compute: the next bound)")
+
+
+def test_a_link_busy_less_than_half_the_step_is_not_named_next_to_compute():
+    tl = make([("nvme_read", "r", 1.0, 5.0, 10**9), ("forward", "f", 0.0, 5.0, 0),
+               ("backward", "b", 5.0, 10.0, 0)])
+    s = summarize(tl)
+    assert s["links"]["nvme_read"]["busy_fraction"] == pytest.approx(0.4)
+    assert s["bottleneck"]["sentence"] == "step is compute-bound: 100 % of step time"
 
 
 def test_overhead_bound_when_nothing_busy_most_of_the_time():
