@@ -119,12 +119,15 @@ def assemble(engine, lr_scheduler) -> None:
                               state_bytes=state_dtype.itemsize,
                               tile_bytes={g.gid: sp.tile_bytes() for sp in tile_specs.values()
                                           for g in sp.groups})
-    # Note [Streamed gradients]: what infinity.engine.overlap.eligible will allow
-    placement.stream_grads = engine.zero is None and cfg.precision in ("fp32", "bf16") \
-        and not separate
-    # Note [Speculative clipping]: streamed sums are written for a redo only with bf16
-    # moments (fp32 moments redo from themselves, Note [Redo from moments])
-    placement.clipping = float(cfg.gradient_clipping) > 0 and state_dtype != torch.float32
+    # Note [Streamed gradients]: what infinity.engine.overlap.eligible will allow (one
+    # process on a zero-copy tier; across ranks ZeRO stage 3 on any tier, the spilled shards)
+    placement.stream_grads = cfg.precision in ("fp32", "bf16") and (
+        (engine.zero is None and not separate)
+        or (engine.zero is not None and engine.zero.stage == 3))
+    # Note [Speculative clipping]: streamed sums are written for a redo unless it redoes
+    # from the moments (fp32 moments, one process: Note [Redo from moments])
+    placement.clipping = float(cfg.gradient_clipping) > 0 and (
+        state_dtype != torch.float32 or engine.zero is not None)
     placement.compute(engine.gas)
     if cfg.host_memory_bytes is not None and placement.host_total > cfg.host_memory_bytes \
             and engine.swap is not None and engine.zero is None:

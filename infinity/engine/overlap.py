@@ -147,7 +147,7 @@ def eligible(engine) -> bool:
     opt = engine.opt
     zero = engine.zero
     if zero is not None:                   # Note [Overlap across ranks]
-        return zero.stage == 3 and cfg.precision in ("fp32", "bf16") and not zero.spill
+        return zero.stage == 3 and cfg.precision in ("fp32", "bf16")
     return (cfg.precision in ("fp32", "bf16")
             and opt.grad_d2h is None and bool(engine.mm.dev.zero_copy))
 
@@ -190,8 +190,8 @@ class OverlappedStep:
         # skip speculation after a clipped update (False: always speculate; tests, A/B runs)
         self.predict = True
         self.grad_window = grad_window     # kept NVMe-homed gradients at once
-        if opt.nvme_grads is not None and grad_window > 0:   # Note [Streamed gradients]
-            opt.nvme_grads.keep = self.keep_grad
+        if opt.grad_stream is not None and grad_window > 0:   # Note [Streamed gradients]
+            opt.grad_stream.keep = self.keep_grad
         mm.attach_listener(self)          # on_release, reclaim_blocked
 
     # ------------------------------------------------------------------ backward
@@ -225,7 +225,7 @@ class OverlappedStep:
         held, self._held = self._held, {}     # forgotten before returned: Note [held interrupts]
         for buf in held.values():
             self.mm.give_back_device(buf)
-        nv = self.opt.nvme_grads
+        nv = self.opt.grad_stream
         if nv is not None:                     # kept but not stepped: to NVMe as before
             for gid in [gid for gid in nv.held if gid not in self.done]:
                 nv.flush_held(gid)
@@ -317,7 +317,7 @@ class OverlappedStep:
         when ``grad_window`` buffers are kept."""
         if not self.active or g.gid not in self._pending:
             return False
-        held = self.opt.nvme_grads.held
+        held = self.opt.grad_stream.held
         while len(held) >= self.grad_window:
             oldest = next((e for e in self._stepping if e[1].gid in held), None)
             if oldest is None:
@@ -332,7 +332,7 @@ class OverlappedStep:
 
     def _decline(self, g: GroupRecord) -> None:
         """``g`` is not stepped early after all: a kept gradient goes to NVMe now."""
-        nv = self.opt.nvme_grads
+        nv = self.opt.grad_stream
         if nv is not None and g.gid in nv.held and g.gid not in self.done:
             nv.flush_held(g.gid)
 
@@ -392,7 +392,7 @@ class OverlappedStep:
         if item.master_buf is not None and buf is None:
             # a cached copy the step updates in place (Note [Cache write-through])
             self.mm.pin(g.gid)
-        nv = self.opt.nvme_grads
+        nv = self.opt.grad_stream
         if self.keep_grads and nv is not None and g.gid in nv.held:
             nv.will_write(g.gid)             # Note [Speculative clipping]: kept for a redo
 

@@ -378,11 +378,22 @@ def plan_memory(spec, machine, knobs, params_home, optimizer_home):
             # lossless (engine: PlacementPlan.grad_host_gids): the accumulators that fit in
             # what the host cap leaves stay in host memory (one process, cap set)
             keep = 0
-            # engine: one process, zero-copy device, fp32/bf16: groups are updated as their
+            # engine (infinity/engine/build.py placement.stream_grads): fp32/bf16, one
+            # process on a zero-copy device or ZeRO stage 3 across ranks on any device (the
+            # reduce-scattered shard, D2H on a separate one): groups are updated as their
             # final gradient arrives, up to STREAM_GRAD_WINDOW of them in hand (what the cap
             # leaves), so the final sums never go to NVMe (Note [Streamed gradients])
-            streams = machine.ranks == 1 and machine.cpu_only and knobs.precision != "fp16"
+            streams = knobs.precision != "fp16" and (
+                (machine.ranks == 1 and machine.cpu_only)
+                or (machine.ranks > 1 and stage == 3))
             window = STREAM_GRAD_WINDOW if streams else 0
+            Gs = G if machine.ranks == 1 else -(-G // R)     # one final sum (shard) in hand
+            if machine.ranks > 1 and knobs.host_cap_gb is not None and Gs:
+                # engine (infinity/zero/distributed.py stream_window): what this rank's cap
+                # leaves above its plan, the spilled shards' staging included
+                spare = int(knobs.host_cap_gb * GB) - (
+                    pl.tier_total("pinned") + pl.tier_total("pageable") - grad_item.nbytes) // r
+                window = max(0, min(window, spare // (Gs * 4)))
             if machine.ranks == 1 and knobs.host_cap_gb is not None:
                 stage_b = 2 * G * 4 + (G * 2 if knobs.grad_accum_dtype == "bf16"
                                        and knobs.grad_accum > 1 else 0)
@@ -395,7 +406,8 @@ def plan_memory(spec, machine, knobs, params_home, optimizer_home):
                 keep = max(0, min(grad_item.nbytes, spare // 4096 * 4096))
             if window:
                 add(Item("pageable", "gradients in hand for their early step (grads on NVMe)",
-                         window * G * 4, f"{window}*Gmax*4"))
+                         (r if R > 1 else 1) * window * Gs * 4,
+                         f"r*{window}*Gmax/R*4" if R > 1 else f"{window}*Gmax*4"))
             pl.grads_streamed = bool(window)
             pl.grad_host_bytes = keep
             if keep:

@@ -76,6 +76,12 @@ class GradAccumulation:
         g.grad_buf = buf
         return buf
 
+    @property
+    def grad_stream(self):
+        """The NVMe gradient home whose final sums the overlapped step may keep in memory
+        (Note [Streamed gradients] in infinity/engine/overlap.py), or None."""
+        return self.nvme_grads
+
     def release_grad(self, g: GroupRecord, *, host: bool = True) -> None:
         """``g`` was stepped: a kept NVMe-homed gradient (Note [Streamed gradients]) and,
         with lazy_grads and ``host``, its host gradient buffer go back to the pool."""

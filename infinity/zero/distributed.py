@@ -22,6 +22,7 @@ from infinity.zero.partition import Partition
 log = logging.getLogger("infinity.zero")
 
 __all__ = ["ZeroSetup", "gathered_state_dict", "grad_spill_needed", "partition_placement",
+           "stream_window",
            "read_param_gathered", "zeropp_placement"]
 
 
@@ -146,6 +147,28 @@ def partition_placement(placement, zero: "ZeroSetup | None") -> None:
         key = "fp32 gradient accumulation"
         if key in placement.host:
             placement.nvme[key + " (spilled)"] = placement.host.pop(key)
+        stream_window(placement, w)
+
+
+def stream_window(placement, world_size: int) -> None:
+    """Note [Streamed gradients] across ranks (spilled shards, stage 3): up to
+    ``STREAM_GRAD_WINDOW`` final shards of the largest group in hand for their early step,
+    in what the host cap leaves (none: no streaming); ``placement.stream_grads`` says
+    whether the overlapped step runs (set by the engine's assembly)."""
+    from infinity.memory.pool import ALIGN, round_up
+    from infinity.memory.plan import STREAM_GRAD_WINDOW
+    placement.stream_window = 0
+    trainable = [g for g in placement.groups if g.trainable]
+    if not (placement.stream_grads and trainable):
+        return
+    size = round_up(4 * -(-max(g.padded_numel for g in trainable) // world_size), ALIGN)
+    cap = placement.host_cap
+    spare = None if cap is None else cap - placement.host_total
+    placement.stream_window = STREAM_GRAD_WINDOW if spare is None else \
+        max(0, min(STREAM_GRAD_WINDOW, spare // size))
+    if placement.stream_window:
+        placement.host["gradient shards in hand for their early step (grads on NVMe)"] = \
+            placement.stream_window * size
 
 
 def zeropp_placement(placement, zpp, stage: int) -> None:

@@ -23,7 +23,10 @@ and keeps the fp32 master, ``exp_avg`` and ``exp_avg_sq`` of that shard only (ke
 * gradient spill (``spill_grads``, stages 2 and 3): the averaged shard is written to an NVMe extent
   (asynchronously, as each group's reduction completes; read-added-written on later
   micro-steps) instead of a host buffer, and the optimizer reads it tile by tile.  Its
-  squared norm is taken before the write, so clipping needs no extra pass.
+  squared norm is taken before the write, so clipping needs no extra pass.  On the last
+  micro-step of a window a shard may instead be kept in memory and stepped as it lands
+  (Note [Streamed gradients] in infinity/engine/overlap.py; :mod:`infinity.zero.shard_stream`):
+  its final sum is never written to NVMe nor read back.
 
 Averaging: each rank's loss is the mean over its own micro-batch; dividing the summed
 gradients by the world size gives the gradient of the mean loss over the global batch.
@@ -99,6 +102,11 @@ class PartitionedOptimizer(EngineOptimizer):
         self._grad_valid: dict[int, bool] = {}
         self._grad_sq: dict[int, float] = {}
         self._writes: list = []          # (io handle, buffers to give back)
+        # Note [Streamed gradients] across ranks: final spilled shards kept for their
+        # group's early step (the overlapped step sets grad_stream.keep)
+        from infinity.zero.shard_stream import ShardStream
+        self._shard_stream = ShardStream(self) if self.spill else None
+        self._final_micro = True
         # Note [Overlap across ranks] (infinity/engine/overlap.py): called with ``g`` once
         # its averaged shard is final in ``g.grad_buf`` (the engine's OverlappedStep)
         self.on_shard_final = None
@@ -321,6 +329,21 @@ class PartitionedOptimizer(EngineOptimizer):
                 summed.add_(tmp)
         n = float(torch.linalg.vector_norm(summed))
         self._grad_sq[g.gid] = n * n
+        st = self.grad_stream
+        if self._final_micro and st.keep is not None and st.keep(g):
+            # Note [Streamed gradients]: the final sum stays in memory for g's early step
+            for b in bufs:
+                if b is not summed:
+                    self.host_pool.give_back(b)
+            st.held[g.gid] = summed
+            self._landed(g)
+            return
+        self._spill_write(g, summed, bufs)
+
+    def _spill_write(self, g: GroupRecord, summed: torch.Tensor, bufs: list) -> None:
+        """Write ``g``'s averaged (partial) sum to its NVMe extent, asynchronously; the
+        buffers go back once the write completed."""
+        ext = self._grad_ext[g.gid]
         self._grad_valid[g.gid] = True
         t0 = time.perf_counter()
         self._writes.append((self.swap.write(ext, summed), bufs, summed.numel() * 4, t0))
@@ -361,6 +384,7 @@ class PartitionedOptimizer(EngineOptimizer):
 
     def before_backward(self, final_micro: bool) -> None:
         super().before_backward(final_micro)
+        self._final_micro = bool(final_micro)
         self._open_backward = True        # every rank reduces every group once per backward
 
     def end_backward(self) -> None:
@@ -410,6 +434,8 @@ class PartitionedOptimizer(EngineOptimizer):
         self._launched.clear()
         self._open_backward = False
         super().zero_grad()
+        if self.grad_stream is not None:
+            self.grad_stream.reset()
         if self.stage > 1:
             for g in self.groups:
                 if self.spill:
@@ -420,6 +446,23 @@ class PartitionedOptimizer(EngineOptimizer):
                 else:
                     g.grad_buf.zero_()
                     self._fresh.add(g.gid)
+
+    @property
+    def grad_stream(self):
+        """Spilled shards kept for their early step (Note [Streamed gradients]), or None."""
+        return self._shard_stream
+
+    def grad_in_hand(self, g: GroupRecord) -> torch.Tensor | None:
+        """``g``'s final averaged shard in host memory: its accumulation, or (spilled) the
+        kept final sum (Note [Streamed gradients]); None when it is on NVMe."""
+        if self.spill:
+            return self.grad_stream.held.get(g.gid)
+        return super().grad_in_hand(g)
+
+    def release_grad(self, g: GroupRecord, *, host: bool = True) -> None:
+        if self.spill:
+            self.grad_stream.release(g.gid)
+        super().release_grad(g, host=host)
 
     def _zero_unwritten(self, skip=()) -> None:
         # stages 2, 3: every group is reduced into its (zeroed) shard buffer each backward,
@@ -515,8 +558,9 @@ class PartitionedOptimizer(EngineOptimizer):
         lo, hi = self.shard(g)
         segs = clip_segments(it.segments, lo, hi)
         grad = g.grad_buf[lo:hi] if self.stage == 1 else g.grad_buf
-        if self.spill:
-            grad = self._grad_ext[g.gid]
+        if self.spill:      # a kept final sum (Note [Streamed gradients]), else the extent
+            held = self.grad_stream.held.get(g.gid)
+            grad = held if held is not None else self._grad_ext[g.gid]
         param_out = it.param_out
         sink = it.param_sink
         if self.precision != "fp32":

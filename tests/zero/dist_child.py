@@ -59,6 +59,8 @@ def main():
                 else:
                     os.environ[k] = v
         device_kind = eng.mm.dev.kind
+        shard_numel = sum(-eng.opt.shard(g)[0] + eng.opt.shard(g)[1]
+                          for g in eng.opt.groups if g.trainable)
         grad_full_bytes = sum(4 * g.padded_numel for g in eng.grouping.groups if g.trainable)
         param_homes = sorted({g.home for g in eng.grouping.groups})
         planned_device = eng.placement.device_total
@@ -73,7 +75,7 @@ def main():
             eng.overlap_optimizer_step = False
         if run.get("spill") and not eng.zero.spill:
             raise AssertionError("gradient spill was requested but not taken")
-        losses = []
+        losses, per_step = [], []     # PER_STEP counters per optimizer step
         gas = cfg.get("gradient_accumulation_steps", 1)
         try:
             for step, micro in enumerate(make_batches(run["model"], run["steps"] * gas,
@@ -87,10 +89,16 @@ def main():
                 x, y = micro
                 n = x.shape[0] // ws
                 xs, ys = x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]
+                before = eng.stats()
                 out = eng(xs)
                 loss = torch.nn.functional.mse_loss(out.float(), ys.to(out.device))
                 eng.backward(loss)
                 eng.step()
+                after = eng.stats()
+                if step % gas == 0:
+                    per_step.append({})
+                for k in PER_STEP:
+                    per_step[-1][k] = per_step[-1].get(k, 0) + after.get(k, 0) - before.get(k, 0)
                 t = loss.detach().clone().reshape(1)
                 dist.all_reduce(t)
                 losses.append(float(t) / ws)
@@ -127,6 +135,10 @@ def main():
                                            "h2d_bytes", "d2h_bytes", "device_peak_bytes",
                                            "device_cap_bytes", "device_budget_overflows")},
                                        "device_kind": device_kind,
+                                       "per_step": per_step,
+                                       "shard_numel": shard_numel,
+                                       "spill": bool(eng.zero.spill),
+                                       "stream_window": eng.placement.stream_window,
                                        "grad_full_bytes": grad_full_bytes,
                                        "param_bytes": param_bytes,
                                        "param_homes": param_homes,
@@ -134,6 +146,12 @@ def main():
     with open(out_path, "w") as f:
         json.dump(result, f)
     dist.destroy_process_group()
+
+
+# engine.stats() counters recorded per optimizer step (test_stream_zero.py)
+PER_STEP = ("nvme_read_bytes", "nvme_write_bytes", "optimizer_groups_overlapped",
+            "optimizer_master_read_bytes_saved", "optimizer_stream_waits",
+            "optimizer_clip_redos")
 
 
 def check_engine_weights(eng, sd, directory, rank):

@@ -44,9 +44,11 @@ def main():
     spec = json.loads(open(sys.argv[1]).read())
     rank = int(os.environ["RANK"])
     torch.set_num_threads(1)
-    import infinity
     torch.manual_seed(0)
-    eng = infinity.initialize(Net(), spec["config"])
+    from dist_child import make_engine       # spill: the NVMe gradient-spill path
+    eng = make_engine(Net(), spec["config"], force_spill=spec.get("spill", False))
+    if spec.get("spill") and not (eng.zero.spill and eng.placement.stream_window):
+        raise AssertionError("the spilled, streamed gradient path was requested but not taken")
     failing = rank == spec["fail_rank"]
     armed = [False]
     store = eng.opt.store
@@ -60,6 +62,15 @@ def main():
     g = torch.Generator().manual_seed(1)
     data = [(torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)) for _ in range(3)]
     result = {"rank": rank, "overlap_on": eng.overlap is not None}
+    held = []                 # spilled shards kept for an early step (grad_stream.held)
+    if eng.opt.grad_stream is not None:
+        keep = eng.opt.grad_stream.keep
+
+        def counting_keep(g):
+            ok = keep(g)
+            held.append(ok)
+            return ok
+        eng.opt.grad_stream.keep = counting_keep
     for i, (x, y) in enumerate(data):
         xs, ys = x[rank * 4:(rank + 1) * 4], y[rank * 4:(rank + 1) * 4]
         if i == 2:
@@ -69,10 +80,12 @@ def main():
                 Boom.armed = spec["mode"] == "backward"
             result.update(attempt_step(eng, xs, ys))
             result["overlapped"] = eng.stats()["optimizer_groups_overlapped"] - before
+            result["kept"] = sum(held)
             armed[0] = Boom.armed = False
             break
         eng.backward(nn.functional.mse_loss(eng(xs), ys))
         eng.step()
+        held.clear()
     report_and_exit(result, sys.argv[2])
 
 

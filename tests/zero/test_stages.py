@@ -26,12 +26,12 @@ def base_config(stage, offload, swap, **extra):
     return cfg
 
 
-def reference(cfg, steps=STEPS, batch=BATCH):
+def reference(cfg, steps=STEPS, batch=BATCH, kind="awkward"):
     """Plain PyTorch: AdamW with the same decay/no-decay groups, mean loss on the global batch."""
     from infinity.config import InfinityConfig
     from infinity.optim.param_groups import build_param_groups_for_model
     torch.manual_seed(1234)
-    model = make_model("awkward")
+    model = make_model(kind)
     c = InfinityConfig.load(cfg)
     groups = build_param_groups_for_model(model, c.optimizer)
     opt = torch.optim.AdamW([{"params": g["params"], "weight_decay": g["weight_decay"]}
@@ -39,7 +39,7 @@ def reference(cfg, steps=STEPS, batch=BATCH):
                             eps=c.optimizer.eps)
     gas = c.gradient_accumulation_steps
     losses = []
-    batches = make_batches("awkward", steps * gas, batch)
+    batches = make_batches(kind, steps * gas, batch)
     for i, (x, y) in enumerate(batches):
         loss = torch.nn.functional.mse_loss(model(x), y)
         (loss / gas).backward()
@@ -52,8 +52,8 @@ def reference(cfg, steps=STEPS, batch=BATCH):
     return losses, unique_param_snapshot(model)
 
 
-def check_run(res, out_prefix, name, cfg):
-    ref_losses, ref_params = reference(cfg)
+def check_run(res, out_prefix, name, cfg, kind="awkward"):
+    ref_losses, ref_params = reference(cfg, kind=kind)
     for r in res:
         got = r.result["runs"][name]
         assert len(got["losses"]) == len(ref_losses)
@@ -66,15 +66,15 @@ def check_run(res, out_prefix, name, cfg):
     for k, ref in ref_params.items():
         rel = float((sd[k] - ref).norm() / ref.norm().clamp_min(1e-12))
         assert rel < 1e-5, f"{name}: parameter {k} differs (norm-relative {rel:.2e})"
-    init = make_model_init()
+    init = make_model_init(kind)
     for k, ref in ref_params.items():
         moved += float((init[k] - ref).norm())
     assert moved > 0.1, "training did not move the parameters: the comparison is vacuous"
 
 
-def make_model_init():
+def make_model_init(kind="awkward"):
     torch.manual_seed(1234)
-    m = make_model("awkward")
+    m = make_model(kind)
     return {n: p.detach().clone() for n, p in m.named_parameters()}
 
 

@@ -29,7 +29,26 @@ class AwkwardNet(nn.Module):
         return self.shared2(self.shared(o)) + o
 
 
+class StackNet(nn.Module):
+    """Linear layers each used once (no tied or frozen weight, odd sizes): every group can
+    be stepped as its gradient lands (Note [Streamed gradients])."""
+
+    def __init__(self, d_in=13, d=61, depth=4, d_out=5):
+        super().__init__()
+        self.inp = nn.Linear(d_in, d)
+        self.body = nn.ModuleList(nn.Linear(d, d) for _ in range(depth))
+        self.out = nn.Linear(d, d_out)
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))
+        for m in self.body:
+            h = torch.tanh(m(h))
+        return self.out(h)
+
+
 def make_model(kind="awkward"):
+    if kind == "stack":
+        return StackNet()
     if kind == "awkward":
         return AwkwardNet()
     if kind == "awkward-mixed":          # a module with a frozen weight and a trainable bias
