@@ -147,6 +147,9 @@ def partition_placement(placement, zero: "ZeroSetup | None") -> None:
         key = "fp32 gradient accumulation"
         if key in placement.host:
             placement.nvme[key + " (spilled)"] = placement.host.pop(key)
+            if placement.grad_accum_dtype == "bf16":   # lossy partial sums between micro-steps
+                placement.nvme["bf16 partial gradient sums (spilled)"] = \
+                    placement.nvme[key + " (spilled)"] // 2
         stream_window(placement, w)
 
 

@@ -100,6 +100,12 @@ class PartitionedOptimizer(EngineOptimizer):
         self.spill = bool(spill_grads)
         self._grad_ext: dict[int, object] = {}
         self._grad_valid: dict[int, bool] = {}
+        # gradient_accumulation_dtype "bf16" (lossy): the partial sums between micro-steps
+        # go to a bf16 extent per group (allocated at the first one), as at one process
+        # (infinity/grads/nvme_store.py); the final sum is fp32
+        self._partial_bf16 = self.spill and cfg.gradient_accumulation_dtype == "bf16"
+        self._partial_ext: dict[int, object] = {}
+        self._in_partial: set[int] = set()       # groups whose window sum is in bf16
         self._grad_sq: dict[int, float] = {}
         self._writes: list = []          # (io handle, buffers to give back)
         # Note [Streamed gradients] across ranks: final spilled shards kept for their
@@ -323,9 +329,13 @@ class PartitionedOptimizer(EngineOptimizer):
             self._landed(g)
             return
         ext = self._grad_ext[g.gid]
-        if self._grad_valid[g.gid]:       # accumulation: add what earlier micro-steps left
+        if g.gid in self._in_partial:     # accumulation: the bf16 partial sum so far
+            with self.host_pool.scoped(summed.numel() * 2, torch.bfloat16) as tmp:
+                self._read(self._partial_ext[g.gid], tmp)
+                summed.add_(tmp)
+        elif self._grad_valid[g.gid]:     # accumulation: add what earlier micro-steps left
             with self.host_pool.scoped(summed.numel() * 4, torch.float32) as tmp:
-                self.swap.read(ext, tmp).wait()
+                self._read(ext, tmp)
                 summed.add_(tmp)
         n = float(torch.linalg.vector_norm(summed))
         self._grad_sq[g.gid] = n * n
@@ -343,12 +353,33 @@ class PartitionedOptimizer(EngineOptimizer):
     def _spill_write(self, g: GroupRecord, summed: torch.Tensor, bufs: list) -> None:
         """Write ``g``'s averaged (partial) sum to its NVMe extent, asynchronously; the
         buffers go back once the write completed."""
-        ext = self._grad_ext[g.gid]
-        self._grad_valid[g.gid] = True
         t0 = time.perf_counter()
-        self._writes.append((self.swap.write(ext, summed), bufs, summed.numel() * 4, t0))
+        if self._partial_bf16 and not self._final_micro:
+            # lossy: a partial sum, in bf16 (half the bytes of each round trip)
+            ext = self._partial_ext.get(g.gid)
+            if ext is None:
+                ext = self._partial_ext[g.gid] = self.swap.allocate(summed.numel() * 2)
+            half = self.host_pool.lease(summed.numel() * 2, torch.bfloat16)
+            half.copy_(summed)
+            for b in bufs:
+                self.host_pool.give_back(b)
+            self._in_partial.add(g.gid)
+            self._grad_valid[g.gid] = False
+            self._writes.append((self.swap.write(ext, half), [half], summed.numel() * 2, t0))
+        else:
+            self._in_partial.discard(g.gid)
+            self._grad_valid[g.gid] = True
+            self._writes.append((self.swap.write(self._grad_ext[g.gid], summed), bufs,
+                                 summed.numel() * 4, t0))
         while len(self._writes) > MAX_INFLIGHT_REDUCTIONS:
             self._wait_write()
+
+    def _read(self, ext, buf: torch.Tensor) -> None:
+        t0 = time.perf_counter()
+        self.swap.read(ext, buf).wait()
+        if self.acct is not None:
+            self.acct.link("nvme_read", buf.numel() * buf.element_size(),
+                           time.perf_counter() - t0)
 
     @staticmethod
     def _add_shard(x, g: GroupRecord, host: torch.Tensor) -> None:
@@ -440,6 +471,7 @@ class PartitionedOptimizer(EngineOptimizer):
             for g in self.groups:
                 if self.spill:
                     self._grad_valid[g.gid] = False
+                    self._in_partial.discard(g.gid)
                     self._grad_sq[g.gid] = 0.0
                 elif g.gid in self._fresh:
                     continue               # nothing written since the last reset

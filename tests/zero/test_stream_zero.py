@@ -22,7 +22,7 @@ from types import SimpleNamespace
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from test_stages import BATCH, STEPS, base_config, check_run  # noqa: E402
+from test_stages import BATCH, STEPS, base_config, check_run, reference  # noqa: E402
 from test_overlap_zero import FAIL_TIMEOUT_S  # noqa: E402
 from zero_harness import run_ranks  # noqa: E402
 
@@ -46,6 +46,8 @@ def _runs(tmp_path, combos):
             extra["gradient_clipping"] = LOOSE_CLIP
         if "gas" in flags:
             extra["gradient_accumulation_steps"] = 2
+        if "bf16acc" in flags:     # lossy bf16 partial sums between micro-steps
+            extra["gradient_accumulation_dtype"] = "bf16"
         cfg = base_config(stage, home, str(tmp_path / f"swap-{name}"), **extra)
         cfg["offload"]["optimizer"] = "nvme"       # the spill needs the optimizer on NVMe
         run = {"name": name, "model": "stack", "steps": STEPS, "batch": BATCH, "spill": True,
@@ -68,7 +70,13 @@ def _spawn(tmp_path, combos, world_size):
                  "rank0.json")
     for run in runs:
         name = run["name"]
-        check_run(res, prefix, name, run["config"], kind="stack")
+        if "bf16acc" in name:      # lossy: near the reference, not at fp32 parity
+            ref_losses, _ = reference(run["config"], kind="stack")
+            for r in res:
+                got = r.result["runs"][name]["losses"]
+                assert max(abs(a - b) / abs(b) for a, b in zip(got, ref_losses)) < 1e-2, name
+        else:
+            check_run(res, prefix, name, run["config"], kind="stack")
         for r in res:
             st = r.result["runs"][name]
             assert st["spill"], (name, st)
@@ -86,14 +94,14 @@ def _spawn(tmp_path, combos, world_size):
     return {run["name"]: run for run in runs}, res
 
 
-def _predicted_grad_bytes(shard_numel, ranks, grad_accum, streamed, clip):
+def _predicted_grad_bytes(shard_numel, ranks, grad_accum, streamed, clip, accum_dtype="fp32"):
     """The estimator's NVMe gradient bytes per optimizer step for one rank (one rank per
     node: the estimator's per-node links are this rank's)."""
     from infinity.estimate.step_time import traffic_per_step
     spec = SimpleNamespace(params=shard_numel * ranks)
     machine = SimpleNamespace(ranks=ranks, ranks_per_node=1, nodes=ranks, cpu_only=True)
     knobs = SimpleNamespace(lp=4, sb=4, grad_accum=grad_accum, gradient_clipping=clip,
-                            state_dtype="fp32", grad_accum_dtype="fp32", zero_stage=3,
+                            state_dtype="fp32", grad_accum_dtype=accum_dtype, zero_stage=3,
                             qwz=False, hpz=0, qgz=False)
     plan = SimpleNamespace(params_home="cpu", optimizer_home="cpu", master_is_param=True,
                            grads_on_nvme=True, grads_streamed=streamed, grad_host_bytes=0,
@@ -106,23 +114,27 @@ def _predicted_grad_bytes(shard_numel, ranks, grad_accum, streamed, clip):
     return out
 
 
-def _check_bytes(runs, res, on, off, world_size):
+def _check_bytes(runs, res, on, off, world_size, grad_bytes=None):
     """Per optimizer step after the first: streamed minus boundary-stepped NVMe bytes is
     what the estimator predicts streaming saves."""
     cfg = runs[on]["config"]
     A = cfg.get("gradient_accumulation_steps", 1)
     clip = cfg.get("gradient_clipping", 0.0)
+    dt = cfg.get("gradient_accumulation_dtype", "fp32")
     for r in res:
         a, b = r.result["runs"][on], r.result["runs"][off]
         shard = a["shard_numel"]
-        s = _predicted_grad_bytes(shard, world_size, A, True, clip)
-        n = _predicted_grad_bytes(shard, world_size, A, False, clip)
+        s = _predicted_grad_bytes(shard, world_size, A, True, clip, dt)
+        n = _predicted_grad_bytes(shard, world_size, A, False, clip, dt)
         for pa, pb in zip(a["per_step"][1:], b["per_step"][1:]):
             saved = pa["optimizer_master_read_bytes_saved"]    # (Note [Master hand-off])
             assert pb["nvme_write_bytes"] - pa["nvme_write_bytes"] == \
                 n["nvme_write"] - s["nvme_write"], (on, r.rank, pa, pb, s, n)
             assert pb["nvme_read_bytes"] - pa["nvme_read_bytes"] - saved == \
                 n["nvme_read"] - s["nvme_read"], (on, r.rank, pa, pb, s, n)
+            if grad_bytes is not None:    # the streamed run's gradient bytes themselves
+                for link in ("nvme_read", "nvme_write"):
+                    assert grad_bytes(pa, link, shard) == s[link], (on, r.rank, link, pa, s)
         # the prediction is not vacuous: streaming saves the final sums' read back (and,
         # without clipping, their write)
         assert n["nvme_read"] - s["nvme_read"] == 4 * shard
@@ -146,6 +158,17 @@ def test_streamed_shards_clipped_and_simulated_device_2_ranks(tmp_path):
     runs, res = _spawn(tmp_path, [(3, "nvme", "clip", "gas"), (3, "cpu", "sim", "gas"),
                                   (3, "cpu", "sim", "gas", "off")], world_size=2)
     _check_bytes(runs, res, "s3-cpu-gas-sim", "s3-cpu-gas-off-sim", 2)
+
+
+def test_streamed_shards_bf16_partial_sums_2_ranks(tmp_path):
+    """gradient_accumulation_dtype bf16 across ranks: the partial sums between micro-steps
+    make their round trip in bf16 (half the bytes), the final sum is streamed; the
+    gradient bytes are the estimator's (params and optimizer states in host memory: the
+    only NVMe traffic is the gradients')."""
+    runs, res = _spawn(tmp_path, [(3, "cpu", "gas", "bf16acc"),
+                                  (3, "cpu", "gas", "bf16acc", "off")], world_size=2)
+    _check_bytes(runs, res, "s3-cpu-bf16acc-gas", "s3-cpu-bf16acc-gas-off", 2,
+                 grad_bytes=lambda p, link, shard: p[link + "_bytes"] - 8 * shard)
 
 
 def test_streamed_shards_4_ranks(tmp_path):
