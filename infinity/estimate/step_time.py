@@ -110,8 +110,10 @@ PARAM_CACHE_ITEM = "parameter cache (clean host copies within offload.host_memor
 def _param_cache(spec, machine, knobs, plan):
     """``(cached before forward, cached before backward, cached at the step, hand-off)``
     in bytes for the engine's fp32 NVMe-param shortcuts on one CPU process (see
-    docs/architecture.md, "The step"): the overlapped step (no clipping) takes each
-    group's master from the buffer backward read; with ``offload.host_memory_gb`` set and
+    docs/architecture.md, "The step"): the overlapped step takes each group's master from
+    the buffer backward read (with clipping too: its early steps are speculative, Note
+    [Speculative clipping], and hand off the same as long as the clip does not bind -- the
+    assumption the streamed gradients make as well); with ``offload.host_memory_gb`` set and
     room above the plan, released groups stay as clean host copies in the host pool,
     which gives them up to gradient buffers (leased only while held): with the overlap
     about two groups' gradients are live, without it all of them by the end of backward."""
@@ -119,7 +121,7 @@ def _param_cache(spec, machine, knobs, plan):
     if not (machine.cpu_only and machine.ranks == 1 and plan.params_home == "nvme"
             and plan.master_is_param and not plan.grads_on_nvme):
         return 0, 0, 0, False
-    handoff = knobs.gradient_clipping == 0
+    handoff = True     # (tests/engine/test_param_cache.py: the engine hands off under clipping)
     if not knobs.host_cap_gb:
         return 0, 0, 0, handoff
     cap = int(knobs.host_cap_gb * GB)
@@ -134,7 +136,10 @@ def _param_cache(spec, machine, knobs, plan):
 
     def fit(b):
         return max(0, min(P, b))
-    if handoff and knobs.grad_accum == 1:
+    # gradient buffers go back once their group was stepped, unless kept for a clipped redo
+    # (bf16 moments: no redo from the moments, Note [Redo from moments])
+    lazy = knobs.gradient_clipping == 0 or knobs.state_dtype == "fp32"
+    if handoff and lazy and knobs.grad_accum == 1:
         live = fit(cap - others - 2 * G * 4)
         return live, live, live, True
     # gradient buffers leased in the first micro-batch stay leased until the boundary:

@@ -131,3 +131,39 @@ def test_host_tier_returns_to_zero_after_close(harness, swap_dir):
     assert eng.stats()["host_bytes"] >= eng.mm.cache_used
     eng.close()
     assert eng.mm.cache_used == 0
+
+
+def test_master_handoff_under_clipping_as_the_estimator_assumes(harness, swap_dir):
+    """Note [Master hand-off] with clipping: the speculative early steps (Note [Speculative
+    clipping]) take the buffer backward read as their master, as without clipping -- what
+    the estimator assumes (step_time._param_cache: hand-off whatever the clip)."""
+    from types import SimpleNamespace
+    from infinity.estimate.step_time import _param_cache
+    batches = harness.make_batches("mlp", 2 * STEPS)
+    got = {}
+    for clip in (0.0, 1e4):
+        cfg = _cfg(swap_dir, None, clip)
+        cfg["gradient_accumulation_steps"] = 1
+        torch.manual_seed(0)
+        with infinity.initialize(harness.MLPStack(), cfg) as eng:
+            harness.engine_run(eng, "mlp", batches[:-1])
+            s0 = eng.stats()
+            harness.engine_run(eng, "mlp", batches[-1:])
+            s1 = eng.stats()
+        got[clip] = {k: s1.get(k, 0) - s0.get(k, 0) for k in
+                     ("nvme_read_bytes", "optimizer_master_handoffs", "optimizer_groups_overlapped",
+                      "optimizer_master_read_bytes_saved")}
+    # (how many of the groups find a hand-off slot free, MAX_HANDOFF, depends on the
+    # worker's timing, with or without the clip: the bytes a step reads plus those the
+    # hand-offs saved do not)
+    assert got[1e4]["optimizer_master_handoffs"] > 0, got
+    assert got[1e4]["optimizer_groups_overlapped"] == got[0.0]["optimizer_groups_overlapped"]
+    for g in got.values():
+        assert g["optimizer_master_read_bytes_saved"] > 0, got
+    assert got[1e4]["nvme_read_bytes"] + got[1e4]["optimizer_master_read_bytes_saved"] == \
+        got[0.0]["nvme_read_bytes"] + got[0.0]["optimizer_master_read_bytes_saved"], got
+    machine = SimpleNamespace(cpu_only=True, ranks=1)
+    plan = SimpleNamespace(params_home="nvme", master_is_param=True, grads_on_nvme=False)
+    for clip in (0.0, 1e4):
+        knobs = SimpleNamespace(gradient_clipping=clip, host_cap_gb=None)
+        assert _param_cache(SimpleNamespace(params=1), machine, knobs, plan)[3], clip
