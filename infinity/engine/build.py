@@ -120,10 +120,9 @@ def assemble(engine, lr_scheduler) -> None:
                               tile_bytes={g.gid: sp.tile_bytes() for sp in tile_specs.values()
                                           for g in sp.groups})
     # Note [Streamed gradients]: what infinity.engine.overlap.eligible will allow (one
-    # process on a zero-copy tier; across ranks ZeRO stage 3 on any tier, the spilled shards)
+    # process, or ZeRO stage 3 across ranks -- the spilled shards; on any device tier)
     placement.stream_grads = cfg.precision in ("fp32", "bf16") and (
-        (engine.zero is None and not separate)
-        or (engine.zero is not None and engine.zero.stage == 3))
+        engine.zero is None or engine.zero.stage == 3)
     # Note [Speculative clipping]: streamed sums are written for a redo unless it redoes
     # from the moments (fp32 moments, one process: Note [Redo from moments])
     placement.clipping = float(cfg.gradient_clipping) > 0 and (
@@ -218,7 +217,9 @@ def assemble(engine, lr_scheduler) -> None:
                                         undo_budget=engine.undo_budget,
                                         grad_window=placement.stream_window,
                                         sharded=engine.zero is not None)
-        if engine.zero is None:      # ZeRO: the reduced shard's landing (grad_final)
+        if engine.zero is None and engine.opt.grad_d2h is None:
+            # (ZeRO: the reduced shard's landing, grad_final; a separate device: the D2H's
+            # landing, GradD2H.landed)
             after = engine.overlap.grad_arrived
     on_grad = grad_sink(engine.opt.accumulate, grouping.groups, after=after)
     acts = None

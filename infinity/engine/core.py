@@ -332,6 +332,8 @@ class Engine:
                 with self.timeline.span("backward", "backward"):
                     try:
                         loss.backward(retain_graph=retain_graph)
+                        if ov is not None:
+                            ov.land()       # separate device: the last D2H copies land
                     finally:
                         if ov is not None:
                             ov.end()

@@ -144,12 +144,12 @@ def eligible(engine) -> bool:
     """Whether the engine's configuration allows overlapping the step at all (Note
     [Overlap safety])."""
     cfg = engine.cfg
-    opt = engine.opt
     zero = engine.zero
     if zero is not None:                   # Note [Overlap across ranks]
         return zero.stage == 3 and cfg.precision in ("fp32", "bf16")
-    return (cfg.precision in ("fp32", "bf16")
-            and opt.grad_d2h is None and bool(engine.mm.dev.zero_copy))
+    # (a separate device tier: a group's gradient is final when its D2H landed in the host
+    # accumulation, GradD2H.landed)
+    return cfg.precision in ("fp32", "bf16")
 
 
 class OverlappedStep:
@@ -175,7 +175,7 @@ class OverlappedStep:
         # master hand-off (fp32 NVMe params): gid -> released buffer awaiting its step;
         # across ranks this rank's slice of the gathered buffer is its shard's master
         # (on a zero-copy tier: the CPU optimizer cannot update device memory)
-        self.handoff = opt.precision == "fp32" and (not sharded or bool(mm.dev.zero_copy))
+        self.handoff = opt.precision == "fp32" and bool(mm.dev.zero_copy)
         self._held: dict[int, torch.Tensor] = {}
         # (future, group, handed-off buffer or None) of every submitted group step
         self._stepping: list[tuple[Future, GroupRecord, torch.Tensor | None]] = []
@@ -193,6 +193,13 @@ class OverlappedStep:
         if opt.grad_stream is not None and grad_window > 0:   # Note [Streamed gradients]
             opt.grad_stream.keep = self.keep_grad
         mm.attach_listener(self)          # on_release, reclaim_blocked
+        # one process on a separate device tier: gradients reach the host accumulation by
+        # D2H copies; a slot is final when its copy landed (GradD2H.landed), not when
+        # autograd produced it
+        self._d2h = None if sharded else getattr(opt, "grad_d2h", None)
+        if self._d2h is not None:
+            self._slot_index = {id(s): i for g in opt.groups for i, s in enumerate(g.slots)}
+            self._d2h.landed = self._landed
 
     # ------------------------------------------------------------------ backward
     def begin(self, txn) -> None:
@@ -216,6 +223,17 @@ class OverlappedStep:
                          for g in self.opt.groups if g.gid in self._single_use}
         self._undo_planned = 0
         self.active = True
+
+    def _landed(self, g: GroupRecord, slots) -> None:
+        """Separate device: ``slots`` of ``g`` reached the host accumulation (GradD2H)."""
+        for s in slots:
+            self.grad_arrived(g, self._slot_index[id(s)])
+
+    def land(self) -> None:
+        """Backward completed: on a separate device the gradients still on their way land
+        now, while early steps may still start (their groups stream too)."""
+        if self.active and self._d2h is not None:
+            self._d2h.drain()
 
     def end(self) -> None:
         """Backward ended: groups not submitted are stepped at the boundary (reading their
@@ -244,6 +262,8 @@ class OverlappedStep:
             return False
         if self.sharded:
             self.opt.poll_reductions()      # shards that landed meanwhile (grad_final)
+        elif self._d2h is not None:
+            self._d2h.poll()                # D2H copies that landed meanwhile (_landed)
         self._reap()
         pend = self._pending.get(g.gid)
         if pend is None:
@@ -488,6 +508,8 @@ class OverlappedStep:
             self.mm.detach_listener(self)
             if self.sharded and getattr(self.opt, "on_shard_final", None) == self.grad_final:
                 self.opt.on_shard_final = None
+            if self._d2h is not None and self._d2h.landed == self._landed:
+                self._d2h.landed = None
             if self._pool is not None:
                 self._pool.shutdown(wait=True)
                 self._pool = None

@@ -379,13 +379,11 @@ def plan_memory(spec, machine, knobs, params_home, optimizer_home):
             # what the host cap leaves stay in host memory (one process, cap set)
             keep = 0
             # engine (infinity/engine/build.py placement.stream_grads): fp32/bf16, one
-            # process on a zero-copy device or ZeRO stage 3 across ranks on any device (the
-            # reduce-scattered shard, D2H on a separate one): groups are updated as their
+            # process or ZeRO stage 3 across ranks (the reduce-scattered shard), on any
+            # device (a separate one: once the D2H landed): groups are updated as their
             # final gradient arrives, up to STREAM_GRAD_WINDOW of them in hand (what the cap
             # leaves), so the final sums never go to NVMe (Note [Streamed gradients])
-            streams = knobs.precision != "fp16" and (
-                (machine.ranks == 1 and machine.cpu_only)
-                or (machine.ranks > 1 and stage == 3))
+            streams = knobs.precision != "fp16" and (machine.ranks == 1 or stage == 3)
             window = STREAM_GRAD_WINDOW if streams else 0
             Gs = G if machine.ranks == 1 else -(-G // R)     # one final sum (shard) in hand
             if machine.ranks > 1 and knobs.host_cap_gb is not None and Gs:
@@ -446,7 +444,7 @@ def undo_items(pl, machine, knobs, shard, states, params_home, optimizer_home):
     """Note [commit point]: an update is all-or-nothing; optimizer states updated in place
     in host memory get an undo copy each until the window commits.  The engine takes them
     when the step can be rolled back half-way (an NVMe swap space exists, or the step
-    overlaps backward: one process, CPU, fp32 or bf16), within
+    overlaps backward: one process or ZeRO stage 3, fp32 or bf16), within
     what the host cap leaves (the overlapped step steps early only as far as they fit;
     the boundary step takes none when they do not all fit)."""
     host_states = (states if optimizer_home in ("none", "cpu") else 0) + \
@@ -456,7 +454,8 @@ def undo_items(pl, machine, knobs, shard, states, params_home, optimizer_home):
     swap = params_home == "nvme" or optimizer_home == "nvme" or knobs.activation_home == "nvme"
     # (clipping: speculative; gradients on NVMe: streamed -- Note [Speculative clipping],
     # Note [Streamed gradients])
-    overlap = machine.cpu_only and machine.ranks == 1 and knobs.precision in ("fp32", "bf16")
+    # (engine: infinity.engine.overlap.eligible, on any device tier)
+    overlap = knobs.precision in ("fp32", "bf16") and (machine.ranks == 1 or knobs.zero_stage == 3)
     if not (swap or overlap):
         return
     cap = int(knobs.host_cap_gb * GB) if knobs.host_cap_gb is not None else \

@@ -53,6 +53,9 @@ class GradD2H:
         self._queue: deque = deque()     # (future | None, Transfer, group, slots, staging)
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="infinity-grad-d2h") \
             if threaded else None
+        # landed(group, slots): (calling thread) the slots' gradients are in the host
+        # accumulation -- the overlapped step's grad_arrived (Note [Streamed gradients])
+        self.landed = None
 
     # ------------------------------------------------------------------ API
     def push(self, g, slot, grad) -> None:
@@ -140,9 +143,16 @@ class GradD2H:
             else:
                 self._accumulate(x, o.group, o.arrived, staging)
         finally:
+            self._release(x, staging, o)
+        if self.landed is not None:
+            self.landed(o.group, o.arrived)
+
+    def _release(self, x, staging, o) -> None:
+        try:
             x.wait_host()                     # (done already unless the sink raised)
             self.inflight_bytes -= round_up(x.nbytes, ALIGN)
             self.dev.acct.link("d2h", x.nbytes, x.seconds())
             self.host_pool.give_back(staging)
             self.dev.give_back(o.leased)      # the copy has read it: compute may reuse it
+        finally:
             x.src = None
