@@ -24,6 +24,7 @@ estimator's OS/runtime reserve and the initialisation-only staging buffer.
 
     .venv/bin/python tools/validate_estimator.py            # default configurations
     .venv/bin/python tools/validate_estimator.py --quick    # smaller model, 4 configurations
+    .venv/bin/python tools/validate_estimator.py --zero     # ZeRO-3, 2 ranks, streamed shards
 """
 import argparse
 import ctypes
@@ -67,6 +68,11 @@ QUICK = [CONFIGS[1], CONFIGS[2], CONFIGS[5], ("bf16", "nvme", "nvme", 1, 0.021)]
 NEW = CONFIGS[8:]
 # --tiling: the tiling row and its untiled peer
 TILING = [CONFIGS[4], CONFIGS[-1]]
+# --zero (issue 18): ZeRO stage 3 at 2 ranks (gloo, this machine) with the fp32 gradient
+# shards spilled to NVMe by the cap (N/R*4 above half of it) and the last micro-step's final
+# shards streamed (Note [Streamed gradients]); predicted as two one-rank CPU nodes (per rank)
+ZERO = [("bf16", "nvme", "nvme", 2, 0.08, {"ws": 2}),
+        ("bf16", "nvme", "nvme", 2, 0.08, {"ws": 2, "gdtype": "bf16"})]
 # --planned (issue 18): the configuration `infinity estimate --plan` picks for the validation
 # model under these offload.host_memory_gb caps (global batch 4 sequences, fp32), run here
 PLANNED_CAPS = (0.5, 0.4)
@@ -155,6 +161,8 @@ def child(spec):
         conf["offload"]["host_memory_gb"] = spec["cap"]
     if spec.get("tile"):
         conf["tiling"] = {"max_group_gb": spec["tile"]}
+    if spec.get("ws"):
+        conf["zero_stage"] = 3
     eng = infinity.initialize(model, conf)
     del model
     g = torch.Generator().manual_seed(1)
@@ -194,7 +202,11 @@ def child(spec):
            "act_offload": (s1["activation_offload_bytes"] - s0["activation_offload_bytes"])
            // spec["accum"],
            "loss": loss, "engine_plan_host": eng.placement.host_total,
-           "engine_grad_home": eng.placement.grad_home}
+           "engine_grad_home": "nvme" if eng.zero is not None and eng.zero.spill
+           else eng.placement.grad_home,
+           "overlapped": s1.get("optimizer_groups_overlapped", 0)
+           - s0.get("optimizer_groups_overlapped", 0),
+           "stream_window": eng.placement.stream_window}
     eng.close()
     print(json.dumps(res))
 
@@ -208,7 +220,9 @@ def predict(spec):
         model = GPT2LMHeadModel(GPT2Config(**spec["model"]))
     ms = spec_from_module(model, seq=spec["seq"], batch=spec["batch"])
     act = spec.get("act") or ("none", "checkpoints")
-    est = estimate(ms, machine=Machine(gpus=0, host_mem_gb=1000, nvme_gb=1000),
+    ws = spec.get("ws", 1)        # ranks: one-rank CPU nodes (the figures are per rank)
+    est = estimate(ms, machine=Machine(gpus=0, nodes=ws, host_mem_gb=1000, nvme_gb=1000),
+                   zero_stage=3 if ws > 1 else None,
                    precision=spec["precision"], prefetch_depth=spec["depth"], grad_accum=spec["accum"],
                    host_cap_gb=spec["cap"], configs=[(spec["params"], spec["optimizer"])],
                    activation_home=act[0], activation_scope=act[1],
@@ -233,11 +247,50 @@ def predict(spec):
         # the window's reads and writes
         grads = sum(b for link in ("nvme_read", "nvme_write") for w, b in parts["mb"][link]
                     if "grads" in w)
-        gn = spec_grad = ms.params * 4 - c.plan.grad_host_bytes
+        gn = spec_grad = -(-ms.params // ws) * 4 - c.plan.grad_host_bytes
         micro += -grads + (gn // 2 if spec.get("gdtype") == "bf16" else spec_grad)
     return {"host": host, "nvme_read": tr["nvme_read"], "nvme_write": tr["nvme_write"],
-            "params": ms.params, "grads_on_nvme": c.plan.grads_on_nvme, "micro_nvme": micro,
+            "params": ms.params, "grads_on_nvme": c.plan.grads_on_nvme,
+            "grads_streamed": c.plan.grads_streamed, "micro_nvme": micro,
             "act_offload": 0 if off is None else off.nbytes}
+
+
+def _run_children(spec):
+    """The child's measurements; with ``ws`` ranks (gloo on this machine, ZeRO stage 3) each
+    rank measures its own process and rank 0's figures are returned (the others printed for
+    comparison), after checking the overlapped step streamed on every rank."""
+    ws = spec.get("ws", 1)
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", json.dumps(spec)]
+    if ws == 1:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+        if p.returncode != 0:
+            print(p.stderr[-3000:], file=sys.stderr)
+            return None
+        return json.loads(p.stdout.strip().splitlines()[-1])
+    import socket
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    procs = []
+    for r in range(ws):
+        env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(ws),
+                   LOCAL_WORLD_SIZE=str(ws), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   OMP_NUM_THREADS="1")
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    out = []
+    for p in procs:
+        so, se = p.communicate(timeout=900)
+        if p.returncode != 0:
+            print(se[-3000:], file=sys.stderr)
+            return None
+        out.append(json.loads(so.strip().splitlines()[-1]))
+    for r, m in enumerate(out):
+        print(f"  rank {r}: host {(m['steady_hwm'] - m['base_rss']) / 1e6:.1f} MB, NVMe read "
+              f"{m['proc_read'] / 1e6:.1f} MB, write {m['proc_write'] / 1e6:.1f} MB per step; "
+              f"{m['overlapped']} groups stepped as their shard landed (window "
+              f"{m['stream_window']})", file=sys.stderr)
+    return out[0]
 
 
 def _ratio(pred, meas):
@@ -258,6 +311,8 @@ def main():
                     help="only the planner's choices under squeezed host caps (issue 18)")
     ap.add_argument("--tiling", action="store_true",
                     help="only the tiling row and its untiled peer (issue 18)")
+    ap.add_argument("--zero", action="store_true",
+                    help="only the ZeRO rows: 2 ranks, spilled and streamed gradient shards")
     ap.add_argument("--json", action="store_true", help="print the rows as JSON")
     args = ap.parse_args()
     if args.child:
@@ -271,6 +326,8 @@ def main():
         configs = NEW if args.only_new else CONFIGS
         if args.tiling:
             configs = TILING
+        elif args.zero:
+            configs = ZERO
         elif args.planned:
             configs = planned_configs(model)
         elif not args.only_new:
@@ -285,12 +342,10 @@ def main():
                     "accum": accum, "cap": cap, **extra}
             spec.pop("planned", None)
             t0 = time.perf_counter()
-            p = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", json.dumps(spec)],
-                               capture_output=True, text=True, timeout=900)
-            if p.returncode != 0:
-                print(f"{precision} {params}/{optimizer} accum {accum}: child failed:\n{p.stderr[-3000:]}", file=sys.stderr)
+            meas = _run_children(spec)
+            if meas is None:
+                print(f"{precision} {params}/{optimizer} accum {accum}: child failed", file=sys.stderr)
                 continue
-            meas = json.loads(p.stdout.strip().splitlines()[-1])
             pred = predict(spec)
             name = (("planned " if extra.get("planned") else "")
                     + f"{precision} params={params} optimizer={optimizer}"
@@ -300,7 +355,9 @@ def main():
                     + (f" grads {extra['gdtype']}" if extra.get("gdtype") else "")
                     + (f" act={extra['act'][0]}/{extra['act'][1]}" if extra.get("act") else "")
                     + (" ckpt" if extra.get("ckpt") else "")
-                    + (f" tiling={extra['tile']:g}GB" if extra.get("tile") else ""))
+                    + (f" tiling={extra['tile']:g}GB" if extra.get("tile") else "")
+                    + (f" ZeRO-3 ws={extra['ws']}" + (" streamed" if pred["grads_streamed"]
+                                                      else "") if extra.get("ws") else ""))
             rows.append({"config": name,
                          "params": pred["params"], "seconds": time.perf_counter() - t0,
                          "pred_host": pred["host"], "meas_host": meas["steady_hwm"] - meas["base_rss"],

@@ -48,6 +48,8 @@ from .machine import GB
 # infinity.memory.plan.STREAM_GRAD_WINDOW (not imported: the estimator does not load torch;
 # tests/engine/test_streamed_step.py checks they agree)
 STREAM_GRAD_WINDOW = 2
+# infinity.zero.partitioned_optimizer.MAX_INFLIGHT_REDUCTIONS (likewise checked there)
+MAX_INFLIGHT_REDUCTIONS = 4
 
 # Where the engine homes fp32 gradients (see grad_spill_decision)
 GRAD_SPILL_MODES = ("auto", "on", "off")
@@ -332,6 +334,14 @@ def plan_memory(spec, machine, knobs, params_home, optimizer_home):
                 add(Item("pinned", "GPU->host grad staging", r * 2 * -(-G // R) * lp, "r*2*Gmax/R*lp"))
             else:
                 add(Item("pinned", "GPU->host grad staging", r * 2 * G * lp, "r*2*Gmax*lp"))
+        elif stage >= 2 and R > 1:
+            # a zero-copy device (CPU ranks): each group's full fp32 gradient is assembled in
+            # host memory for its reduce-scatter (PartitionedOptimizer._lease_full): the
+            # one being assembled, a tied one open across backward and the reductions in
+            # flight (MAX_INFLIGHT_REDUCTIONS)
+            add(Item("pageable", "grads awaiting reduce-scatter (fp32, full groups)",
+                     r * (MAX_INFLIGHT_REDUCTIONS + 2) * G * 4,
+                     f"r*({MAX_INFLIGHT_REDUCTIONS}+2)*Gmax*4"))
         grad_item = Item("pageable", "grad accumulation (fp32, host)", r * shard * 4, "r*N/R*4")
         add(grad_item)
 
@@ -388,9 +398,13 @@ def plan_memory(spec, machine, knobs, params_home, optimizer_home):
             Gs = G if machine.ranks == 1 else -(-G // R)     # one final sum (shard) in hand
             if machine.ranks > 1 and knobs.host_cap_gb is not None and Gs:
                 # engine (infinity/zero/distributed.py stream_window): what this rank's cap
-                # leaves above its plan, the spilled shards' staging included
+                # leaves above its placement plan, which does not count the full-size
+                # buffers awaiting their reduce-scatter on a zero-copy tier
+                unplanned = sum(i.nbytes for i in pl.items
+                                if i.name.startswith("grads awaiting reduce-scatter"))
                 spare = int(knobs.host_cap_gb * GB) - (
-                    pl.tier_total("pinned") + pl.tier_total("pageable") - grad_item.nbytes) // r
+                    pl.tier_total("pinned") + pl.tier_total("pageable") - grad_item.nbytes
+                    - unplanned) // r
                 window = max(0, min(window, spare // (Gs * 4)))
             if machine.ranks == 1 and knobs.host_cap_gb is not None:
                 stage_b = 2 * G * 4 + (G * 2 if knobs.grad_accum_dtype == "bf16"

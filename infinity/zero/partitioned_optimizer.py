@@ -328,6 +328,11 @@ class PartitionedOptimizer(EngineOptimizer):
                 self.host_pool.give_back(b)
             self._landed(g)
             return
+        # the reduce-scatter's full-size input is done with: back now, not after the write
+        for b in bufs:
+            if b is not summed:
+                self.host_pool.give_back(b)
+        bufs = [summed]
         ext = self._grad_ext[g.gid]
         if g.gid in self._in_partial:     # accumulation: the bf16 partial sum so far
             with self.host_pool.scoped(summed.numel() * 2, torch.bfloat16) as tmp:
@@ -342,9 +347,6 @@ class PartitionedOptimizer(EngineOptimizer):
         st = self.grad_stream
         if self._final_micro and st.keep is not None and st.keep(g):
             # Note [Streamed gradients]: the final sum stays in memory for g's early step
-            for b in bufs:
-                if b is not summed:
-                    self.host_pool.give_back(b)
             st.held[g.gid] = summed
             self._landed(g)
             return

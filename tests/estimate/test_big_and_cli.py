@@ -29,9 +29,11 @@ def test_one_trillion_on_one_8x80gb_node():
     # the device side does not fit without checkpointing
     assert any("device" in p for p in nn.problems["none"])
     s = best.steps["checkpointing"]
-    # NVMe per step: read 2*N*lp params + N*4 grads + N*12 master/m/v = 20 TB,
-    # write N*4 grads + N*12 + N*2 updated params = 18 TB
-    assert s.traffic["nvme_read"] == 20 * 10**12 and s.traffic["nvme_write"] == 18 * 10**12
+    # NVMe per step: read 2*N*lp params + N*12 master/m/v = 16 TB, write N*12 + N*2 updated
+    # params = 14 TB: ZeRO stage 3 streams the final gradient shards (Note [Streamed
+    # gradients]: with one micro-batch per step they are neither written nor read back)
+    assert nn.plan.grads_streamed
+    assert s.traffic["nvme_read"] == 16 * 10**12 and s.traffic["nvme_write"] == 14 * 10**12
     assert s.bound == "nvme" and 300 < s.step_s < 5000
     # optimizer on the host never spills (ZeRO rule needs it on NVMe): 4 TB of grads in RAM
     assert not by[("nvme", "cpu")].plan.grads_on_nvme
