@@ -9,9 +9,10 @@ steps the remaining groups and does the bookkeeping once
 (:meth:`infinity.optim.driver.EngineOptimizer.boundary_step` with ``done=``).
 
 Only when it cannot change results (:func:`eligible`): no ZeRO partitioning or stage 3,
-fp32 or bf16 (fp16's loss scaler needs the global overflow check), the device tier is
-host memory itself (zero copy) or, across ranks, any tier (gradients reach the host as
-reduced shards, not per parameter).  Gradients homed on NVMe are stepped from memory as they arrive
+fp32 or bf16 (fp16's loss scaler needs the global overflow check), on any device tier (on
+a separate one a gradient is final when its D2H copy landed in the host accumulation,
+``GradD2H.landed``; across ranks when its reduced shard landed).  Gradients homed on NVMe
+(one process) or spilled gradient shards (ZeRO stage 3) are stepped from memory as they arrive
 (Note [Streamed gradients]); with clipping the early steps are speculative (Note
 [Speculative clipping]).  A group is stepped early only when nothing can read
 its parameters again in this backward (:meth:`OverlappedStep.grad_arrived`): paged home
@@ -51,8 +52,8 @@ log = logging.getLogger("infinity.engine")
 # A group's early Adam step updates its home (and a cached copy) in place on a worker
 # thread while backward goes on.  That is exact only if nothing reads those values until
 # the step ended: (1) the configuration cannot make the update depend on other groups
-# (eligible(): no ZeRO, no clipping, no fp16 loss scale, host gradients, zero-copy
-# device tier); (2) the group is released and nothing can fetch it again in this
+# (eligible(): no ZeRO but stage 3, no fp16 loss scale; clipping is speculative, Note
+# [Speculative clipping]; a gradient counts once it is in host memory); (2) the group is released and nothing can fetch it again in this
 # backward (_safe(): not in use, prefetched, being read or holding saved views, and the
 # prefetch trace does not use it again, PrefetchCoordinator.may_use_again); (3) anything
 # that reads homes outside backward waits for the worker first: engine.step() through
@@ -74,7 +75,13 @@ log = logging.getLogger("infinity.engine")
 # spilling would add I/O); when every kept buffer still waits for its group's release the
 # gradient is written to NVMe as before.  A kept group not stepped early (unsafe, clip
 # reached, no undo room) is flushed to NVMe (NvmeGradStore.flush_held) and stepped at the
-# boundary.
+# boundary.  On a separate device tier the final sum is complete once the group's D2H has
+# landed (GradD2H.landed; OverlappedStep.land lets the copies still in flight when
+# autograd ends land while the overlap is open).  Across ranks (ZeRO stage 3, the fp32
+# shards spilled to NVMe: infinity/zero/shard_stream.py) the same holds for the averaged
+# shard when its reduce-scatter landed on the last micro-step: kept in the buffer it landed
+# in, stepped early, never written nor read back; with clipping it is written after its
+# step (a redo across ranks rolls the whole window back and re-reads every shard).
 #
 # Note [Speculative clipping]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~
