@@ -255,6 +255,20 @@ class _Runner:
         return None if gx is None else gx.view_as(x)
 
     # ------------------------------------------------------------------ Embedding
+    def _touched(self, tile_of: torch.Tensor) -> list[int]:
+        """The tiles a lookup reads, ascending: the ones its indices touch; across ranks
+        (``Tiling.union``) the union over ranks, so every rank reads (and gathers) the same
+        tiles in the same order."""
+        mine = torch.unique(tile_of).tolist()
+        if self.t.union is None:
+            return mine
+        n = -(-self.spec.out_features // self.spec.rows)
+        mask = torch.zeros(n, dtype=torch.float32)
+        if mine:
+            mask[mine] = 1.0
+        self.t.union(mask)
+        return mask.nonzero(as_tuple=True)[0].tolist()
+
     def _embed_forward(self, ids: torch.Tensor) -> torch.Tensor:
         spec = self.spec
         d = spec.in_features
@@ -266,12 +280,13 @@ class _Runner:
         out = torch.empty(flat.numel(), d, dtype=spec.weight[0].dtype, device=ids.device)
         tile_of = torch.div(flat, spec.rows, rounding_mode="floor")
         n = 0
-        for t in torch.unique(tile_of).tolist():     # only the tiles the lookup touches
+        for t in self._touched(tile_of):     # only the tiles the lookup touches
             r0, r1 = t * spec.rows, min(spec.out_features, (t + 1) * spec.rows)
             sel = (tile_of == t).nonzero(as_tuple=True)[0]
             w, _, leases = self._tile(r0, r1)
             try:
-                out[sel] = w.index_select(0, flat[sel] - r0)
+                if sel.numel():               # (across ranks: touched by another rank)
+                    out[sel] = w.index_select(0, flat[sel] - r0)
             finally:
                 self._done(leases)
             n += 1
@@ -289,8 +304,11 @@ class _Runner:
             pad = spec.module.padding_idx
             tile_of = torch.div(flat, spec.rows, rounding_mode="floor")
             touched = set(torch.unique(tile_of).tolist())
+            shared = set(self._touched(tile_of)) if self.t.union is not None else None
             for t, (r0, r1) in enumerate(spec.tiles()):
                 last = r1 == spec.out_features
+                if shared is not None and t not in shared:
+                    continue              # across ranks: no rank has rows of it (adds 0)
                 if t not in touched:      # no gradient rows: zeros (first use of a window)
                     sink(r0 * d, None, last, (r1 - r0) * d)
                     continue
@@ -311,7 +329,8 @@ class Tiling:
     (the overlapped step, or None) when a slot's gradient is final in this backward."""
 
     def __init__(self, specs: dict[nn.Module, TileSpec], manager, accounting, *,
-                 accumulate, accumulate_rows, accepts_rows, after=None):
+                 accumulate, accumulate_rows, accepts_rows, after=None, group_final=None,
+                 union=None):
         self.specs = specs
         self.mm = manager
         self.acct = accounting
@@ -319,6 +338,11 @@ class Tiling:
         self.accumulate_rows = accumulate_rows
         self.accepts_rows = accepts_rows
         self.after = after
+        # ZeRO (world size > 1): ``group_final(g)`` once every use of ``g`` ran its
+        # backward (the optimizer's tiled_final: its shard is final); ``union(mask)`` sums
+        # a float tensor over ranks in place (an Embedding's touched tiles)
+        self.group_final = group_final
+        self.union = union
         self._installed: list[nn.Module] = []
         self._live: dict[int, int] = {}   # gid -> uses recorded in forward, not yet backward
         self._slot_index = {id(s): i for sp in specs.values() for g in sp.groups
@@ -357,6 +381,8 @@ class Tiling:
                 self._live[g.gid] = n
                 continue
             self._live.pop(g.gid, None)
+            if self.group_final is not None:
+                self.group_final(g)
             if self.after is not None:
                 for i, s in enumerate(g.slots):
                     if s.trainable:

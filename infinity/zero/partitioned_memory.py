@@ -227,6 +227,84 @@ class PartitionedMemoryManager(MemoryManager):
         if f is not None:
             self._drop_staging(f)
 
+    # ------------------------------------------------------------------ tiles
+    # Note [Tiles across ranks]: at stage 3 a tile's element range [lo, hi) of a group spans
+    # the shards of one or more owners.  Every rank leases the tile on its device tier; the
+    # owner of each piece reads it from its home into the tile (the base read path on
+    # shard-local offsets: host copy / H2D / NVMe read of the aligned range through host
+    # staging), then, on the gather worker (the thread that issues every parameter
+    # collective, so the order is the same on all ranks), each owner broadcasts its piece,
+    # in rank order.  Bytes on the wire: each piece once to every other rank, as the
+    # all-gather of an untiled group; the device holds one tile, never the group.
+    def tile_owners(self, g: GroupRecord, lo: int, hi: int) -> list[tuple[int, int, int]]:
+        """``(rank, a, b)``: the pieces ``[a, b)`` of ``[lo, hi)`` each rank's shard holds."""
+        s = self.part.shard_numel(g.padded_numel)
+        return [(r, max(lo, r * s), min(hi, (r + 1) * s))
+                for r in range(lo // s, min(self.part.world_size, -(-hi // s)))]
+
+    def read_range(self, g: GroupRecord, lo: int, hi: int):
+        if g.state in (Location.READING, Location.TO_DEVICE):
+            self.wait_resident(g)
+        if g.state is Location.DEVICE and g.device_buf is not None:
+            return g.device_buf[lo:hi], None          # gathered whole (on every rank)
+        self.wait_home(g)
+        isz = g.dtype.itemsize
+        buf = self.dev.lease_or_overflow((hi - lo) * isz, g.dtype, "a parameter tile", True)
+        view = buf[: hi - lo]
+        try:
+            slo, _ = self.shard(g)
+            pieces = self.tile_owners(g, lo, hi)
+            for r, a, b in pieces:
+                if r == self.comm.rank:
+                    self._read_piece(g, a - slo, b - slo, view[a - lo:b - lo])
+            self.dev._after_compute(buf)      # the broadcasts wait for the piece's copy
+            name = f"a tile of group {g.gid} ({g.name or '<root>'}) [{lo}, {hi})"
+            marker = self._worker.submit(self._broadcast_tile, buf, view, lo, pieces,
+                                         name).result()
+            self.dev.compute_waits(marker)
+        except BaseException:
+            self.dev.give_back(buf)
+            raise
+        self.acct.count("tile_gathers")
+        return view, buf
+
+    def _read_piece(self, g: GroupRecord, a: int, b: int, dst: torch.Tensor) -> None:
+        """This rank's home elements ``a .. b`` (shard-local) into ``dst`` (device tier)."""
+        isz = g.dtype.itemsize
+        t0 = time.perf_counter()
+        if g.home == "nvme":
+            a0 = (a * isz) // 4096 * 4096
+            a1 = min(-(-(b * isz) // 4096) * 4096, g.extent.nbytes)
+            with self.host_pool.scoped(a1 - a0, torch.uint8) as staging:
+                raw = staging[: a1 - a0]
+                self.swap.read(g.extent, raw, a0).wait()
+                self._link("nvme_read", a1 - a0, t0)
+                src = raw.view(g.dtype)[(a * isz - a0) // isz:][: b - a]
+                self._copy_in(dst, src)
+            return
+        src = self._resident.get(g.gid, g.host_buf)
+        if src is not g.host_buf and not self.dev.zero_copy:
+            dst.copy_(src[a:b])                 # a resident device shard: device to device
+            return
+        self._copy_in(dst, g.host_buf[a:b])
+
+    def _copy_in(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        if self.dev.zero_copy:
+            dst.copy_(src)
+            return
+        x = self.dev.h2d(dst, src)
+        x.wait_host()
+        self.dev.compute_waits(x)
+        self._link("h2d", x.nbytes, x.t0, x.t_end)
+
+    def _broadcast_tile(self, buf: torch.Tensor, view: torch.Tensor, lo: int, pieces, name):
+        """Gather worker: each owner's piece of the tile to every rank, in rank order."""
+        with self.dev.side_stream():
+            self.dev.wait_free(buf)
+            for r, a, b in pieces:
+                self.comm.broadcast(view[a - lo:b - lo], r, group="param", name=name)
+            return self.dev.mark(buf)
+
     # ------------------------------------------------------------------ host updates
     def mirrored(self) -> list[GroupRecord]:
         return []                              # device homes are shards (refresh_resident)
