@@ -89,8 +89,8 @@ class Knobs:
     activation_home: str = "none"      # [activation_offload.home]: "none" | "cpu" | "nvme"
     activation_scope: str = "checkpoints"  # [activation_offload.scope]: "checkpoints" | "all"
     grad_accum_dtype: str = "fp32"     # [gradient_accumulation_dtype] NVMe partial sums
-    tiling_max_group_gb: float | None = None  # [tiling.max_group_gb] (None: no tiling; the
-                                       # runtime tiles at world size 1 only)
+    tiling_max_group_gb: float | None = None  # [tiling.max_group_gb] (None: no tiling; at
+                                       # world size > 1 only stage 3 without ZeRO++ tiles)
     grad_spill: str = "auto"           # fp32 gradient home: "auto" decides as the engine does
                                        # (grad_spill_decision), "on" = on NVMe whenever a swap
                                        # space exists, "off" = always in host memory
@@ -276,10 +276,13 @@ def plan_memory(spec, machine, knobs, params_home, optimizer_home):
         pl.notes.append("fp32: the parameter at its home is the optimizer's master (stored once)")
     # groups in the device tier while paged: in use, d prefetched, one being released
     win = d + 2
-    # memory-centric tiling (one rank, module grouping): a fetch puts at most a tile of the
-    # tiled groups on the device, Gf = max(min(Gmax, tile), largest untileable group)
+    # memory-centric tiling (module grouping; params paged: one rank, or ZeRO stage 3 without
+    # ZeRO++, where each rank holds the whole gathered tile): a fetch puts at most a tile of
+    # the tiled groups on the device, Gf = max(min(Gmax, tile), largest untileable group)
     Gf, gname = G, "Gmax"
-    if knobs.tiling_max_group_gb is not None and R == 1 and params_home != "none":
+    zpp = knobs.qwz or knobs.hpz > 1 or knobs.qgz
+    if knobs.tiling_max_group_gb is not None and params_home != "none" \
+            and (R == 1 or (stage == 3 and not zpp)):
         Gf = spec.fetched_numel(knobs.grouping, int(knobs.tiling_max_group_gb * GB) // lp)
         if Gf < G:
             gname = "Gf"
@@ -306,8 +309,11 @@ def plan_memory(spec, machine, knobs, params_home, optimizer_home):
             add(Item("nvme", "param home (NVMe)", r * shard * lp, "r*N/R*lp"))
             if gpu:
                 # each rank reads its 1/R share of a group, then the ranks all-gather it
-                add(Item("pinned", "NVMe->GPU staging (prefetch window)", r * win * -(-Gf // R) * lp,
-                         f"r*(d+2)*{gname}/R*lp"))
+                # (tiled: the owner of a tile's piece reads it whole, at most a tile or
+                # a shard: Note [Tiles across ranks])
+                stg = -(-G // R) if Gf == G else min(Gf, -(-G // R))
+                add(Item("pinned", "NVMe->GPU staging (prefetch window)", r * win * stg * lp,
+                         f"r*(d+2)*{gname}/R*lp" if Gf == G else "r*(d+2)*min(Gf,Gmax/R)*lp"))
             else:
                 add(Item("pinned", "NVMe staging (initialisation only)", G * lp, "Gmax*lp"))
 
