@@ -65,6 +65,8 @@ def host_reserve_bytes(machine):
 
 
 HOMES = ("none", "cpu", "nvme")
+#: infinity.zero.partitioned_optimizer.MAX_INFLIGHT_REDUCTIONS (kept in step by a test)
+ZERO_INFLIGHT_REDUCTIONS = 4
 TIER_NAMES = {"device": "device per GPU", "pinned": "pinned host per node",
               "pageable": "pageable host per node", "nvme": "NVMe per node"}
 
@@ -340,6 +342,15 @@ def plan_memory(spec, machine, knobs, params_home, optimizer_home):
                 add(Item("pinned", "GPU->host grad staging", r * 2 * G * lp, "r*2*Gmax*lp"))
         grad_item = Item("pageable", "grad accumulation (fp32, host)", r * shard * 4, "r*N/R*4")
         add(grad_item)
+        if not gpu and stage >= 2 and R > 1:
+            # engine (PartitionedOptimizer._lease_full, host pool on a CPU-only rank): a
+            # group's full fp32 gradient assembled for its reduce-scatter, up to
+            # MAX_INFLIGHT_REDUCTIONS in flight, one being assembled and a tied group open
+            # across backward; tiled groups never (their rows are reduced tile by tile, so
+            # the largest group reduced whole is at most Gf)
+            k = ZERO_INFLIGHT_REDUCTIONS
+            add(Item("pageable", f"gradients awaiting reduce-scatter (fp32, {k + 2} x {gname})",
+                     r * (k + 2) * Gf * 4, f"r*{k + 2}*{gname}*4"))
 
     # ---------------------------------------------------------------- optimizer
     if master_is_param:
@@ -369,12 +380,14 @@ def plan_memory(spec, machine, knobs, params_home, optimizer_home):
         # a tile never spans two partitions (groups): pages of a slot beyond the largest group
         # are allocated but never touched, so resident bytes use min(T, Gmax)
         D = knobs.pipeline_depth
-        Gr = -(-G // 2048) * 2048
+        # (a rank's tile covers at most its shard of the largest group: the engine sizes the
+        # ring by the largest trainable shard)
+        Gr = -(-(-(-G // R)) // 2048) * 2048
         T = min(knobs.tile_numel, Gr)
         if knobs.host_cap_gb:   # engine: the ring stays within ~15 % of offload.host_memory_gb
             T = min(max(65536, min(T, int(knobs.host_cap_gb * GB * 0.15) // 48)), Gr)
         add(Item("pinned", "optimizer tile ring", r * D * T * per_slot,
-                 f"r*D*min(T,Gmax)*{per_slot}  [D={D}, T={knobs.tile_numel}]"))
+                 f"r*D*min(T,Gmax/R)*{per_slot}  [D={D}, T={knobs.tile_numel}]"))
 
     # ---------------------------------------------------------------- NVMe grads (engine rule)
     if grad_item is not None:
