@@ -26,6 +26,13 @@ see the same groups as without tiling.  The hooks never fetch a tiled module's g
 The overlapped step (:mod:`infinity.engine.overlap`) hears that a slot's gradient is final
 (``after``) only once every use recorded in forward has run its backward (a module called
 twice, a tied pair): :class:`Tiling` counts the uses per group.
+
+Across ranks (ZeRO stage 3, the only stage with paged parameters): ``read_range`` of the
+partitioned manager gathers each tile from the owners of its pieces, ``accumulate_rows`` of
+the partitioned optimizer reduces the rows to them (Note [Tiles across ranks], Note [Tile
+gradients across ranks]), ``group_final`` tells it when a group's uses are done, and an
+Embedding reads the union over ranks of the tiles the lookups touch (``union``), so every
+rank issues the same collectives in the same order.
 """
 from __future__ import annotations
 

@@ -106,6 +106,9 @@ class PartitionedOptimizer(EngineOptimizer):
         # this window yet (their first reduction lands in it directly)
         self._fresh: set[int] = set()
         self._dropping = False           # abandon_window: landing reductions are dropped
+        # spilled shards: a tiled group's rows summed on the host during backward, written
+        # to its NVMe extent once its uses are done (tiled_final)
+        self._tile_acc: dict[int, torch.Tensor] = {}
 
     # ------------------------------------------------------------------ shards
     def shard(self, g: GroupRecord) -> tuple[int, int]:
@@ -232,15 +235,12 @@ class PartitionedOptimizer(EngineOptimizer):
     def accumulates_rows(self, g: GroupRecord) -> bool:
         if self.stage == 1:
             return super().accumulates_rows(g)
-        return not self.spill          # spilled shards take whole groups (accumulate())
+        return True
 
     def accumulate_rows(self, g: GroupRecord, slot: ParamSlot, start: int,
                         part: torch.Tensor | None, last: bool, numel: int | None = None) -> None:
         if self.stage == 1:
             return super().accumulate_rows(g, slot, start, part, last, numel)
-        if self.spill:
-            raise RuntimeError(f"gradients of group {g.gid} ({g.name}) are spilled to NVMe "
-                               "as whole shards: use accumulate()")
         if part is None:
             part = torch.zeros(int(numel), dtype=torch.float32,
                                device=getattr(self.dev, "device", "cpu"))
@@ -275,7 +275,15 @@ class PartitionedOptimizer(EngineOptimizer):
         if self._dropping:
             return
         piece.mul_(1.0 / self.comm.world_size)
-        dst = g.grad_buf[off:off + piece.numel()]
+        if self.spill:          # this backward's shard sum, written at tiled_final
+            acc = self._tile_acc.get(g.gid)
+            if acc is None:
+                lo, hi = self.shard(g)
+                acc = self._tile_acc[g.gid] = self.host_pool.lease((hi - lo) * 4,
+                                                                   torch.float32).zero_()
+            dst = acc[off:off + piece.numel()]
+        else:
+            dst = g.grad_buf[off:off + piece.numel()]
         if piece.device == dst.device:
             dst.add_(piece)
             return
@@ -293,7 +301,21 @@ class PartitionedOptimizer(EngineOptimizer):
             return
         while self._inflight:
             self._inflight.pop(0).wait()
-        self._landed(g)
+        if not self.spill:
+            self._landed(g)
+            return
+        acc = self._tile_acc.pop(g.gid, None)
+        if acc is None:          # no row of this backward fell into this rank's shard
+            lo, hi = self.shard(g)
+            acc = self.host_pool.lease((hi - lo) * 4, torch.float32).zero_()
+        self._spill(g, acc, [acc])
+        while self._writes:      # (the next use of its extent reads it back)
+            self._wait_write()
+
+    def _drop_tile_acc(self) -> None:
+        for acc in self._tile_acc.values():
+            self.host_pool.give_back(acc)
+        self._tile_acc.clear()
 
     def poll_reductions(self) -> None:
         """Without blocking: finish the reductions whose collective completed (their
@@ -390,6 +412,11 @@ class PartitionedOptimizer(EngineOptimizer):
                 self.host_pool.give_back(b)
             self._landed(g)
             return
+        self._spill(g, summed, bufs)
+
+    def _spill(self, g: GroupRecord, summed: torch.Tensor, bufs: list) -> None:
+        """Spilled shards: this backward's averaged ``summed`` (host) added to what earlier
+        micro-steps left on NVMe and written back (async; ``bufs`` back after the write)."""
         ext = self._grad_ext[g.gid]
         if self._grad_valid[g.gid]:       # accumulation: add what earlier micro-steps left
             with self.host_pool.scoped(summed.numel() * 4, torch.float32) as tmp:
@@ -475,6 +502,7 @@ class PartitionedOptimizer(EngineOptimizer):
                     log.debug("zero: a reduction of the abandoned window failed: %s", e)
         finally:
             self._dropping = False
+        self._drop_tile_acc()
         super().abandon_window()
 
     def zero_grad(self) -> None:
@@ -483,6 +511,7 @@ class PartitionedOptimizer(EngineOptimizer):
             self._give_full(full)
         self._full.clear()
         self._missing.clear()
+        self._drop_tile_acc()
         self._launched.clear()
         self._open_backward = False
         super().zero_grad()

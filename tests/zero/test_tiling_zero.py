@@ -35,7 +35,8 @@ def _cfg(stage, home, swap, *, gas=1, clip=0.0, budget_gb=None):
 
 
 def _runs(tmp_path, combos):
-    """``(stage, home, model, flags)``; flags: gas, clip, sim, budget."""
+    """``(stage, home, model, flags)``; flags: gas, clip, sim, budget, spill (gradient
+    shards spilled to NVMe: needs home nvme)."""
     runs = []
     for stage, home, model, *flags in combos:
         flags = set(flags)
@@ -44,7 +45,8 @@ def _runs(tmp_path, combos):
                    gas=2 if "gas" in flags else 1, clip=0.5 if "clip" in flags else 0.0,
                    budget_gb=160e3 / 1e9 if "budget" in flags else None)
         runs.append({"name": name, "model": model, "steps": 3, "config": cfg,
-                     "env": SIM if "sim" in flags else NOSIM, "stage": stage})
+                     "env": SIM if "sim" in flags else NOSIM, "stage": stage,
+                     "spill": "spill" in flags})
     return runs
 
 
@@ -76,8 +78,10 @@ def _check(tmp_path, combos, world_size):
 
 def test_tiling_zero3_default_slice(tmp_path):
     """2 ranks, stage 3: tied pair on NVMe homes with accumulation and clipping; untied
-    (Linear head with bias, padding row) on cpu homes."""
-    _check(tmp_path, [(3, "nvme", "tied", "gas", "clip"), (3, "cpu", "untied")], 2)
+    (Linear head with bias, padding row) on cpu homes; the tied pair with the gradient
+    shards spilled to NVMe (the 1T plan's configuration) and accumulation."""
+    _check(tmp_path, [(3, "nvme", "tied", "gas", "clip"), (3, "cpu", "untied"),
+                      (3, "nvme", "tied", "gas", "spill")], 2)
 
 
 def test_tiling_zero3_device_working_set_bounded_by_the_tile(tmp_path):
@@ -103,6 +107,7 @@ def test_tiling_zero_matrix_2_ranks(tmp_path, sim):
         for home in ("cpu", "nvme"):
             combos.append((3, home, model, "gas", *flags))
         combos.append((3, "nvme", model, "clip", *flags))
+        combos.append((3, "nvme", model, "gas", "spill", *flags))
         for stage in (1, 2):
             combos.append((stage, "cpu", model, "gas", *flags))
     _check(tmp_path, combos, 2)

@@ -1,6 +1,6 @@
 """One rank of a memory-centric tiling run at ZeRO world size > 1 (spawned by
 zero_harness.run_ranks).  Spec (JSON): ``{"runs": [{"name", "model", "config", "steps",
-"env"}...]}``.
+"env", "spill"}...]}`` (``spill``: the averaged gradient shards spilled to NVMe).
 
 For each run every rank builds the same seeded model and, as the reference, a copy trained
 in this process by plain PyTorch + torch.optim.AdamW on the *global* batch (clipping and
@@ -101,7 +101,13 @@ def main():
         saved_env = {k: os.environ.get(k) for k in run.get("env", {})}
         os.environ.update(run.get("env", {}))
         try:
-            eng = infinity.initialize(model, cfg)
+            if run.get("spill"):
+                from dist_child import make_engine
+                eng = make_engine(model, cfg, force_spill=True)
+                if not eng.zero.spill:
+                    raise AssertionError("gradient spill was requested but not taken")
+            else:
+                eng = infinity.initialize(model, cfg)
         finally:
             for k, v in saved_env.items():
                 if v is None:
