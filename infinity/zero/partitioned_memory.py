@@ -36,7 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from infinity.memory.manager import Fetch, MemoryManager
+from infinity.memory.manager import Fetch, MemoryManager, ReadyTile
 from infinity.memory.record import GroupRecord, Location
 from infinity.zero.comm import Comm
 from infinity.zero.partition import Partition
@@ -63,6 +63,40 @@ class _Gather:
 
     def wait(self) -> None:
         self.marker = self.fut.result()     # re-raises the worker's AioError / CollectiveError
+
+
+class _PendingTile:
+    """A tile being gathered on the worker (:meth:`PartitionedMemoryManager.read_range_start`)."""
+    __slots__ = ("mm", "fut", "view", "buf", "staging")
+
+    def __init__(self, mm, fut, view, buf, staging):
+        self.mm, self.fut, self.view, self.buf, self.staging = mm, fut, view, buf, staging
+
+    def _settle(self):
+        try:
+            return self.fut.result()          # re-raises the worker's AioError / CollectiveError
+        finally:
+            if self.staging is not None:
+                self.mm.host_pool.give_back(self.staging)
+                self.staging = None
+
+    def result(self):
+        try:
+            marker = self._settle()
+        except BaseException:
+            self.mm.dev.give_back(self.buf)
+            raise
+        self.mm.dev.compute_waits(marker)
+        self.mm.acct.count("tile_gathers")
+        return self.view, self.buf
+
+    def cancel(self) -> None:
+        """Not needed after all (an error elsewhere): wait for the job, give back."""
+        try:
+            self._settle()
+        except Exception as e:  # noqa: BLE001 - the error that made us cancel matters more
+            log.debug("zero: a cancelled tile gather failed: %s", e)
+        self.mm.dev.give_back(self.buf)
 
 
 class PartitionedMemoryManager(MemoryManager):
@@ -243,44 +277,50 @@ class PartitionedMemoryManager(MemoryManager):
                 for r in range(lo // s, min(self.part.world_size, -(-hi // s)))]
 
     def read_range(self, g: GroupRecord, lo: int, hi: int):
+        return self.read_range_start(g, lo, hi).result()
+
+    def read_range_start(self, g: GroupRecord, lo: int, hi: int):
+        """Start gathering elements ``lo .. hi`` of ``g`` (the job runs on the gather worker,
+        after the gathers and tiles started before it); ``.result()`` gives
+        ``(tensor, lease)`` as :meth:`read_range`."""
         if g.state in (Location.READING, Location.TO_DEVICE):
             self.wait_resident(g)
         if g.state is Location.DEVICE and g.device_buf is not None:
-            return g.device_buf[lo:hi], None          # gathered whole (on every rank)
+            return ReadyTile(g.device_buf[lo:hi], None)   # gathered whole (on every rank)
         self.wait_home(g)
         isz = g.dtype.itemsize
+        slo, _ = self.shard(g)
+        pieces = self.tile_owners(g, lo, hi)
         buf = self.dev.lease_or_overflow((hi - lo) * isz, g.dtype, "a parameter tile", True)
-        view = buf[: hi - lo]
+        staging = None
         try:
-            slo, _ = self.shard(g)
-            pieces = self.tile_owners(g, lo, hi)
-            for r, a, b in pieces:
-                if r == self.comm.rank:
-                    self._read_piece(g, a - slo, b - slo, view[a - lo:b - lo])
-            self.dev._after_compute(buf)      # the broadcasts wait for the piece's copy
+            view = buf[: hi - lo]
+            mine = [(a - slo, b - slo) for r, a, b in pieces if r == self.comm.rank]
+            if mine and g.home == "nvme":         # the aligned range of this rank's piece
+                (a, b), = mine
+                a0 = (a * isz) // 4096 * 4096
+                a1 = min(-(-(b * isz) // 4096) * 4096, g.extent.nbytes)
+                staging = self.host_pool.lease(a1 - a0, torch.uint8)
             name = f"a tile of group {g.gid} ({g.name or '<root>'}) [{lo}, {hi})"
-            marker = self._worker.submit(self._broadcast_tile, buf, view, lo, pieces,
-                                         name).result()
-            self.dev.compute_waits(marker)
+            fut = self._worker.submit(self._tile_job, g, buf, view, lo, pieces, staging, name)
         except BaseException:
+            if staging is not None:
+                self.host_pool.give_back(staging)
             self.dev.give_back(buf)
             raise
-        self.acct.count("tile_gathers")
-        return view, buf
+        return _PendingTile(self, fut, view, buf, staging)
 
-    def _read_piece(self, g: GroupRecord, a: int, b: int, dst: torch.Tensor) -> None:
-        """This rank's home elements ``a .. b`` (shard-local) into ``dst`` (device tier)."""
+    def _read_piece(self, g: GroupRecord, a: int, b: int, dst: torch.Tensor, staging) -> None:
+        """Gather worker: this rank's home elements ``a .. b`` (shard-local) into ``dst``
+        (device tier); an NVMe home through ``staging`` (host, the aligned byte range)."""
         isz = g.dtype.itemsize
         t0 = time.perf_counter()
         if g.home == "nvme":
             a0 = (a * isz) // 4096 * 4096
-            a1 = min(-(-(b * isz) // 4096) * 4096, g.extent.nbytes)
-            with self.host_pool.scoped(a1 - a0, torch.uint8) as staging:
-                raw = staging[: a1 - a0]
-                self.swap.read(g.extent, raw, a0).wait()
-                self._link("nvme_read", a1 - a0, t0)
-                src = raw.view(g.dtype)[(a * isz - a0) // isz:][: b - a]
-                self._copy_in(dst, src)
+            raw = staging[: min(-(-(b * isz) // 4096) * 4096, g.extent.nbytes) - a0]
+            self.swap.read(g.extent, raw, a0).wait()
+            self._link("nvme_read", raw.numel(), t0)
+            self._copy_in(dst, raw.view(g.dtype)[(a * isz - a0) // isz:][: b - a])
             return
         src = self._resident.get(g.gid, g.host_buf)
         if src is not g.host_buf and not self.dev.zero_copy:
@@ -294,13 +334,19 @@ class PartitionedMemoryManager(MemoryManager):
             return
         x = self.dev.h2d(dst, src)
         x.wait_host()
-        self.dev.compute_waits(x)
+        self.dev.compute_waits(x)             # (this thread's stream: the broadcasts wait)
         self._link("h2d", x.nbytes, x.t0, x.t_end)
 
-    def _broadcast_tile(self, buf: torch.Tensor, view: torch.Tensor, lo: int, pieces, name):
-        """Gather worker: each owner's piece of the tile to every rank, in rank order."""
+    def _tile_job(self, g: GroupRecord, buf: torch.Tensor, view: torch.Tensor, lo: int,
+                  pieces, staging, name):
+        """Gather worker: this rank's piece from its home into the tile, then each owner's
+        piece to every rank, in rank order; returns the completion marker."""
+        slo, _ = self.shard(g)
         with self.dev.side_stream():
-            self.dev.wait_free(buf)
+            self.dev.wait_free(buf)           # compute's last use of a recycled buffer
+            for r, a, b in pieces:
+                if r == self.comm.rank:
+                    self._read_piece(g, a - slo, b - slo, view[a - lo:b - lo], staging)
             for r, a, b in pieces:
                 self.comm.broadcast(view[a - lo:b - lo], r, group="param", name=name)
             return self.dev.mark(buf)
