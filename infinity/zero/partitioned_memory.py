@@ -263,13 +263,16 @@ class PartitionedMemoryManager(MemoryManager):
 
     # ------------------------------------------------------------------ tiles
     # Note [Tiles across ranks]: at stage 3 a tile's element range [lo, hi) of a group spans
-    # the shards of one or more owners.  Every rank leases the tile on its device tier; the
-    # owner of each piece reads it from its home into the tile (the base read path on
-    # shard-local offsets: host copy / H2D / NVMe read of the aligned range through host
-    # staging), then, on the gather worker (the thread that issues every parameter
-    # collective, so the order is the same on all ranks), each owner broadcasts its piece,
-    # in rank order.  Bytes on the wire: each piece once to every other rank, as the
-    # all-gather of an untiled group; the device holds one tile, never the group.
+    # the shards of one or more owners.  Every rank leases the tile on its device tier (and,
+    # for an NVMe home, host staging for the aligned byte range of its own piece) on the
+    # main thread, then hands a job to the gather worker - the thread that issues every
+    # parameter collective, in the order the main thread submitted them, which is the same
+    # on all ranks: the owner reads its piece from its home into the tile (host copy / H2D,
+    # NVMe read through the staging), then each owner broadcasts its piece, in rank order.
+    # read_range_start returns at once (Note [Tile prefetch] in infinity.runtime.tiling:
+    # the next tile is gathered while the current one computes).  Bytes on the wire: each
+    # piece once to every other rank, as the all-gather of an untiled group; the device
+    # holds at most two tiles of a layer, never the group.
     def tile_owners(self, g: GroupRecord, lo: int, hi: int) -> list[tuple[int, int, int]]:
         """``(rank, a, b)``: the pieces ``[a, b)`` of ``[lo, hi)`` each rank's shard holds."""
         s = self.part.shard_numel(g.padded_numel)
