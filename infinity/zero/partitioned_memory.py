@@ -26,6 +26,8 @@ does:
   group, in ``fetch_async`` order, which is the same on every rank.
 * ``release``: the base's: the full buffer goes back to the device tier; the shard at
   home is current (the optimizer updates it in place), nothing is written back.
+* ``read_range_start`` / ``read_range``: one tile of a group that memory-centric tiling
+  never fetches whole, gathered from the owners of its pieces (Note [Tiles across ranks]).
 """
 from __future__ import annotations
 
