@@ -62,6 +62,7 @@ def _check(tmp_path, combos, world_size):
             where = f"{run['name']} rank {r.rank}"
             assert got["loss_err"] < 1e-5, (where, got["loss_err"])
             assert got["param_err"] < 1e-5, (where, got["param_err"])
+            assert got["state_dict_matches"], where
             s = got["stats"]
             if run["stage"] < 3:
                 # parameters stay on the device at stages 1-2: nothing paged, nothing tiled

@@ -135,6 +135,11 @@ def main():
                 losses.append(float(t) / ws)
             sd = gathered_state_dict(eng)
             stats = eng.stats()
+            # the engine's own state_dict (gathered from the shards) holds the same values:
+            # tiling does not change the shard layout
+            esd = eng.state_dict()
+            sd_same = all(torch.equal(esd[k].float(), sd[k].float()) for k in sd if k in esd) \
+                and set(dict(ref.named_parameters())) <= set(esd)
             device_kind = eng.mm.dev.kind
         finally:
             eng.close()
@@ -144,6 +149,7 @@ def main():
         lerr = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, ref_losses))
         result["runs"][run["name"]] = {
             "loss_err": lerr, "param_err": (num / den) ** 0.5, "tiled": tiled, "rows": rows,
+            "state_dict_matches": sd_same,
             "tile_bytes": tile_bytes, "largest_group": largest, "device": device_kind,
             "stats": {k: v for k, v in stats.items() if isinstance(v, (int, float))}}
         dist.barrier()
