@@ -22,6 +22,12 @@ Bytes per step (node-level for NVMe, per GPU for PCIe and collectives):
   lives on NVMe: bf16/fp16 with the optimizer on NVMe, or fp32 with the params on NVMe
   (the fp32 param is the master). bf16/fp16 params homed on NVMe receive the updated
   low-precision copy in the same pass (``N*lp`` written).
+* memory-centric tiling (``tiling.max_group_gb``, one rank): a tiled group is read tile by
+  tile at every use, not twice per micro-batch: ``reads`` times its bytes (a Linear /
+  Conv1D use 2, an Embedding lookup 1, a tied embedding / LM head group 3;
+  ``ModelSpec.tileable``), i.e. ``(reads-2)*n*lp`` more than untiled.  No whole buffer of a
+  tiled group is released, so none is handed off as the master: fp32 params on NVMe read
+  the tiled groups' masters (``n*4``) at the step.
 * grads spilled to NVMe (host too small): ``A*N*4`` written during backward, read back
   ``(A-1)*N*4`` to accumulate and ``N*4`` by the optimizer.
 * PCIe (GPU nodes): params offloaded: ``A*2*N/R*lp`` H2D per GPU (each rank uploads its
@@ -144,6 +150,14 @@ def _param_cache(spec, machine, knobs, plan):
     return fit(cap - others - grads), bwd, fit(cap - others - grads), handoff
 
 
+def tiled_groups(spec, machine, knobs, plan):
+    """``[numel, reads, count]`` of the groups the runtime tiles in this configuration
+    (``infinity.runtime.tiling``: one rank, parameters paged, "module" grouping)."""
+    if knobs.tiling_max_group_gb is None or machine.ranks != 1 or plan.params_home == "none":
+        return []
+    return spec.tiled_groups(knobs.grouping, int(knobs.tiling_max_group_gb * GB) // knobs.lp)
+
+
 def traffic_per_step(spec, machine, knobs, plan):
     """Bytes moved, as ``{"mb": {link: [(what, bytes)]}, "opt": {...}}``.
 
@@ -166,6 +180,11 @@ def traffic_per_step(spec, machine, knobs, plan):
                                 2 * node_params * lp - cache_fwd - cache_bwd))
     elif p == "nvme":
         mb["nvme_read"].append(("params fwd+bwd 2*N*lp", 2 * node_params * lp))
+    tiled = tiled_groups(spec, machine, knobs, plan)
+    if p == "nvme" and tiled:
+        extra = sum((r - 2) * n * c for n, r, c in tiled) * lp
+        if extra:
+            mb["nvme_read"].append(("tiled groups read at every use sum((reads-2)*n)*lp", extra))
     if plan.grads_on_nvme:
         A = knobs.grad_accum
         gn = node_params * 4 - plan.grad_host_bytes      # bytes of fp32 grads homed on NVMe
@@ -195,7 +214,11 @@ def traffic_per_step(spec, machine, knobs, plan):
     # own master (bf16/fp16) homed on NVMe
     if (plan.master_is_param and p == "nvme") or (not plan.master_is_param and o == "nvme"):
         if handoff:
-            pass        # the buffer backward read (or a cached copy) is the master in hand
+            # the buffer backward read (or a cached copy) is the master in hand; a tiled
+            # group has no whole buffer: its master is read
+            nt = sum(n * c for n, _, c in tiled)
+            if nt and p == "nvme":
+                opt["nvme_read"].append(("master of tiled groups n*4", nt * 4))
         elif cache_master:
             opt["nvme_read"].append(("master N*4 minus host-cached copies",
                                      node_params * 4 - cache_master))
