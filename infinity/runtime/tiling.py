@@ -313,7 +313,7 @@ class _Runner:
         for r0, r1 in spec.tiles():
             w, lease = self._read(spec.weight, r0, r1)
             try:
-                out.addmm_(x2[:, r0:r1], w.to(out.dtype))
+                out.addmm_(x2[:, r0:r1].to(out.dtype), w.to(out.dtype))
             finally:
                 self._done((lease,))
             n += 1
