@@ -89,7 +89,7 @@ def child(a) -> dict:
            "per_step": {k: (st.get(k, 0) - s0.get(k, 0)) / n for k in (
                "nvme_read_bytes", "nvme_write_bytes", "allgather_bytes", "reduce_scatter_bytes",
                "optimizer_groups_overlapped", "optimizer_master_handoffs",
-               "on_demand_fetches", "prefetched_fetches")}}
+               "on_demand_fetches", "prefetched_fetches", "reused_fetches", "reused_bytes")}}
     if prof is not None and prof.summary is not None:
         s = prof.summary
         res["profile"] = {

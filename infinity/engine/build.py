@@ -28,9 +28,23 @@ from infinity.runtime.prefetch import PrefetchCoordinator
 
 log = logging.getLogger("infinity.engine")
 
-__all__ = ["assemble", "device_budget_for"]
+__all__ = ["assemble", "device_budget_for", "reuse_bytes_for"]
 
 _PARAM_HOME = {"none": "device", "cpu": "cpu", "nvme": "nvme"}
+
+
+def reuse_bytes_for(cfg, zero, device_budget: int | None) -> int:
+    """Bytes of released groups kept for their next use in the micro-step (Note [Reuse
+    within a micro-step] in infinity/runtime/prefetch.py): ``prefetch.reuse_gb`` when set;
+    automatic at ZeRO stage 3 across ranks (a re-fetch is an all-gather): the device
+    budget when there is one (kept groups are evicted when it is needed), else
+    ``DEFAULT_REUSE_BYTES``; otherwise 0."""
+    from infinity.runtime.prefetch import DEFAULT_REUSE_BYTES
+    if cfg.prefetch.reuse_gb is not None:
+        return int(round(cfg.prefetch.reuse_gb * GB))
+    if zero is None or zero.stage != 3:
+        return 0
+    return int(device_budget) if device_budget is not None else DEFAULT_REUSE_BYTES
 
 
 def device_budget_for(device: torch.device, cfg, model) -> int | None:
@@ -207,7 +221,8 @@ def assemble(engine, lr_scheduler) -> None:
     # (and registered with CUDA) now, not inside the hooks of those steps
     engine.host_pool.reserve(engine.mm.staging_sizes(cfg.prefetch.depth)
                              + engine.opt.staging_sizes())
-    engine.coord = PrefetchCoordinator(engine.mm, cfg.prefetch.depth, engine.acct)
+    engine.coord = PrefetchCoordinator(engine.mm, cfg.prefetch.depth, engine.acct,
+                                       reuse_bytes=reuse_bytes_for(cfg, engine.zero, device_budget))
     from infinity.engine.overlap import OverlappedStep, eligible
     after = None
     if eligible(engine):

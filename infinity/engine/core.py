@@ -466,6 +466,7 @@ class Engine:
         d = self.acct.as_dict()
         for k in ("on_demand_fetches", "prefetched_fetches", "untracked_fetches",
                   "divergent_steps", "prefetch_unused", "prefetch_evicted",
+                  "reused_fetches", "reused_bytes",
                   "device_budget_overflows", "optimizer_groups_overlapped",
                   "optimizer_master_handoffs", "optimizer_master_read_bytes_saved",
                   "activation_offload_bytes", "activation_fetch_bytes",
