@@ -33,18 +33,31 @@ __all__ = ["assemble", "device_budget_for", "reuse_bytes_for"]
 _PARAM_HOME = {"none": "device", "cpu": "cpu", "nvme": "nvme"}
 
 
-def reuse_bytes_for(cfg, zero, device_budget: int | None) -> int:
+REUSE_LINE = "groups kept for reuse (prefetch.reuse_gb)"
+
+
+def reuse_bytes_for(cfg, zero, device_budget: int | None, placement) -> int:
     """Bytes of released groups kept for their next use in the micro-step (Note [Reuse
-    within a micro-step] in infinity/runtime/prefetch.py): ``prefetch.reuse_gb`` when set;
-    automatic at ZeRO stage 3 across ranks (a re-fetch is an all-gather): the device
-    budget when there is one (kept groups are evicted when it is needed), else
-    ``DEFAULT_REUSE_BYTES``; otherwise 0."""
+    within a micro-step] in infinity/runtime/prefetch.py), added to the placement plan's
+    device tier: ``prefetch.reuse_gb`` when set; automatic at ZeRO stage 3 across ranks
+    (a re-fetch is an all-gather): ``DEFAULT_REUSE_BYTES``; otherwise 0.  With a device
+    budget at most what the budget leaves above the plan, and never more than the paged
+    parameters."""
     from infinity.runtime.prefetch import DEFAULT_REUSE_BYTES
     if cfg.prefetch.reuse_gb is not None:
-        return int(round(cfg.prefetch.reuse_gb * GB))
-    if zero is None or zero.stage != 3:
-        return 0
-    return int(device_budget) if device_budget is not None else DEFAULT_REUSE_BYTES
+        want = int(round(cfg.prefetch.reuse_gb * GB))
+    elif zero is not None and zero.stage == 3:
+        want = DEFAULT_REUSE_BYTES if device_budget is None else int(device_budget)
+    else:
+        want = 0
+    sharded = zero is not None and zero.stage == 3
+    paged = sum(g.nbytes for g in placement.groups if sharded or g.home != "device")
+    kept = min(want, paged)
+    if device_budget is not None:
+        kept = min(kept, max(0, int(device_budget) - placement.device_total))
+    if kept > 0:
+        placement.device[REUSE_LINE] = kept
+    return kept
 
 
 def device_budget_for(device: torch.device, cfg, model) -> int | None:
@@ -159,6 +172,7 @@ def assemble(engine, lr_scheduler) -> None:
         placement.param_cache_budget = cfg.host_memory_bytes - placement.host_total
         placement.compute(engine.gas)
         placement.check()
+    engine.reuse_bytes = reuse_bytes_for(cfg, engine.zero, device_budget, placement)
     engine.placement = placement
     # Note [commit point]: host undo copies of a window's updated host states fit in what
     # the cap leaves (no cap: any)
@@ -222,7 +236,7 @@ def assemble(engine, lr_scheduler) -> None:
     engine.host_pool.reserve(engine.mm.staging_sizes(cfg.prefetch.depth)
                              + engine.opt.staging_sizes())
     engine.coord = PrefetchCoordinator(engine.mm, cfg.prefetch.depth, engine.acct,
-                                       reuse_bytes=reuse_bytes_for(cfg, engine.zero, device_budget))
+                                       reuse_bytes=engine.reuse_bytes)
     from infinity.engine.overlap import OverlappedStep, eligible
     after = None
     if eligible(engine):
