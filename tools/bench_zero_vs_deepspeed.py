@@ -62,6 +62,9 @@ def child(a) -> dict:
     import e2e_model
     import infinity
     torch.set_num_threads(1)
+    if a.adam_threads:
+        import infinity.optim
+        infinity.optim.set_num_threads(a.adam_threads)
     rank = int(os.environ["RANK"])
     ws = int(os.environ["WORLD_SIZE"])
     model = e2e_model.build_model(a.layers, a.hidden, a.ffn_mult)
@@ -190,6 +193,9 @@ def main(argv=None) -> int:
     ap.add_argument("--no-overlap", action="store_true",
                     help="infinity: step every group at the boundary (engine."
                          "overlap_optimizer_step = False), for A/B runs")
+    ap.add_argument("--adam-threads", type=int, default=0,
+                    help="infinity: infinity.optim.set_num_threads(N) in every rank (0: the "
+                         "engine's default)")
     ap.add_argument("--profile", default=None, help="engine.profile per rank into DIR/rank<r>")
     ap.add_argument("--timeout", type=float, default=3600)
     ap.add_argument("--json", action="store_true", help="also print one JSON line at the end")
@@ -216,6 +222,8 @@ def main(argv=None) -> int:
             cmd.append(f"--profile={a.profile}")
         if a.no_overlap:
             cmd.append("--no-overlap")
+        if a.adam_threads:
+            cmd.append(f"--adam-threads={a.adam_threads}")
         return cmd
 
     def ds_cmd(r):
