@@ -369,6 +369,7 @@ class Engine:
         with self.gate.open():                # Note [held interrupts]
             try:
                 self.phase = Phase.STEPPING
+                self.coord.release_kept()      # Note [Reuse within a micro-step]
                 self.mm.wait_host_reads()      # no copy may still read a home being updated
                 with self.timeline.span("optimizer", "step"):
                     # Note [Overlap safety]: every early step ended before homes are read

@@ -24,7 +24,9 @@ released first (Belady); a prefetch or an on-demand fetch that finds the device 
 full releases kept groups needed later than itself.  Kept values cannot go stale: the
 parameters change only in an optimizer step, and every kept group is released at the
 end of its micro-step's backward (:meth:`end_pass`; a failed pass: the manager's
-``abandon_all``); an early (overlapped) step never takes a group the trace uses again.
+``abandon_all``; and, defensively, before every boundary step: :meth:`release_kept`
+— a forward before step() drops the window anyway); an early (overlapped) step never takes a group the trace uses
+again.
 """
 from __future__ import annotations
 
@@ -189,6 +191,14 @@ class PrefetchCoordinator:
                 need -= self._drop_kept(self._by_gid[gid])
         self._kept[g.gid] = g.nbytes
         return True
+
+    def release_kept(self) -> None:
+        """Release every kept group (before an optimizer step updates the homes: a forward
+        whose backward has not run yet must not leave a gathered copy behind)."""
+        for gid in list(self._kept):
+            c = self._by_gid[gid]
+            if c.users == 0:
+                self._drop_kept(c)
 
     def _drop_kept(self, c: GroupRecord) -> int:
         """Release kept group ``c`` (its next use fetches it again); returns its bytes."""

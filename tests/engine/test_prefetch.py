@@ -190,3 +190,4 @@ def test_reuse_keeps_groups_from_forward_for_backward(harness, swap_dir):
     moved = max(float((off[2][k] - v).abs().max()) for k, v in
                 {n: p.detach() for n, p in ref.state_dict().items()}.items())
     assert moved > 1e-3          # training moved the parameters: the comparison means something
+
