@@ -20,13 +20,14 @@ with ``reuse_bytes`` > 0, beyond it too: up to ``reuse_bytes`` of such *kept* gr
 (DeepSpeed's ``max_reuse_distance`` / ``max_live_parameters``).  At ZeRO stage 3 across
 ranks this saves backward's all-gather (and the NVMe read of the shard) of every kept
 group.  When the budget is full, the kept group needed furthest in the future is
-released first (Belady); a prefetch or an on-demand fetch that finds the device budget
-full releases kept groups needed later than itself.  Kept values cannot go stale: the
+released first (Belady); a prefetch that finds the device budget full releases kept
+groups needed after it, an on-demand fetch prefetched or kept groups, the one needed
+furthest ahead first.  Kept values cannot go stale: the
 parameters change only in an optimizer step, and every kept group is released at the
 end of its micro-step's backward (:meth:`end_pass`; a failed pass: the manager's
 ``abandon_all``; and, defensively, before every boundary step: :meth:`release_kept`
-— a forward before step() drops the window anyway); an early (overlapped) step never takes a group the trace uses
-again.
+— a forward before step() drops the window anyway); an early (overlapped) step never
+takes a group the trace uses again.
 """
 from __future__ import annotations
 
@@ -181,8 +182,8 @@ class PrefetchCoordinator:
             return False
         need = sum(self._kept.values()) + g.nbytes - self.reuse_bytes
         if need > 0:
-            later = [(self._next_use(gid) or 1 << 30, gid) for gid in self._kept]
-            later = sorted((x for x in later if x[0] > nxt), reverse=True)
+            later = sorted((x for x in ((self._kept_next(gid), gid) for gid in self._kept)
+                            if x[0] > nxt), reverse=True)
             if sum(self._kept[gid] for _, gid in later) < need:
                 return False
             for _, gid in later:
@@ -191,6 +192,11 @@ class PrefetchCoordinator:
                 need -= self._drop_kept(self._by_gid[gid])
         self._kept[g.gid] = g.nbytes
         return True
+
+    def _kept_next(self, gid: int) -> int:
+        """Trace position of kept group ``gid``'s next use (none left: furthest of all)."""
+        nxt = self._next_use(gid)
+        return 1 << 30 if nxt is None else nxt
 
     def release_kept(self) -> None:
         """Release every kept group (before an optimizer step updates the homes: a forward
@@ -212,8 +218,7 @@ class PrefetchCoordinator:
         """The device budget is full: release kept groups whose next use comes after trace
         position ``pos``, furthest first, until ``nbytes`` can be leased.  Returns whether
         anything was released."""
-        later = sorted(((self._next_use(gid) or 1 << 30, gid) for gid in self._kept),
-                       reverse=True)
+        later = sorted(((self._kept_next(gid), gid) for gid in self._kept), reverse=True)
         freed = False
         for nxt, gid in later:
             if nxt <= pos or self.mm.device_pool.can_lease(nbytes):
