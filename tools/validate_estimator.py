@@ -65,8 +65,12 @@ CONFIGS = [
 QUICK = [CONFIGS[1], CONFIGS[2], CONFIGS[5], ("bf16", "nvme", "nvme", 1, 0.021)]
 # --only-new: the rows issues 17 and 18 added
 NEW = CONFIGS[8:]
-# --tiling: the tiling row and its untiled peer
-TILING = [CONFIGS[4], CONFIGS[-1]]
+# --tiling: the tiling row and its untiled peer, then the same pair at ZeRO stage 3 on 2
+# ranks (each rank a process; predicted per rank as 2 CPU-only one-rank "nodes", measured
+# on rank 0, rank 1 shown in the JSON)
+TILING = [CONFIGS[4], CONFIGS[-1],
+          ("fp32", "nvme", "nvme", 1, None, {"ws": 2}),
+          ("fp32", "nvme", "nvme", 1, None, {"ws": 2, "tile": 0.006})]
 # --planned (issue 18): the configuration `infinity estimate --plan` picks for the validation
 # model under these offload.host_memory_gb caps (global batch 4 sequences, fp32), run here
 PLANNED_CAPS = (0.5, 0.4)
@@ -155,6 +159,9 @@ def child(spec):
         conf["offload"]["host_memory_gb"] = spec["cap"]
     if spec.get("tile"):
         conf["tiling"] = {"max_group_gb": spec["tile"]}
+    if spec.get("ws", 1) > 1:
+        conf["zero_stage"] = 3
+        conf["dist_timeout_s"] = 300
     eng = infinity.initialize(model, conf)
     del model
     g = torch.Generator().manual_seed(1)
@@ -194,6 +201,7 @@ def child(spec):
            "act_offload": (s1["activation_offload_bytes"] - s0["activation_offload_bytes"])
            // spec["accum"],
            "loss": loss, "engine_plan_host": eng.placement.host_total,
+           "tiles_forward": s1.get("tiles_forward", 0) - s0.get("tiles_forward", 0),
            "engine_grad_home": eng.placement.grad_home}
     eng.close()
     print(json.dumps(res))
@@ -208,7 +216,9 @@ def predict(spec):
         model = GPT2LMHeadModel(GPT2Config(**spec["model"]))
     ms = spec_from_module(model, seq=spec["seq"], batch=spec["batch"])
     act = spec.get("act") or ("none", "checkpoints")
-    est = estimate(ms, machine=Machine(gpus=0, host_mem_gb=1000, nvme_gb=1000),
+    # ZeRO on CPU-only ranks: one rank per "node", so the per-node figures are per rank
+    est = estimate(ms, machine=Machine(gpus=0, host_mem_gb=1000, nvme_gb=1000,
+                                       nodes=spec.get("ws", 1)),
                    precision=spec["precision"], prefetch_depth=spec["depth"], grad_accum=spec["accum"],
                    host_cap_gb=spec["cap"], configs=[(spec["params"], spec["optimizer"])],
                    activation_home=act[0], activation_scope=act[1],
@@ -238,6 +248,40 @@ def predict(spec):
     return {"host": host, "nvme_read": tr["nvme_read"], "nvme_write": tr["nvme_write"],
             "params": ms.params, "grads_on_nvme": c.plan.grads_on_nvme, "micro_nvme": micro,
             "act_offload": 0 if off is None else off.nbytes}
+
+
+def _run_children(spec):
+    """One child (world size 1) or ``spec["ws"]`` ranks as torchrun would start them; the
+    measurements of each rank in rank order, or None when one failed."""
+    ws = spec.get("ws", 1)
+    env = dict(os.environ)
+    if ws > 1:
+        import socket
+        with socket.socket() as so:
+            so.bind(("127.0.0.1", 0))
+            port = so.getsockname()[1]
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(ws),
+                   LOCAL_WORLD_SIZE="1", OMP_NUM_THREADS="1")
+    procs = []
+    for r in range(ws):
+        e = dict(env, RANK=str(r), LOCAL_RANK="0") if ws > 1 else env
+        procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), "--child",
+                                       json.dumps(spec)], env=e, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    out = []
+    try:
+        for p in procs:
+            so, se = p.communicate(timeout=900)
+            if p.returncode != 0:
+                print(se[-3000:], file=sys.stderr)
+                return None
+            out.append(json.loads(so.strip().splitlines()[-1]))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return out
 
 
 def _ratio(pred, meas):
@@ -285,12 +329,11 @@ def main():
                     "accum": accum, "cap": cap, **extra}
             spec.pop("planned", None)
             t0 = time.perf_counter()
-            p = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", json.dumps(spec)],
-                               capture_output=True, text=True, timeout=900)
-            if p.returncode != 0:
-                print(f"{precision} {params}/{optimizer} accum {accum}: child failed:\n{p.stderr[-3000:]}", file=sys.stderr)
+            ranks = _run_children(spec)
+            if ranks is None:
+                print(f"{precision} {params}/{optimizer} accum {accum}: child failed", file=sys.stderr)
                 continue
-            meas = json.loads(p.stdout.strip().splitlines()[-1])
+            meas = ranks[0]
             pred = predict(spec)
             name = (("planned " if extra.get("planned") else "")
                     + f"{precision} params={params} optimizer={optimizer}"
@@ -300,7 +343,8 @@ def main():
                     + (f" grads {extra['gdtype']}" if extra.get("gdtype") else "")
                     + (f" act={extra['act'][0]}/{extra['act'][1]}" if extra.get("act") else "")
                     + (" ckpt" if extra.get("ckpt") else "")
-                    + (f" tiling={extra['tile']:g}GB" if extra.get("tile") else ""))
+                    + (f" tiling={extra['tile']:g}GB" if extra.get("tile") else "")
+                    + (f" ZeRO-3 ws={extra['ws']} rank 0" if extra.get("ws", 1) > 1 else ""))
             rows.append({"config": name,
                          "params": pred["params"], "seconds": time.perf_counter() - t0,
                          "pred_host": pred["host"], "meas_host": meas["steady_hwm"] - meas["base_rss"],
@@ -311,6 +355,9 @@ def main():
                          "stats_nvme_write": meas["nvme_write"],
                          "pred_micro_nvme": pred["micro_nvme"], "meas_micro_nvme": meas["micro_nvme"],
                          "pred_act_offload": pred["act_offload"], "meas_act_offload": meas["act_offload"],
+                         "tiles_forward": meas["tiles_forward"],
+                         "other_ranks": [{k: m[k] for k in ("steady_hwm", "base_rss", "proc_read",
+                                                            "proc_write")} for m in ranks[1:]],
                          "pred_grads": "nvme" if pred["grads_on_nvme"] else "host",
                          "meas_grads": meas["engine_grad_home"]})
     if args.json:

@@ -79,6 +79,16 @@ def _params_follow(g, device: torch.device) -> None:
             s.param.data = placeholder(g.dtype, s.shape, device)
 
 
+def _tiling_across_ranks(engine) -> dict:
+    """Tiling's ZeRO hooks: the shard is final when the group's uses are done; an
+    Embedding's touched tiles are the union over ranks (a sum on the engine's group)."""
+    if engine.zero is None:
+        return {}
+    comm = engine.zero.comm
+    return {"group_final": engine.opt.tiled_final,
+            "union": lambda m: comm.all_reduce_sum(m, group="default", name="touched tiles")}
+
+
 def assemble(engine, lr_scheduler) -> None:
     """Build ``engine``'s parts in dependency order, each attribute set as soon as it
     exists (so ``engine.close()`` frees whatever a failure part-way left built)."""
@@ -109,10 +119,14 @@ def assemble(engine, lr_scheduler) -> None:
     # memory-centric tiling (infinity.runtime.tiling): layers larger than their share of the
     # device budget are computed tile by tile, never fetched whole
     from infinity.runtime.tiling import plan_tiles, tiling_limit
+    # across ranks (Note [Tiles across ranks]): stage 3, whose paged groups are the only
+    # ones (stages 1-2 keep parameters on the device); not with ZeRO++ (its gathers and
+    # reductions run on their own threads and groups)
     tile_gb = cfg.tiling.max_group_gb
-    tile_specs = {} if engine.zero is not None else plan_tiles(grouping, tiling_limit(
-        None if tile_gb is None else int(round(tile_gb * GB)), device_budget,
-        cfg.prefetch.depth))
+    tile_specs = {} if engine.zero is not None and engine.zero.zeropp is not None \
+        else plan_tiles(grouping, tiling_limit(
+            None if tile_gb is None else int(round(tile_gb * GB)), device_budget,
+            cfg.prefetch.depth))
     act_home = cfg.activation_offload.home
     needs_nvme = param_home == "nvme" or cfg.offload.optimizer == "nvme" or act_home == "nvme"
     if needs_nvme:
@@ -259,7 +273,8 @@ def assemble(engine, lr_scheduler) -> None:
         from infinity.runtime.tiling import Tiling
         engine.tiling = Tiling(tile_specs, engine.mm, engine.acct, accumulate=engine.opt.accumulate,
                                accumulate_rows=engine.opt.accumulate_rows,
-                               accepts_rows=engine.opt.accumulates_rows, after=after)
+                               accepts_rows=engine.opt.accumulates_rows, after=after,
+                               **_tiling_across_ranks(engine))
         engine.tiling.install(grouping)
         log.info("%s", engine.tiling.describe())
     engine.hooks.install()

@@ -65,6 +65,8 @@ def host_reserve_bytes(machine):
 
 
 HOMES = ("none", "cpu", "nvme")
+#: infinity.zero.partitioned_optimizer.MAX_INFLIGHT_REDUCTIONS (kept in step by a test)
+ZERO_INFLIGHT_REDUCTIONS = 4
 TIER_NAMES = {"device": "device per GPU", "pinned": "pinned host per node",
               "pageable": "pageable host per node", "nvme": "NVMe per node"}
 
@@ -89,8 +91,8 @@ class Knobs:
     activation_home: str = "none"      # [activation_offload.home]: "none" | "cpu" | "nvme"
     activation_scope: str = "checkpoints"  # [activation_offload.scope]: "checkpoints" | "all"
     grad_accum_dtype: str = "fp32"     # [gradient_accumulation_dtype] NVMe partial sums
-    tiling_max_group_gb: float | None = None  # [tiling.max_group_gb] (None: no tiling; the
-                                       # runtime tiles at world size 1 only)
+    tiling_max_group_gb: float | None = None  # [tiling.max_group_gb] (None: no tiling; at
+                                       # world size > 1 only stage 3 without ZeRO++ tiles)
     grad_spill: str = "auto"           # fp32 gradient home: "auto" decides as the engine does
                                        # (grad_spill_decision), "on" = on NVMe whenever a swap
                                        # space exists, "off" = always in host memory
@@ -291,10 +293,13 @@ def plan_memory(spec, machine, knobs, params_home, optimizer_home):
         pl.notes.append("fp32: the parameter at its home is the optimizer's master (stored once)")
     # groups in the device tier while paged: in use, d prefetched, one being released
     win = d + 2
-    # memory-centric tiling (one rank, module grouping): a fetch puts at most a tile of the
-    # tiled groups on the device, Gf = max(min(Gmax, tile), largest untileable group)
+    # memory-centric tiling (module grouping; params paged: one rank, or ZeRO stage 3 without
+    # ZeRO++, where each rank holds the whole gathered tile): a fetch puts at most a tile of
+    # the tiled groups on the device, Gf = max(min(Gmax, tile), largest untileable group)
     Gf, gname = G, "Gmax"
-    if knobs.tiling_max_group_gb is not None and R == 1 and params_home != "none":
+    zpp = knobs.qwz or knobs.hpz > 1 or knobs.qgz
+    if knobs.tiling_max_group_gb is not None and params_home != "none" \
+            and (R == 1 or (stage == 3 and not zpp)):
         Gf = spec.fetched_numel(knobs.grouping, int(knobs.tiling_max_group_gb * GB) // lp)
         if Gf < G:
             gname = "Gf"
@@ -321,8 +326,11 @@ def plan_memory(spec, machine, knobs, params_home, optimizer_home):
             add(Item("nvme", "param home (NVMe)", r * shard * lp, "r*N/R*lp"))
             if gpu:
                 # each rank reads its 1/R share of a group, then the ranks all-gather it
-                add(Item("pinned", "NVMe->GPU staging (prefetch window)", r * win * -(-Gf // R) * lp,
-                         f"r*(d+2)*{gname}/R*lp"))
+                # (tiled: the owner of a tile's piece reads it whole, at most a tile or
+                # a shard: Note [Tiles across ranks])
+                stg = -(-G // R) if Gf == G else min(Gf, -(-G // R))
+                add(Item("pinned", "NVMe->GPU staging (prefetch window)", r * win * stg * lp,
+                         f"r*(d+2)*{gname}/R*lp" if Gf == G else "r*(d+2)*min(Gf,Gmax/R)*lp"))
             else:
                 add(Item("pinned", "NVMe staging (initialisation only)", G * lp, "Gmax*lp"))
 
@@ -356,6 +364,15 @@ def plan_memory(spec, machine, knobs, params_home, optimizer_home):
                 add(Item("pinned", "GPU->host grad staging", r * 2 * G * lp, "r*2*Gmax*lp"))
         grad_item = Item("pageable", "grad accumulation (fp32, host)", r * shard * 4, "r*N/R*4")
         add(grad_item)
+        if not gpu and stage >= 2 and R > 1:
+            # engine (PartitionedOptimizer._lease_full, host pool on a CPU-only rank): a
+            # group's full fp32 gradient assembled for its reduce-scatter, up to
+            # MAX_INFLIGHT_REDUCTIONS in flight, one being assembled and a tied group open
+            # across backward; tiled groups never (their rows are reduced tile by tile, so
+            # the largest group reduced whole is at most Gf)
+            k = ZERO_INFLIGHT_REDUCTIONS
+            add(Item("pageable", f"gradients awaiting reduce-scatter (fp32, {k + 2} x {gname})",
+                     r * (k + 2) * Gf * 4, f"r*{k + 2}*{gname}*4"))
 
     # ---------------------------------------------------------------- optimizer
     if master_is_param:
@@ -385,12 +402,14 @@ def plan_memory(spec, machine, knobs, params_home, optimizer_home):
         # a tile never spans two partitions (groups): pages of a slot beyond the largest group
         # are allocated but never touched, so resident bytes use min(T, Gmax)
         D = knobs.pipeline_depth
-        Gr = -(-G // 2048) * 2048
+        # (a rank's tile covers at most its shard of the largest group: the engine sizes the
+        # ring by the largest trainable shard)
+        Gr = -(-(-(-G // R)) // 2048) * 2048
         T = min(knobs.tile_numel, Gr)
         if knobs.host_cap_gb:   # engine: the ring stays within ~15 % of offload.host_memory_gb
             T = min(max(65536, min(T, int(knobs.host_cap_gb * GB * 0.15) // 48)), Gr)
         add(Item("pinned", "optimizer tile ring", r * D * T * per_slot,
-                 f"r*D*min(T,Gmax)*{per_slot}  [D={D}, T={knobs.tile_numel}]"))
+                 f"r*D*min(T,Gmax/R)*{per_slot}  [D={D}, T={knobs.tile_numel}]"))
 
     # ---------------------------------------------------------------- NVMe grads (engine rule)
     if grad_item is not None:

@@ -11,7 +11,8 @@ model (:mod:`.memory_plan`, :mod:`.step_time`):
 * the prefetch depth (the deepest of :data:`DEPTHS` that fits: the step-time model does
   not depend on it, a deeper read-ahead only absorbs jitter the model does not see);
 * memory-centric tiling (``tiling.max_group_gb``, tiles of Gmax / :data:`TILE_FRACTIONS`)
-  when nothing fits untiled at the shallowest depth (one rank, parameters paged);
+  when nothing fits untiled at the shallowest depth (parameters paged: one rank, or
+  ZeRO stage 3 without ZeRO++);
 * with ``allow_lossy``: bf16 Adam moments (``optimizer.state_dtype``) and bf16 partial
   gradient sums (``gradient_accumulation_dtype``); without it the plan is lossless.
 
@@ -244,16 +245,20 @@ def default_global_batch(seq, ranks, tokens=DEFAULT_TOKENS_PER_STEP):
 
 
 #: tiling tried when nothing fits untiled: tiles of Gmax / f elements (memory-centric
-#: tiling; one rank, params paged): the step-time model is the same, only the fetch window
+#: tiling; params paged: one rank, or ZeRO stage 3 without ZeRO++): the step-time model is the same, only the fetch window
 #: shrinks (docs/estimator.md, "Memory-centric tiling")
 TILE_FRACTIONS = (4, 16)
+
+
+def _zeropp(knobs) -> bool:
+    return bool(knobs.qwz or knobs.hpz > 1 or knobs.qgz)
 
 
 def _tile_choices(spec, knobs, R, params_home):
     """``tiling.max_group_gb`` values to try after the untiled depths (none when tiling does
     not apply or is set already)."""
-    if R != 1 or params_home == "none" or knobs.tiling_max_group_gb is not None \
-            or knobs.grouping != "module":
+    if params_home == "none" or knobs.tiling_max_group_gb is not None \
+            or knobs.grouping != "module" or (R > 1 and (knobs.zero_stage != 3 or _zeropp(knobs))):
         return []
     G = spec.group_numel("module")
     out = []

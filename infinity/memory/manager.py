@@ -71,6 +71,45 @@ class Fetch:
         return self.t_read is not None
 
 
+class ReadyTile:
+    """A tile already read (:meth:`MemoryManager.read_range_start`)."""
+    __slots__ = ("view", "lease", "mm")
+
+    def __init__(self, view, lease, mm=None):
+        self.view, self.lease, self.mm = view, lease, mm
+
+    def result(self):
+        return self.view, self.lease
+
+    def cancel(self) -> None:
+        if self.lease is not None and self.mm is not None:
+            self.mm.give_back_range(self.lease)
+
+
+class _ReadingTile:
+    """An NVMe tile read in flight into a device-tier lease (zero-copy tier)."""
+    __slots__ = ("mm", "h", "view", "buf", "nbytes", "t0")
+
+    def __init__(self, mm, h, view, buf, nbytes, t0):
+        self.mm, self.h, self.view, self.buf, self.nbytes, self.t0 = mm, h, view, buf, nbytes, t0
+
+    def result(self):
+        try:
+            self.h.wait()
+        except BaseException:
+            self.mm.give_back_range(self.buf)
+            raise
+        self.mm._link("nvme_read", self.nbytes, self.t0)
+        return self.view, self.buf
+
+    def cancel(self) -> None:
+        try:
+            self.h.wait()
+        except Exception:  # noqa: BLE001 - the error that made us cancel matters more
+            pass
+        self.mm.give_back_range(self.buf)
+
+
 class MemoryManager:
     def __init__(self, groups: list[GroupRecord], *, device: torch.device,
                  device_budget: int | None, host_pool: BufferPool, swap=None,
@@ -260,6 +299,27 @@ class MemoryManager:
             x.wait_host()
             self.dev.compute_waits(x)
         return view, buf
+
+    def read_range_start(self, g: GroupRecord, lo: int, hi: int):
+        """Start :meth:`read_range` (the next tile is read while the current one computes);
+        ``.result()`` gives ``(tensor, lease)``, ``.cancel()`` gives it back unused.  An
+        NVMe read on a zero-copy tier is left in flight; everything else is read now."""
+        if g.state is Location.NVME and self.dev.zero_copy and not g.users:
+            self.wait_home(g)
+            if g.state is Location.NVME:
+                isz = g.dtype.itemsize
+                a0 = (lo * isz) // 4096 * 4096
+                a1 = min(-(-(hi * isz) // 4096) * 4096, g.extent.nbytes)
+                buf = self.dev.lease_or_overflow(a1 - a0, torch.uint8, "a parameter tile", True)
+                t0 = time.perf_counter()
+                try:
+                    h = self.swap.read(g.extent, buf[: a1 - a0], a0)
+                except BaseException:
+                    self._give_back(self.dev, buf)
+                    raise
+                view = buf[: a1 - a0].view(g.dtype)[(lo * isz - a0) // isz:][: hi - lo]
+                return _ReadingTile(self, h, view, buf, a1 - a0, t0)
+        return ReadyTile(*self.read_range(g, lo, hi), self)
 
     def give_back_range(self, lease) -> None:
         if lease is not None:

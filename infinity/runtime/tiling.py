@@ -14,8 +14,10 @@ How: the module's ``forward`` computes through :class:`_TiledLinearFn`, which re
 tile of the weight and bias from where the group's values are (Note [Tiles] in
 :mod:`infinity.memory.manager`: in place from a host home on a zero-copy tier, otherwise a
 device-tier lease the size of one tile), computes that block of output columns, and gives
-the tile back before reading the next.  Backward reads the tiles again, adds each tile's
-contribution to the input gradient and hands the tile's weight and bias gradient rows to
+the tile back before reading the next (Note [Tile prefetch]: the read of the next tile is
+started before the current one computes - an NVMe read in flight on a zero-copy tier, across
+ranks the gather worker's job - so at most two tiles are leased at once).  Backward reads
+the tiles again (prefetched alike), adds each tile's contribution to the input gradient and hands the tile's weight and bias gradient rows to
 the group's gradient buffer as they are made (``accumulate_rows``; where gradients only
 leave as whole slots - the D2H route, the NVMe gradient home - the rows are assembled
 into one slot-sized tensor first).  The parameters keep their names and objects (their
@@ -26,9 +28,17 @@ see the same groups as without tiling.  The hooks never fetch a tiled module's g
 The overlapped step (:mod:`infinity.engine.overlap`) hears that a slot's gradient is final
 (``after``) only once every use recorded in forward has run its backward (a module called
 twice, a tied pair): :class:`Tiling` counts the uses per group.
+
+Across ranks (ZeRO stage 3, the only stage with paged parameters): ``read_range`` of the
+partitioned manager gathers each tile from the owners of its pieces, ``accumulate_rows`` of
+the partitioned optimizer reduces the rows to them (Note [Tiles across ranks], Note [Tile
+gradients across ranks]), ``group_final`` tells it when a group's uses are done, and an
+Embedding reads the union over ranks of the tiles the lookups touch (``union``), so every
+rank issues the same collectives in the same order.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -187,22 +197,65 @@ class _Runner:
         self.spec = spec
         self.t = tiling
 
-    def _read(self, ref, r0: int, r1: int):
-        g, s = ref
-        per = int(s.shape[1]) if len(s.shape) == 2 else 1
-        view, lease = self.t.mm.read_range(g, s.offset + r0 * per, s.offset + r1 * per)
-        return (view.view(r1 - r0, per) if len(s.shape) == 2 else view), lease
-
     def _tile(self, r0: int, r1: int):
-        w, wl = self._read(self.spec.weight, r0, r1)
-        b = bl = None
-        if self.spec.bias is not None:
-            b, bl = self._read(self.spec.bias, r0, r1)
-        return w, b, (wl, bl)
+        """Rows ``r0 .. r1`` of the weight and bias, read now: ``(w, b, leases)``."""
+        return self._finish(self._start(r0, r1))
 
     def _done(self, leases) -> None:
         for lease in leases:
             self.t.mm.give_back_range(lease)
+
+    # the next tile is read while the current one computes (Note [Tile prefetch])
+    def _start(self, r0: int, r1: int) -> list:
+        out = []
+        try:
+            for ref in (self.spec.weight, self.spec.bias):
+                if ref is not None:
+                    g, s = ref
+                    per = int(s.shape[1]) if len(s.shape) == 2 else 1
+                    p = self.t.mm.read_range_start(g, s.offset + r0 * per, s.offset + r1 * per)
+                    out.append((p, (r1 - r0, per) if len(s.shape) == 2 else None))
+        except BaseException:
+            self._cancel(out)
+            raise
+        return out
+
+    @staticmethod
+    def _cancel(pending) -> None:
+        for p, _ in pending:
+            p.cancel()
+
+    def _finish(self, pending):
+        views, leases = [], []
+        try:
+            for i, (p, shape) in enumerate(pending):
+                view, lease = p.result()
+                leases.append(lease)
+                views.append(view.view(*shape) if shape is not None else view)
+        except BaseException:
+            self._done(leases)
+            self._cancel(pending[i + 1:])
+            raise
+        return views[0], (views[1] if len(views) > 1 else None), leases
+
+    def _tiles(self, ranges):
+        """``(r0, r1, w, b)`` per row range, each tile given back when the loop moves on;
+        the next tile's read is started before the current one is handed out."""
+        ranges = list(ranges)
+        nxt = self._start(*ranges[0]) if ranges else None
+        try:
+            for i, (r0, r1) in enumerate(ranges):
+                cur, nxt = nxt, None
+                w, b, leases = self._finish(cur)
+                try:
+                    if i + 1 < len(ranges):
+                        nxt = self._start(*ranges[i + 1])
+                    yield r0, r1, w, b
+                finally:
+                    self._done(leases)
+        finally:
+            if nxt is not None:
+                self._cancel(nxt)
 
     def _sinks(self):
         sp = self.spec
@@ -214,12 +267,9 @@ class _Runner:
         if isinstance(self.spec.module, nn.Embedding):
             return self._embed_forward(x)
         outs = []
-        for r0, r1 in self.spec.tiles():
-            w, b, leases = self._tile(r0, r1)
-            try:
+        with contextlib.closing(self._tiles(self.spec.tiles())) as tiles:
+            for _, _, w, b in tiles:
                 outs.append(F.linear(x, w, b))
-            finally:
-                self._done(leases)
         self.t.acct.count("tiles_forward", len(outs))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
@@ -236,25 +286,43 @@ class _Runner:
         wsink = sinks[0] if sinks and spec.weight[1].trainable else None
         bsink = sinks[-1] if spec.bias is not None and spec.bias[1].trainable else None
         n = 0
-        for r0, r1 in spec.tiles():
-            last = r1 == spec.out_features
+        tiles = self._tiles(spec.tiles()) if need_gx else \
+            ((r0, r1, None, None) for r0, r1 in spec.tiles())
+        with contextlib.closing(tiles):
+            n = self._backward_loop(tiles, x2, gy2, gx, wsink, bsink, n_in)
+        self.t.acct.count("tiles_backward", n)
+        self.t.use_done(spec)
+        return None if gx is None else gx.view_as(x)
+
+    def _backward_loop(self, tiles, x2, gy2, gx, wsink, bsink, n_in) -> int:
+        n = 0
+        for r0, r1, w, _ in tiles:
+            last = r1 == self.spec.out_features
             gyt = gy2[:, r0:r1]
-            if need_gx:
-                w, _, leases = self._tile(r0, r1)
-                try:
-                    gx.addmm_(gyt.to(w.dtype), w)
-                finally:
-                    self._done(leases)
+            if gx is not None:
+                gx.addmm_(gyt.to(w.dtype), w)
             if wsink is not None:
                 wsink(r0 * n_in, (gyt.t() @ x2).to(x2.dtype), last)
             if bsink is not None:
                 bsink(r0, gyt.sum(0), last)
             n += 1
-        self.t.acct.count("tiles_backward", n)
-        self.t.use_done(spec)
-        return None if gx is None else gx.view_as(x)
+        return n
 
     # ------------------------------------------------------------------ Embedding
+    def _touched(self, tile_of: torch.Tensor) -> list[int]:
+        """The tiles a lookup reads, ascending: the ones its indices touch; across ranks
+        (``Tiling.union``) the union over ranks, so every rank reads (and gathers) the same
+        tiles in the same order."""
+        mine = torch.unique(tile_of).tolist()
+        if self.t.union is None:
+            return mine
+        n = -(-self.spec.out_features // self.spec.rows)
+        mask = torch.zeros(n, dtype=torch.float32)
+        if mine:
+            mask[mine] = 1.0
+        self.t.union(mask)
+        return mask.nonzero(as_tuple=True)[0].tolist()
+
     def _embed_forward(self, ids: torch.Tensor) -> torch.Tensor:
         spec = self.spec
         d = spec.in_features
@@ -266,15 +334,14 @@ class _Runner:
         out = torch.empty(flat.numel(), d, dtype=spec.weight[0].dtype, device=ids.device)
         tile_of = torch.div(flat, spec.rows, rounding_mode="floor")
         n = 0
-        for t in torch.unique(tile_of).tolist():     # only the tiles the lookup touches
-            r0, r1 = t * spec.rows, min(spec.out_features, (t + 1) * spec.rows)
-            sel = (tile_of == t).nonzero(as_tuple=True)[0]
-            w, _, leases = self._tile(r0, r1)
-            try:
-                out[sel] = w.index_select(0, flat[sel] - r0)
-            finally:
-                self._done(leases)
-            n += 1
+        ranges = [(t * spec.rows, min(spec.out_features, (t + 1) * spec.rows))
+                  for t in self._touched(tile_of)]     # only the tiles the lookup touches
+        with contextlib.closing(self._tiles(ranges)) as tiles:
+            for r0, r1, w, _ in tiles:
+                sel = (tile_of == r0 // spec.rows).nonzero(as_tuple=True)[0]
+                if sel.numel():               # (across ranks: touched by another rank)
+                    out[sel] = w.index_select(0, flat[sel] - r0)
+                n += 1
         self.t.acct.count("tiles_forward", n)
         return out.view(*ids.shape, d)
 
@@ -289,8 +356,11 @@ class _Runner:
             pad = spec.module.padding_idx
             tile_of = torch.div(flat, spec.rows, rounding_mode="floor")
             touched = set(torch.unique(tile_of).tolist())
+            shared = set(self._touched(tile_of)) if self.t.union is not None else None
             for t, (r0, r1) in enumerate(spec.tiles()):
                 last = r1 == spec.out_features
+                if shared is not None and t not in shared:
+                    continue              # across ranks: no rank has rows of it (adds 0)
                 if t not in touched:      # no gradient rows: zeros (first use of a window)
                     sink(r0 * d, None, last, (r1 - r0) * d)
                     continue
@@ -311,7 +381,8 @@ class Tiling:
     (the overlapped step, or None) when a slot's gradient is final in this backward."""
 
     def __init__(self, specs: dict[nn.Module, TileSpec], manager, accounting, *,
-                 accumulate, accumulate_rows, accepts_rows, after=None):
+                 accumulate, accumulate_rows, accepts_rows, after=None, group_final=None,
+                 union=None):
         self.specs = specs
         self.mm = manager
         self.acct = accounting
@@ -319,6 +390,11 @@ class Tiling:
         self.accumulate_rows = accumulate_rows
         self.accepts_rows = accepts_rows
         self.after = after
+        # ZeRO (world size > 1): ``group_final(g)`` once every use of ``g`` ran its
+        # backward (the optimizer's tiled_final: its shard is final); ``union(mask)`` sums
+        # a float tensor over ranks in place (an Embedding's touched tiles)
+        self.group_final = group_final
+        self.union = union
         self._installed: list[nn.Module] = []
         self._live: dict[int, int] = {}   # gid -> uses recorded in forward, not yet backward
         self._slot_index = {id(s): i for sp in specs.values() for g in sp.groups
@@ -357,6 +433,8 @@ class Tiling:
                 self._live[g.gid] = n
                 continue
             self._live.pop(g.gid, None)
+            if self.group_final is not None:
+                self.group_final(g)
             if self.after is not None:
                 for i, s in enumerate(g.slots):
                     if s.trainable:

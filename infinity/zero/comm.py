@@ -369,6 +369,34 @@ class Comm:
                                                  async_op=async_op),
                          what, async_op, post, link="reduce_scatter", nbytes=nbytes)
 
+    def broadcast(self, t: torch.Tensor, src: int, *, group: str = "param",
+                  async_op: bool = False, name: str = "") -> CommHandle | None:
+        """``t`` on every rank receives rank ``src``'s ``t`` (memory-centric tiling at stage
+        3: the owner of a piece of a tile sends it to the others).  Counted as parameter
+        traffic (``allgather_sent_bytes``): the owner sends its piece to every other rank."""
+        pg = self.groups[group]
+        nbytes = t.numel() * t.element_size()
+        what = f"broadcast of {name or 'tensor'} from rank {src} ({nbytes} bytes, group {group!r})"
+        if self.rank == src:
+            self._count_chunks("allgather", nbytes, group)
+        return self._run(lambda: dist.broadcast(t, src, group=pg, async_op=async_op),
+                         what, async_op, link="allgather", nbytes=nbytes)
+
+    def reduce_sum(self, t: torch.Tensor, dst: int, *, group: str = "grad",
+                   async_op: bool = False, post=None, name: str = "") -> CommHandle | None:
+        """``t`` on rank ``dst`` receives the sum over ranks of ``t`` (other ranks' ``t`` is
+        left undefined; memory-centric tiling at stages 2-3: a tile's gradient piece goes to
+        the rank owning it).  Counted as gradient traffic: every other rank sends its piece."""
+        pg = self.groups[group]
+        nbytes = t.numel() * t.element_size()
+        what = f"reduce of {name or 'tensor'} to rank {dst} ({nbytes} bytes, group {group!r})"
+        if self.rank != dst:
+            inter = nbytes if self.topo.node_of(dst) != self.topo.node_of(self.rank) else 0
+            self.count_sent("grad_comm", nbytes, inter)
+        return self._run(lambda: dist.reduce(t, dst, op=dist.ReduceOp.SUM, group=pg,
+                                             async_op=async_op),
+                         what, async_op, post, link="reduce_scatter", nbytes=nbytes)
+
     def all_to_all_into(self, out: torch.Tensor, inp: torch.Tensor, *, group: str,
                         name: str = "") -> None:
         """Row ``i`` of ``inp`` (one row per rank of ``group``, group order) goes to rank

@@ -26,6 +26,8 @@ does:
   group, in ``fetch_async`` order, which is the same on every rank.
 * ``release``: the base's: the full buffer goes back to the device tier; the shard at
   home is current (the optimizer updates it in place), nothing is written back.
+* ``read_range_start`` / ``read_range``: one tile of a group that memory-centric tiling
+  never fetches whole, gathered from the owners of its pieces (Note [Tiles across ranks]).
 """
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from infinity.memory.manager import Fetch, MemoryManager
+from infinity.memory.manager import Fetch, MemoryManager, ReadyTile
 from infinity.memory.record import GroupRecord, Location
 from infinity.zero.comm import Comm
 from infinity.zero.partition import Partition
@@ -63,6 +65,40 @@ class _Gather:
 
     def wait(self) -> None:
         self.marker = self.fut.result()     # re-raises the worker's AioError / CollectiveError
+
+
+class _PendingTile:
+    """A tile being gathered on the worker (:meth:`PartitionedMemoryManager.read_range_start`)."""
+    __slots__ = ("mm", "fut", "view", "buf", "staging")
+
+    def __init__(self, mm, fut, view, buf, staging):
+        self.mm, self.fut, self.view, self.buf, self.staging = mm, fut, view, buf, staging
+
+    def _settle(self):
+        try:
+            return self.fut.result()          # re-raises the worker's AioError / CollectiveError
+        finally:
+            if self.staging is not None:
+                self.mm.host_pool.give_back(self.staging)
+                self.staging = None
+
+    def result(self):
+        try:
+            marker = self._settle()
+        except BaseException:
+            self.mm.dev.give_back(self.buf)
+            raise
+        self.mm.dev.compute_waits(marker)
+        self.mm.acct.count("tile_gathers")
+        return self.view, self.buf
+
+    def cancel(self) -> None:
+        """Not needed after all (an error elsewhere): wait for the job, give back."""
+        try:
+            self._settle()
+        except Exception as e:  # noqa: BLE001 - the error that made us cancel matters more
+            log.debug("zero: a cancelled tile gather failed: %s", e)
+        self.mm.dev.give_back(self.buf)
 
 
 class PartitionedMemoryManager(MemoryManager):
@@ -226,6 +262,99 @@ class PartitionedMemoryManager(MemoryManager):
         super()._forget_fetch(g, err)          # waits for the worker's job
         if f is not None:
             self._drop_staging(f)
+
+    # ------------------------------------------------------------------ tiles
+    # Note [Tiles across ranks]: at stage 3 a tile's element range [lo, hi) of a group spans
+    # the shards of one or more owners.  Every rank leases the tile on its device tier (and,
+    # for an NVMe home, host staging for the aligned byte range of its own piece) on the
+    # main thread, then hands a job to the gather worker - the thread that issues every
+    # parameter collective, in the order the main thread submitted them, which is the same
+    # on all ranks: the owner reads its piece from its home into the tile (host copy / H2D,
+    # NVMe read through the staging), then each owner broadcasts its piece, in rank order.
+    # read_range_start returns at once (Note [Tile prefetch] in infinity.runtime.tiling:
+    # the next tile is gathered while the current one computes).  Bytes on the wire: each
+    # piece once to every other rank, as the all-gather of an untiled group; the device
+    # holds at most two tiles of a layer, never the group.
+    def tile_owners(self, g: GroupRecord, lo: int, hi: int) -> list[tuple[int, int, int]]:
+        """``(rank, a, b)``: the pieces ``[a, b)`` of ``[lo, hi)`` each rank's shard holds."""
+        s = self.part.shard_numel(g.padded_numel)
+        return [(r, max(lo, r * s), min(hi, (r + 1) * s))
+                for r in range(lo // s, min(self.part.world_size, -(-hi // s)))]
+
+    def read_range(self, g: GroupRecord, lo: int, hi: int):
+        return self.read_range_start(g, lo, hi).result()
+
+    def read_range_start(self, g: GroupRecord, lo: int, hi: int):
+        """Start gathering elements ``lo .. hi`` of ``g`` (the job runs on the gather worker,
+        after the gathers and tiles started before it); ``.result()`` gives
+        ``(tensor, lease)`` as :meth:`read_range`."""
+        if g.state in (Location.READING, Location.TO_DEVICE):
+            self.wait_resident(g)
+        if g.state is Location.DEVICE and g.device_buf is not None:
+            return ReadyTile(g.device_buf[lo:hi], None)   # gathered whole (on every rank)
+        self.wait_home(g)
+        isz = g.dtype.itemsize
+        slo, _ = self.shard(g)
+        pieces = self.tile_owners(g, lo, hi)
+        buf = self.dev.lease_or_overflow((hi - lo) * isz, g.dtype, "a parameter tile", True)
+        staging = None
+        try:
+            view = buf[: hi - lo]
+            mine = [(a - slo, b - slo) for r, a, b in pieces if r == self.comm.rank]
+            if mine and g.home == "nvme":         # the aligned range of this rank's piece
+                (a, b), = mine
+                a0 = (a * isz) // 4096 * 4096
+                a1 = min(-(-(b * isz) // 4096) * 4096, g.extent.nbytes)
+                staging = self.host_pool.lease(a1 - a0, torch.uint8)
+            name = f"a tile of group {g.gid} ({g.name or '<root>'}) [{lo}, {hi})"
+            fut = self._worker.submit(self._tile_job, g, buf, view, lo, pieces, staging, name)
+        except BaseException:
+            if staging is not None:
+                self.host_pool.give_back(staging)
+            self.dev.give_back(buf)
+            raise
+        return _PendingTile(self, fut, view, buf, staging)
+
+    def _read_piece(self, g: GroupRecord, a: int, b: int, dst: torch.Tensor, staging) -> None:
+        """Gather worker: this rank's home elements ``a .. b`` (shard-local) into ``dst``
+        (device tier); an NVMe home through ``staging`` (host, the aligned byte range)."""
+        isz = g.dtype.itemsize
+        t0 = time.perf_counter()
+        if g.home == "nvme":
+            a0 = (a * isz) // 4096 * 4096
+            raw = staging[: min(-(-(b * isz) // 4096) * 4096, g.extent.nbytes) - a0]
+            self.swap.read(g.extent, raw, a0).wait()
+            self._link("nvme_read", raw.numel(), t0)
+            self._copy_in(dst, raw.view(g.dtype)[(a * isz - a0) // isz:][: b - a])
+            return
+        src = self._resident.get(g.gid, g.host_buf)
+        if src is not g.host_buf and not self.dev.zero_copy:
+            dst.copy_(src[a:b])                 # a resident device shard: device to device
+            return
+        self._copy_in(dst, g.host_buf[a:b])
+
+    def _copy_in(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        if self.dev.zero_copy:
+            dst.copy_(src)
+            return
+        x = self.dev.h2d(dst, src)
+        x.wait_host()
+        self.dev.compute_waits(x)             # (this thread's stream: the broadcasts wait)
+        self._link("h2d", x.nbytes, x.t0, x.t_end)
+
+    def _tile_job(self, g: GroupRecord, buf: torch.Tensor, view: torch.Tensor, lo: int,
+                  pieces, staging, name):
+        """Gather worker: this rank's piece from its home into the tile, then each owner's
+        piece to every rank, in rank order; returns the completion marker."""
+        slo, _ = self.shard(g)
+        with self.dev.side_stream():
+            self.dev.wait_free(buf)           # compute's last use of a recycled buffer
+            for r, a, b in pieces:
+                if r == self.comm.rank:
+                    self._read_piece(g, a - slo, b - slo, view[a - lo:b - lo], staging)
+            for r, a, b in pieces:
+                self.comm.broadcast(view[a - lo:b - lo], r, group="param", name=name)
+            return self.dev.mark(buf)
 
     # ------------------------------------------------------------------ host updates
     def mirrored(self) -> list[GroupRecord]:

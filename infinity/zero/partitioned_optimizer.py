@@ -106,6 +106,9 @@ class PartitionedOptimizer(EngineOptimizer):
         # this window yet (their first reduction lands in it directly)
         self._fresh: set[int] = set()
         self._dropping = False           # abandon_window: landing reductions are dropped
+        # spilled shards: a tiled group's rows summed on the host during backward, written
+        # to its NVMe extent once its uses are done (tiled_final)
+        self._tile_acc: dict[int, torch.Tensor] = {}
 
     # ------------------------------------------------------------------ shards
     def shard(self, g: GroupRecord) -> tuple[int, int]:
@@ -219,6 +222,101 @@ class PartitionedOptimizer(EngineOptimizer):
             self._reduce(g)
         self.poll_reductions()
 
+    # Note [Tile gradients across ranks]: memory-centric tiling (infinity.runtime.tiling)
+    # hands a tiled group's gradient over by rows, one tile at a time, and the full group
+    # gradient is never assembled.  At stages 2-3 each tile's rows are a flat range [a, b)
+    # of the group; the part of it in rank r's shard is summed onto r (``Comm.reduce_sum``,
+    # asynchronous, on the "grad" group from the main thread like the whole-group
+    # reduce-scatters, so every rank issues the same reductions in the same order: tiles are
+    # visited in the same order everywhere) and r adds it, averaged, into its shard
+    # accumulation.  Bytes: each rank sends its piece to the owner once, as the untiled
+    # reduce-scatter.  The shard is final once the group's last use ran its backward
+    # (``tiled_final``, told by Tiling): then the overlapped step hears it (``_landed``).
+    def accumulates_rows(self, g: GroupRecord) -> bool:
+        if self.stage == 1:
+            return super().accumulates_rows(g)
+        return True
+
+    def accumulate_rows(self, g: GroupRecord, slot: ParamSlot, start: int,
+                        part: torch.Tensor | None, last: bool, numel: int | None = None) -> None:
+        if self.stage == 1:
+            return super().accumulate_rows(g, slot, start, part, last, numel)
+        if part is None:
+            part = torch.zeros(int(numel), dtype=torch.float32,
+                               device=getattr(self.dev, "device", "cpu"))
+        part = part.reshape(-1)
+        if part.dtype != torch.float32:
+            part = part.float()
+        a = slot.offset + int(start)
+        b = a + part.numel()
+        lo, hi = self.shard(g)
+        s = hi - lo
+        ws, me = self.comm.world_size, self.comm.rank
+        self._fresh.discard(g.gid)          # (fresh: zeros; tile sums are added to it)
+        self._launched.add(g.gid)           # never reduced whole in this backward
+        self._open_backward = True
+        self._queue_flush()
+        for r in range(a // s, min(ws, -(-b // s))):
+            pa, pb = max(a, r * s), min(b, (r + 1) * s)
+            piece = part[pa - a:pb - a]
+            post = (lambda g=g, off=pa - lo, piece=piece: self._add_rows(g, off, piece)) \
+                if r == me else None
+            h = self.comm.reduce_sum(piece, r, async_op=True, post=post,
+                                     name=f"gradient rows of group {g.gid} ({g.name or '<root>'})"
+                                          f" [{pa}, {pb})")
+            self._inflight.append(h)
+            while len(self._inflight) > MAX_INFLIGHT_REDUCTIONS:
+                self._inflight.pop(0).wait()
+        self.poll_reductions()
+
+    def _add_rows(self, g: GroupRecord, off: int, piece: torch.Tensor) -> None:
+        """The summed piece of a tile's gradient that this rank owns: averaged into its
+        shard accumulation (shard-local offset ``off``)."""
+        if self._dropping:
+            return
+        piece.mul_(1.0 / self.comm.world_size)
+        if self.spill:          # this backward's shard sum, written at tiled_final
+            acc = self._tile_acc.get(g.gid)
+            if acc is None:
+                lo, hi = self.shard(g)
+                acc = self._tile_acc[g.gid] = self.host_pool.lease((hi - lo) * 4,
+                                                                   torch.float32).zero_()
+            dst = acc[off:off + piece.numel()]
+        else:
+            dst = g.grad_buf[off:off + piece.numel()]
+        if piece.device == dst.device:
+            dst.add_(piece)
+            return
+        with self.host_pool.scoped(piece.numel() * 4, torch.float32) as host:
+            x = self.dev.d2h(host[: piece.numel()], piece)
+            x.wait_host()
+            if self.acct is not None:
+                self.acct.link("d2h", x.nbytes, x.seconds())
+            dst.add_(host[: piece.numel()])
+
+    def tiled_final(self, g: GroupRecord) -> None:
+        """Every use of tiled ``g`` ran its backward: once its tile reductions landed, its
+        shard is final (told to the overlapped step)."""
+        if self.stage == 1:
+            return
+        while self._inflight:
+            self._inflight.pop(0).wait()
+        if not self.spill:
+            self._landed(g)
+            return
+        acc = self._tile_acc.pop(g.gid, None)
+        if acc is None:          # no row of this backward fell into this rank's shard
+            lo, hi = self.shard(g)
+            acc = self.host_pool.lease((hi - lo) * 4, torch.float32).zero_()
+        self._spill(g, acc, [acc])
+        while self._writes:      # (the next use of its extent reads it back)
+            self._wait_write()
+
+    def _drop_tile_acc(self) -> None:
+        for acc in self._tile_acc.values():
+            self.host_pool.give_back(acc)
+        self._tile_acc.clear()
+
     def poll_reductions(self) -> None:
         """Without blocking: finish the reductions whose collective completed (their
         averaged shards go into the accumulation now, not when the window of
@@ -314,6 +412,11 @@ class PartitionedOptimizer(EngineOptimizer):
                 self.host_pool.give_back(b)
             self._landed(g)
             return
+        self._spill(g, summed, bufs)
+
+    def _spill(self, g: GroupRecord, summed: torch.Tensor, bufs: list) -> None:
+        """Spilled shards: this backward's averaged ``summed`` (host) added to what earlier
+        micro-steps left on NVMe and written back (async; ``bufs`` back after the write)."""
         ext = self._grad_ext[g.gid]
         if self._grad_valid[g.gid]:       # accumulation: add what earlier micro-steps left
             with self.host_pool.scoped(summed.numel() * 4, torch.float32) as tmp:
@@ -399,6 +502,7 @@ class PartitionedOptimizer(EngineOptimizer):
                     log.debug("zero: a reduction of the abandoned window failed: %s", e)
         finally:
             self._dropping = False
+        self._drop_tile_acc()
         super().abandon_window()
 
     def zero_grad(self) -> None:
@@ -407,6 +511,7 @@ class PartitionedOptimizer(EngineOptimizer):
             self._give_full(full)
         self._full.clear()
         self._missing.clear()
+        self._drop_tile_acc()
         self._launched.clear()
         self._open_backward = False
         super().zero_grad()

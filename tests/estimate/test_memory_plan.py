@@ -395,8 +395,8 @@ def test_commit_undo_copies_follow_the_engine_rule():
 
 def test_tiling_bounds_the_fetch_window_by_the_tile():
     """tiling.max_group_gb: one fetch puts at most a tile of a tileable group on the device,
-    but never less than the largest group tiling cannot split; one rank only (the runtime
-    does not tile across ranks)."""
+    but never less than the largest group tiling cannot split; across ranks at ZeRO stage 3
+    too (each rank holds the whole gathered tile), not at stages 1-2 nor with ZeRO++."""
     m = Machine(gpus=0, host_mem_gb=64, nvme_gb=100)
     spec = small_spec()                             # Gmax 50 000, untileable: 2*hidden = 128
     key = ("device", "fetched groups (in use + prefetch)")
@@ -412,7 +412,37 @@ def test_tiling_bounds_the_fetch_window_by_the_tile():
     assert items(est.configs[0].plan)[key] == (2 + 2) * 50_000 * 4
     m2 = Machine(gpus=2, gpu_mem_gb=1, host_mem_gb=100, nvme_gb=1, gpu_reserve_gb=0)
     est = estimate(spec, machine=m2, config=cfg, configs=[("nvme", "nvme")])
+    assert items(est.configs[0].plan)[key] == (2 + 2) * 20_000 * 4
+    # (stage 3 is the default; ZeRO++ gathers whole groups: no tiling)
+    est = estimate(spec, machine=m2, config={**cfg, "zero_pp": {"hpz_partition_size": 2}},
+                   configs=[("nvme", "nvme")])
     assert items(est.configs[0].plan)[key] == (2 + 2) * 50_000 * 4
+
+
+def test_zero_cpu_ranks_count_gradients_awaiting_reduction():
+    """CPU-only ranks at stage >= 2: full fp32 gradients of (MAX_INFLIGHT_REDUCTIONS + 2)
+    groups reduced whole (Gmax, or Gf with tiling) on the host; the optimizer tile ring
+    covers a rank's shard of the largest group."""
+    from infinity.estimate.memory_plan import ZERO_INFLIGHT_REDUCTIONS
+    from infinity.zero.partitioned_optimizer import MAX_INFLIGHT_REDUCTIONS
+    assert ZERO_INFLIGHT_REDUCTIONS == MAX_INFLIGHT_REDUCTIONS
+    k = MAX_INFLIGHT_REDUCTIONS + 2
+    spec = small_spec()                             # Gmax 50 000
+    m = Machine(gpus=0, host_mem_gb=64, nvme_gb=100, nodes=2)
+    cfg = {"precision": "fp32", "zero_stage": 3}
+    plan = estimate(spec, machine=m, config=cfg, configs=[("nvme", "nvme")]).configs[0].plan
+    assert items(plan)[("pageable", f"gradients awaiting reduce-scatter (fp32, {k} x Gmax)")] \
+        == k * 50_000 * 4
+    ring = items(plan)[("pinned", "optimizer tile ring")]
+    assert ring == 3 * (-(-25_000 // 2048) * 2048) * 16
+    cfg["tiling"] = {"max_group_gb": 40_000 / GB}
+    plan = estimate(spec, machine=m, config=cfg, configs=[("nvme", "nvme")]).configs[0].plan
+    assert items(plan)[("pageable", f"gradients awaiting reduce-scatter (fp32, {k} x Gf)")] \
+        == k * 10_000 * 4
+    for stage in (1,):                              # stage 1 all-reduces the full buffers
+        plan = estimate(spec, machine=m, config={"precision": "fp32", "zero_stage": stage},
+                        configs=[("none", "cpu")]).configs[0].plan
+        assert not any("awaiting" in n for _, n in items(plan))
 
 
 def test_spec_from_module_largest_untileable():

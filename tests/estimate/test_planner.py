@@ -184,3 +184,26 @@ def test_planner_tiles_when_nothing_fits_untiled():
     assert estimate(spec, tiling_max_group_gb=0.00025, **kw).configs[0].fits[v]
     assert not estimate(spec, tiling_max_group_gb=0.001, **kw).configs[0].fits[v]   # Gmax/4
     assert not estimate(spec, **kw).configs[0].fits[v]
+
+
+def test_reference_node_plan_tiles_across_ranks(capsys):
+    """Issue 18's target on the 1T reference node (8 ranks, ZeRO stage 3): the lossless plan
+    tiles the largest groups (the runtime tiles at world size > 1, tests/zero/
+    test_tiling_zero.py), which frees the micro-batch: >= 50 % of compute-bound."""
+    assert main(["estimate", *REF, "--seq", "2048", "--plan", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["lossy"] is False and "tiling" in d["plan"] and d["plan"]["zero_stage"] == 3
+    assert d["tokens_per_s"] >= 0.5 * d["compute_bound_tokens_per_s"]
+
+
+def test_tile_choices_across_ranks():
+    """Tiling is searched at world size > 1 only where the runtime tiles: stage 3 with paged
+    parameters and without ZeRO++."""
+    from infinity.estimate.planner import _tile_choices
+    spec = spec_from_dims(params=10_000_000_000, layers=8, hidden=8192, seq=2048, vocab=64000)
+    k = Knobs(precision="bf16")
+    assert _tile_choices(spec, k, 8, "nvme") and _tile_choices(spec, k, 1, "nvme")
+    assert not _tile_choices(spec, k, 8, "none")
+    assert not _tile_choices(spec, Knobs(precision="bf16", zero_stage=2), 8, "nvme")
+    assert not _tile_choices(spec, Knobs(precision="bf16", hpz=8), 8, "nvme")
+    assert _tile_choices(spec, Knobs(precision="bf16", hpz=8), 1, "nvme")
