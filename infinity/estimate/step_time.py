@@ -16,7 +16,9 @@ profiler (docs/profiling.md) shows how close a real step gets.
 Bytes per step (node-level for NVMe, per GPU for PCIe and collectives):
 
 * params on NVMe: every micro-batch reads each group twice (forward, and again for
-  backward after release): ``A*2*N*lp`` NVMe read per node.
+  backward after release): ``A*2*N*lp`` NVMe read per node, less the fraction ``k`` of
+  the parameters kept resident from forward for backward (``prefetch.reuse_gb``,
+  :func:`reused_fraction`), which backward neither reads nor all-gathers again.
 * optimizer on NVMe: m and v are read and written once per step: ``N*2*sb`` each way
   (not read on the very first step). The fp32 master moves too (``N*4`` each way) when it
   lives on NVMe: bf16/fp16 with the optimizer on NVMe, or fp32 with the params on NVMe
@@ -32,7 +34,7 @@ Bytes per step (node-level for NVMe, per GPU for PCIe and collectives):
   ``(A-1)*N*4`` to accumulate and ``N*4`` by the optimizer.
 * PCIe (GPU nodes): params offloaded: ``A*2*N/R*lp`` H2D per GPU (each rank uploads its
   shard, then all-gathers); optimizer offloaded: ``A*N/R*lp`` grads D2H per GPU.
-* collectives (R > 1): stage 3 all-gathers ``A*2*N*lp*(R-1)/R`` per GPU; stage >= 2
+* collectives (R > 1): stage 3 all-gathers ``A*(2-k)*N*lp*(R-1)/R`` per GPU; stage >= 2
   reduce-scatters ``A*N*lp*(R-1)/R``; stage 1 all-reduces twice that.
 * compute: ``6*N*S*B`` FLOPs per micro-batch per rank (Kaplan et al. 2020), ``8*N*S*B``
   with activation checkpointing (one extra forward); attention-score FLOPs are ignored
@@ -158,6 +160,21 @@ def tiled_groups(spec, machine, knobs, plan):
     return spec.tiled_groups(knobs.grouping, int(knobs.tiling_max_group_gb * GB) // knobs.lp)
 
 
+def reused_fraction(spec, machine, knobs, plan) -> float:
+    """The fraction ``k`` of the parameters backward finds still resident from forward
+    (Note [Reuse within a micro-step]): the kept bytes (:func:`reuse_budget`) over
+    ``N*lp``, at most 1.  On a GPU by default the engine keeps what the device budget
+    leaves besides activations, which the plan does not know: not counted (0)."""
+    from .memory_plan import reuse_budget
+    if plan.params_home == "none" and (machine.ranks == 1 or knobs.zero_stage != 3):
+        return 0.0
+    kept = reuse_budget(machine, knobs)
+    if not kept:
+        return 0.0
+    P = spec.params * knobs.lp
+    return min(1.0, kept / P) if P else 0.0
+
+
 def traffic_per_step(spec, machine, knobs, plan):
     """Bytes moved, as ``{"mb": {link: [(what, bytes)]}, "opt": {...}}``.
 
@@ -175,9 +192,13 @@ def traffic_per_step(spec, machine, knobs, plan):
     mb = {k: [] for k in links}
     opt = {k: [] for k in links}
     cache_fwd, cache_bwd, cache_master, handoff = _param_cache(spec, machine, knobs, plan)
+    k = reused_fraction(spec, machine, knobs, plan)
     if p == "nvme" and (cache_fwd or cache_bwd):
         mb["nvme_read"].append(("params fwd+bwd 2*N*lp minus host-cached copies",
                                 2 * node_params * lp - cache_fwd - cache_bwd))
+    elif p == "nvme" and k:
+        mb["nvme_read"].append((f"params fwd+bwd (2-k)*N*lp, k={k:.3g} kept for backward",
+                                int((2 - k) * node_params * lp)))
     elif p == "nvme":
         mb["nvme_read"].append(("params fwd+bwd 2*N*lp", 2 * node_params * lp))
     tiled = tiled_groups(spec, machine, knobs, plan)
@@ -228,7 +249,10 @@ def traffic_per_step(spec, machine, knobs, plan):
     if p == "nvme" and not plan.master_is_param:
         opt["nvme_write"].append(("updated params N*lp", node_params * lp))
     if gpu:
-        if p != "none":
+        if p != "none" and k:
+            mb["h2d"].append((f"param shards fwd+bwd (2-k)*N/R*lp, k={k:.3g}",
+                              int((2 - k) * shard * lp)))
+        elif p != "none":
             mb["h2d"].append(("param shards fwd+bwd 2*N/R*lp", 2 * shard * lp))
         elif o != "none":
             n = shard if knobs.zero_stage == 3 else N
@@ -236,11 +260,11 @@ def traffic_per_step(spec, machine, knobs, plan):
         if o != "none":
             mb["d2h"].append(("grad shard N/R*lp", shard * lp))
     if R > 1:
-        collective_traffic(N, machine, knobs, mb, opt)
+        collective_traffic(N, machine, knobs, mb, opt, reused=k)
     return {"mb": mb, "opt": opt}
 
 
-def collective_traffic(N, machine, knobs, mb, opt):
+def collective_traffic(N, machine, knobs, mb, opt, reused=0.0):
     """Bytes one rank sends per micro-batch (``mb``) and per step (``opt``), by the
     convention of ``engine.stats()`` (an all-gather sends the rank's shard to every other
     rank of its group; a reduce-scatter or all-to-all each peer its chunk), with the part
@@ -257,13 +281,16 @@ def collective_traffic(N, machine, knobs, mb, opt):
         mb["allgather"].append((f"params fwd {tag}N*{w:.3g}*(R-1)/R", int(N * w * frac)))
         inter.append(("params fwd to other nodes", int(N * w * off)))
         H = knobs.hpz if knobs.hpz > 1 else 0
+        Nb = int(N * (1 - reused))      # backward gathers what was not kept from forward
+        kt = f"(1-k)*N, k={reused:.3g}" if reused else "N"
         if H:     # backward gathers the secondary copy within groups of H ranks
-            mb["allgather"].append(("params bwd hpZ N*lp*(H-1)/H", int(N * lp * (H - 1) / H)))
+            mb["allgather"].append((f"params bwd hpZ {kt}*lp*(H-1)/H",
+                                    int(Nb * lp * (H - 1) / H)))
             if H > r:
-                inter.append(("params bwd hpZ beyond the node", int(N * lp * (H - r) / H)))
+                inter.append(("params bwd hpZ beyond the node", int(Nb * lp * (H - r) / H)))
         else:
-            mb["allgather"].append((f"params bwd {tag}N*{w:.3g}*(R-1)/R", int(N * w * frac)))
-            inter.append(("params bwd to other nodes", int(N * w * off)))
+            mb["allgather"].append((f"params bwd {tag}{kt}*{w:.3g}*(R-1)/R", int(Nb * w * frac)))
+            inter.append(("params bwd to other nodes", int(Nb * w * off)))
     else:
         opt["allgather"].append(("updated params N*lp*(R-1)/R", int(N * lp * frac)))
         opt.setdefault("inter_node", []).append(("updated params to other nodes",
