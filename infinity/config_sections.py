@@ -227,14 +227,23 @@ class ZeroPPConfig:
 
 @dataclass
 class PrefetchConfig:
-    """How many parameter groups to fetch ahead of compute."""
+    """How many parameter groups to fetch ahead of compute, and how many bytes of released
+    groups stay resident for their next use in the same micro-step (``reuse_gb``: ZeRO
+    stage 3 across ranks, where a re-fetch is an all-gather; DeepSpeed's
+    ``max_reuse_distance`` / ``max_live_parameters``).  ``reuse_gb`` None: automatic (the
+    device budget when there is one, kept groups evicted when it is needed; else
+    :data:`infinity.runtime.prefetch.DEFAULT_REUSE_BYTES`); 0 turns it off."""
     depth: int = 2
+    reuse_gb: float | None = None
 
     def __post_init__(self):
         self.validate()
 
     def validate(self) -> None:
         self.depth = _int("prefetch.depth", self.depth, lo=0, example=PrefetchConfig.depth)
+        if self.reuse_gb is not None:
+            self.reuse_gb = _float("prefetch.reuse_gb", self.reuse_gb, lo=0.0,
+                                   what=">= 0 (0: off; null: automatic)")
 
 
 @dataclass

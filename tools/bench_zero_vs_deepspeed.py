@@ -16,7 +16,10 @@ round and the median over rounds of each side and of their ratio.
 
 ``--deepspeed-python ''`` runs infinity only.  ``--profile DIR`` records ``engine.profile``
 of infinity's measured steps per rank (``DIR/rank<r>/``) and prints where each rank's
-step time went (links' busy and exposed time, compute, waits, overhead).
+step time went (links' busy and exposed time, compute, waits, overhead).  Each round also
+prints every rank's CPU seconds per step (all its threads: less sensitive to a loaded
+machine than the wall time; infinity: the median step's, DeepSpeed: the mean over its
+measured steps) and rank 0's CPU seconds per step by OS thread name.
 A benchmark, not a test: on a shared 2-core machine the ranks compete for the cores.
 """
 from __future__ import annotations
@@ -36,6 +39,23 @@ PEER = os.path.join(TOOLS, "peers", "deepspeed_e2e.py")
 
 
 # ---------------------------------------------------------------------- one infinity rank
+def thread_cpu() -> dict:
+    """``{tid: (thread name, CPU seconds)}`` of this process's threads (Linux /proc)."""
+    out = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    base = "/proc/self/task"
+    for tid in os.listdir(base):
+        try:
+            with open(f"{base}/{tid}/comm") as f:
+                name = f.read().strip()
+            with open(f"{base}/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            out[tid] = (name.rstrip("0123456789_-"), (int(fields[11]) + int(fields[12])) / tick)
+        except (OSError, IndexError, ValueError):
+            continue
+    return out
+
+
 def child(a) -> dict:
     import torch
     import torch.distributed as dist
@@ -43,6 +63,9 @@ def child(a) -> dict:
     import e2e_model
     import infinity
     torch.set_num_threads(1)
+    if a.adam_threads:
+        import infinity.optim
+        infinity.optim.set_num_threads(a.adam_threads)
     rank = int(os.environ["RANK"])
     ws = int(os.environ["WORLD_SIZE"])
     model = e2e_model.build_model(a.layers, a.hidden, a.ffn_mult)
@@ -58,38 +81,48 @@ def child(a) -> dict:
     if a.no_overlap:
         eng.overlap_optimizer_step = False
     x, y = e2e_model.make_batch(a.tokens, a.hidden, seed=1 + rank)
-    steps, fb, opt = [], [], []
+    steps, fb, opt, cpu = [], [], [], []
     prof = None
     try:
         for i in range(a.warmup + a.steps):
             if i == a.warmup:
                 s0 = eng.stats()
+                t0_threads = thread_cpu()
                 if a.profile:
                     prof = eng.profile(os.path.join(a.profile, f"rank{rank}"), plot=False)
                     prof.__enter__()
-            ta = time.perf_counter()
+            ta, ca = time.perf_counter(), time.process_time()
             loss = e2e_model.loss_fn(eng(x), y)
             eng.backward(loss)
             tb = time.perf_counter()
             eng.step()
             tc = time.perf_counter()
             steps.append(tc - ta)
+            cpu.append(time.process_time() - ca)
             fb.append(tb - ta)
             opt.append(tc - tb)
         if prof is not None:
             prof.__exit__(None, None, None)
         st = eng.stats()
+        t1_threads = thread_cpu()
     finally:
         eng.close()
     w = a.warmup
     n = max(1, a.steps)
     res = {"rank": rank, "world_size": ws, "median_step_s": statistics.median(steps[w:]),
            "step_s": steps[w:], "fwd_bwd_s": fb[w:], "optimizer_step_s": opt[w:],
+           "median_cpu_s": statistics.median(cpu[w:]),
            "init_s": init_s, "loss": float(loss.detach()),
            "per_step": {k: (st.get(k, 0) - s0.get(k, 0)) / n for k in (
                "nvme_read_bytes", "nvme_write_bytes", "allgather_bytes", "reduce_scatter_bytes",
                "optimizer_groups_overlapped", "optimizer_master_handoffs",
-               "on_demand_fetches", "prefetched_fetches")}}
+               "on_demand_fetches", "prefetched_fetches", "reused_fetches", "reused_bytes")}}
+    by_name: dict = {}
+    for tid, (name, cpu_s) in t1_threads.items():
+        d = cpu_s - t0_threads.get(tid, (name, 0.0))[1]
+        by_name[name] = by_name.get(name, 0.0) + d / n
+    res["thread_cpu_s"] = {k: round(v, 4) for k, v in sorted(by_name.items(),
+                                                              key=lambda kv: -kv[1]) if v > 1e-3}
     if prof is not None and prof.summary is not None:
         s = prof.summary
         res["profile"] = {
@@ -161,6 +194,9 @@ def main(argv=None) -> int:
     ap.add_argument("--no-overlap", action="store_true",
                     help="infinity: step every group at the boundary (engine."
                          "overlap_optimizer_step = False), for A/B runs")
+    ap.add_argument("--adam-threads", type=int, default=0,
+                    help="infinity: infinity.optim.set_num_threads(N) in every rank (0: the "
+                         "engine's default)")
     ap.add_argument("--profile", default=None, help="engine.profile per rank into DIR/rank<r>")
     ap.add_argument("--timeout", type=float, default=3600)
     ap.add_argument("--json", action="store_true", help="also print one JSON line at the end")
@@ -187,6 +223,8 @@ def main(argv=None) -> int:
             cmd.append(f"--profile={a.profile}")
         if a.no_overlap:
             cmd.append("--no-overlap")
+        if a.adam_threads:
+            cmd.append(f"--adam-threads={a.adam_threads}")
         return cmd
 
     def ds_cmd(r):
@@ -206,8 +244,17 @@ def main(argv=None) -> int:
         for side in order:
             res = launch(sides[side], a.ranks, a.timeout)
             row[side] = res
+            for r in res:          # the DeepSpeed peer reports its measured steps' CPU time
+                if "median_cpu_s" not in r and "measured_user_s" in r:
+                    r["median_cpu_s"] = (r["measured_user_s"] + r.get("measured_sys_s", 0)) / \
+                        max(1, a.steps)
+            cpu = "" if "median_cpu_s" not in res[0] else \
+                " cpu s per step (all threads): " + ", ".join(f"{r['median_cpu_s']:.3f}" for r in res)
+            if "thread_cpu_s" in res[0]:
+                cpu += "\n    rank 0 CPU s per step by thread: " + ", ".join(
+                    f"{k} {v:.3f}" for k, v in res[0]["thread_cpu_s"].items())
             print(f"  round {rnd}: {side:>9} {res[0]['median_step_s']:.3f} s (ranks: " +
-                  ", ".join(f"{r['median_step_s']:.3f}" for r in res) + ")", flush=True)
+                  ", ".join(f"{r['median_step_s']:.3f}" for r in res) + ")" + cpu, flush=True)
             if side == "infinity" and "profile" in res[0]:
                 for r in res:
                     p = r["profile"]
@@ -222,6 +269,8 @@ def main(argv=None) -> int:
     out = {"ranks": a.ranks, "params": nparams, "offload": a.offload, "tokens": a.tokens,
            "median_step_s": med,
            "rounds": [{s: [x["median_step_s"] for x in r[s]] for s in r} for r in rounds],
+           "cpu_s_per_step": [{s: [x.get("median_cpu_s") for x in r[s]] for s in r}
+                              for r in rounds],
            "infinity_per_step": rounds[-1]["infinity"][0]["per_step"]}
     line = f"median over rounds: infinity {med['infinity']:.3f} s"
     if "deepspeed" in med:

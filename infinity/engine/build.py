@@ -28,9 +28,36 @@ from infinity.runtime.prefetch import PrefetchCoordinator
 
 log = logging.getLogger("infinity.engine")
 
-__all__ = ["assemble", "device_budget_for"]
+__all__ = ["assemble", "device_budget_for", "reuse_bytes_for"]
 
 _PARAM_HOME = {"none": "device", "cpu": "cpu", "nvme": "nvme"}
+
+
+REUSE_LINE = "groups kept for reuse (prefetch.reuse_gb)"
+
+
+def reuse_bytes_for(cfg, zero, device_budget: int | None, placement) -> int:
+    """Bytes of released groups kept for their next use in the micro-step (Note [Reuse
+    within a micro-step] in infinity/runtime/prefetch.py), added to the placement plan's
+    device tier: ``prefetch.reuse_gb`` when set; automatic at ZeRO stage 3 across ranks
+    (a re-fetch is an all-gather): ``DEFAULT_REUSE_BYTES``; otherwise 0.  With a device
+    budget at most what the budget leaves above the plan, and never more than the paged
+    parameters."""
+    from infinity.runtime.prefetch import DEFAULT_REUSE_BYTES
+    if cfg.prefetch.reuse_gb is not None:
+        want = int(round(cfg.prefetch.reuse_gb * GB))
+    elif zero is not None and zero.stage == 3:
+        want = DEFAULT_REUSE_BYTES if device_budget is None else int(device_budget)
+    else:
+        want = 0
+    sharded = zero is not None and zero.stage == 3
+    paged = sum(g.nbytes for g in placement.groups if sharded or g.home != "device")
+    kept = min(want, paged)
+    if device_budget is not None:
+        kept = min(kept, max(0, int(device_budget) - placement.device_total))
+    if kept > 0:
+        placement.device[REUSE_LINE] = kept
+    return kept
 
 
 def device_budget_for(device: torch.device, cfg, model) -> int | None:
@@ -161,6 +188,7 @@ def assemble(engine, lr_scheduler) -> None:
         placement.param_cache_budget = cfg.host_memory_bytes - placement.host_total
         placement.compute(engine.gas)
         placement.check()
+    engine.reuse_bytes = reuse_bytes_for(cfg, engine.zero, device_budget, placement)
     engine.placement = placement
     # Note [commit point]: host undo copies of a window's updated host states fit in what
     # the cap leaves (no cap: any)
@@ -223,7 +251,8 @@ def assemble(engine, lr_scheduler) -> None:
     # (and registered with CUDA) now, not inside the hooks of those steps
     engine.host_pool.reserve(engine.mm.staging_sizes(cfg.prefetch.depth)
                              + engine.opt.staging_sizes())
-    engine.coord = PrefetchCoordinator(engine.mm, cfg.prefetch.depth, engine.acct)
+    engine.coord = PrefetchCoordinator(engine.mm, cfg.prefetch.depth, engine.acct,
+                                       reuse_bytes=engine.reuse_bytes)
     from infinity.engine.overlap import OverlappedStep, eligible
     after = None
     if eligible(engine):

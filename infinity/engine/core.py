@@ -371,6 +371,7 @@ class Engine:
         with self.gate.open():                # Note [held interrupts]
             try:
                 self.phase = Phase.STEPPING
+                self.coord.release_kept()      # Note [Reuse within a micro-step]
                 self.mm.wait_host_reads()      # no copy may still read a home being updated
                 with self.timeline.span("optimizer", "step"):
                     # Note [Overlap safety]: every early step ended before homes are read
@@ -468,6 +469,7 @@ class Engine:
         d = self.acct.as_dict()
         for k in ("on_demand_fetches", "prefetched_fetches", "untracked_fetches",
                   "divergent_steps", "prefetch_unused", "prefetch_evicted",
+                  "reused_fetches", "reused_bytes",
                   "device_budget_overflows", "optimizer_groups_overlapped",
                   "optimizer_master_handoffs", "optimizer_master_read_bytes_saved",
                   "activation_offload_bytes", "activation_fetch_bytes",

@@ -232,7 +232,8 @@ def _knobs_from(config, overrides):
                   state_dtype=cfg.optimizer.state_dtype,
                   qwz=cfg.zero_pp.quantized_weights, hpz=cfg.zero_pp.hpz_partition_size,
                   qgz=cfg.zero_pp.quantized_gradients,
-                  tiling_max_group_gb=cfg.tiling.max_group_gb)
+                  tiling_max_group_gb=cfg.tiling.max_group_gb,
+                  reuse_gb=cfg.prefetch.reuse_gb)
     kw.update({k: v for k, v in overrides.items() if v is not None})
     k = Knobs(**kw)
     if k.precision not in ("fp32", "bf16", "fp16"):

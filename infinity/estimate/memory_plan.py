@@ -99,6 +99,7 @@ class Knobs:
     qwz: bool = False                  # [zero_pp.quantized_weights]
     hpz: int = 1                       # [zero_pp.hpz_partition_size]
     qgz: bool = False                  # [zero_pp.quantized_gradients]
+    reuse_gb: float | None = None      # [prefetch.reuse_gb] (None: automatic, as the engine)
 
     def __post_init__(self):
         if self.grad_spill is True or self.grad_spill is False:   # the old boolean form
@@ -259,6 +260,20 @@ def offload_activations(pl, spec, machine, knobs, model):
                                         r * nbytes, "r*(" + formula + ")")
 
 
+def reuse_budget(machine, knobs) -> int | None:
+    """Bytes of released groups one rank keeps for their next use in the micro-step
+    (Note [Reuse within a micro-step] in infinity/runtime/prefetch.py, as
+    ``infinity.engine.build.reuse_bytes_for``): ``prefetch.reuse_gb`` when set; automatic
+    at stage 3 across ranks: ``DEFAULT_REUSE_BYTES`` on a CPU-only rank, None on a GPU
+    (whatever the device budget leaves; kept groups give way when it is needed); else 0."""
+    from infinity.runtime.prefetch import DEFAULT_REUSE_BYTES
+    if knobs.reuse_gb is not None:
+        return int(round(knobs.reuse_gb * GB))
+    if knobs.zero_stage != 3 or machine.ranks == 1:
+        return 0
+    return DEFAULT_REUSE_BYTES if machine.cpu_only else None
+
+
 def plan_memory(spec, machine, knobs, params_home, optimizer_home):
     N, R, r = spec.params, machine.ranks, machine.ranks_per_node
     lp, sb = knobs.lp, knobs.sb
@@ -318,6 +333,13 @@ def plan_memory(spec, machine, knobs, params_home, optimizer_home):
                          f"r*(d+2)*{gname}/R*lp" if Gf == G else "r*(d+2)*min(Gf,Gmax/R)*lp"))
             else:
                 add(Item("pinned", "NVMe staging (initialisation only)", G * lp, "Gmax*lp"))
+
+    kept = reuse_budget(machine, knobs)
+    if kept and (R > 1 or params_home == "nvme"):
+        # groups kept resident from forward for backward (not counted on a GPU by default:
+        # they only use what the device budget leaves)
+        add(Item("device", "groups kept for reuse (prefetch.reuse_gb)", min(kept, N * lp),
+                 "min(reuse, N*lp)"))
 
     if stage == 3 and R > 1 and knobs.hpz > 1:
         # hpZ (infinity/zero/zeropp.py): a secondary copy partitioned over hpz ranks,

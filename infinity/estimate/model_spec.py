@@ -42,6 +42,12 @@ class ModelSpec:
     # of the "module" grouping): numel of the largest group it cannot split (None: every
     # large group is a tileable matrix, as in a dense transformer: a norm, 2*hidden)
     largest_untileable: int | None = None
+    # the groups tiling can split ("module" grouping), as [numel, reads, count]: ``count``
+    # groups of ``numel`` elements whose tiles a micro-batch reads ``reads`` times when
+    # tiled (a Linear / Conv1D use: forward and again in backward, 2; an Embedding use:
+    # its forward lookup only, 1; a tied embedding / LM head group: 3).  Untiled, a group
+    # is read twice (forward, backward) however many modules use it.
+    tileable: list = field(default_factory=list)
     source: str = "dimensions"
 
     def group_numel(self, grouping: str) -> int:
@@ -59,6 +65,13 @@ class ModelSpec:
         rest = self.largest_untileable if self.largest_untileable is not None \
             else 2 * self.hidden
         return max(min(G, int(tile_numel)), min(G, int(rest)))
+
+    def tiled_groups(self, grouping: str, tile_numel: int | None) -> list:
+        """``[numel, reads, count]`` of the groups tiling splits under a limit of
+        ``tile_numel`` elements (those larger than it; "module" grouping only)."""
+        if tile_numel is None or grouping != "module":
+            return []
+        return [list(t) for t in self.tileable if int(t[0]) > int(tile_numel)]
 
     def as_dict(self):
         return asdict(self)
@@ -93,8 +106,15 @@ def spec_from_dims(params, layers, hidden, *, seq=2048, batch=1, vocab=None, hea
                             "check --params/--vocab/--hidden")
     per_block = (params - emb) // layers
     leaf = min(per_block, 4 * hidden * hidden + 4 * hidden)
+    # tileable: the block's matrices (QKV, output, two MLP: Linear uses) and the tied
+    # embedding / LM head (an Embedding and a Linear use)
+    tileable = [] if leaf < 4 * hidden * hidden + 4 * hidden else [
+        [4 * hidden * hidden + 4 * hidden, 2, 2 * layers],
+        [3 * hidden * hidden + 3 * hidden, 2, layers], [hidden * hidden + hidden, 2, layers]]
+    if emb:
+        tileable.append([emb, 3, 1])
     return ModelSpec(params=params, layers=layers, hidden=hidden, seq=seq, batch=batch, vocab=vocab,
-                     heads=heads,
+                     heads=heads, tileable=tileable,
                      largest_group={"module": max(leaf, emb), "block": max(per_block, emb)},
                      groups={"module": layers * 6 + (2 if emb else 1), "block": layers + 1},
                      source="dimensions")
@@ -108,15 +128,39 @@ def _config_attr(cfg, *names):
     return None
 
 
-def _tileable(mod, nn) -> bool:
-    """What infinity.runtime.tiling can split (kept in step with its ``_tileable``: the
-    estimator does not import the runtime)."""
+def _is_conv1d(mod) -> bool:
+    """GPT-2's ``transformers.pytorch_utils.Conv1D`` (weight stored ``(in, out)``), told by
+    its class (transformers is not imported for it)."""
+    return any(c.__name__ == "Conv1D" and c.__module__ == "transformers.pytorch_utils"
+               for c in type(mod).__mro__)
+
+
+def _tile_reads(mod, nn) -> int:
+    """How many times a micro-batch reads the tiles of ``mod``'s weight when tiled (0: not
+    tileable), kept in step with infinity.runtime.tiling's ``_tileable`` and runner (the
+    estimator does not import the runtime): a Linear / Conv1D reads them in forward and
+    again in backward, an Embedding only for its forward lookup."""
     if isinstance(mod, nn.Linear):
-        return type(mod).forward is nn.Linear.forward
+        return 2 if type(mod).forward is nn.Linear.forward else 0
     if isinstance(mod, nn.Embedding):
-        return type(mod).forward is nn.Embedding.forward and mod.max_norm is None \
-            and not mod.sparse and not mod.scale_grad_by_freq
-    return False
+        return 1 if (type(mod).forward is nn.Embedding.forward and mod.max_norm is None
+                     and not mod.sparse and not mod.scale_grad_by_freq) else 0
+    if _is_conv1d(mod):
+        w = getattr(mod, "weight", None)
+        return 2 if w is not None and w.dim() == 2 and \
+            type(mod).forward is _conv1d_forward(type(mod)) else 0
+    return 0
+
+
+def _conv1d_forward(cls):
+    for c in cls.__mro__:
+        if c.__name__ == "Conv1D" and c.__module__ == "transformers.pytorch_utils":
+            return c.forward
+    return None
+
+
+def _tileable(mod, nn) -> bool:
+    return _tile_reads(mod, nn) > 0
 
 
 def spec_from_module(model, *, seq=2048, batch=1, layers=None, hidden=None, vocab=None, heads=None):
@@ -128,23 +172,35 @@ def spec_from_module(model, *, seq=2048, batch=1, layers=None, hidden=None, voca
     """
     import torch.nn as nn
 
-    seen = set()
+    seen = {}                      # param id -> the module whose group holds it
     total = 0
     largest_module = largest_untileable = 0
     n_module_groups = 0
+    owned = {}                     # owner module id -> numel of its group
+    users = {}                     # owner module id -> the modules using its group
     for mod in model.modules():
         own = 0
         for p in mod.parameters(recurse=False):
             if id(p) in seen:
+                users.setdefault(seen[id(p)], {})[id(mod)] = mod
                 continue
-            seen.add(id(p))
+            seen[id(p)] = id(mod)
             own += p.numel()
         if own:
             n_module_groups += 1
+            owned[id(mod)] = own
+            users.setdefault(id(mod), {})[id(mod)] = mod
             largest_module = max(largest_module, own)
-            if not _tileable(mod, nn):
-                largest_untileable = max(largest_untileable, own)
             total += own
+    # a group tiling can split: every module using it is tileable (a tied pair too)
+    tileable = {}
+    for oid, n in owned.items():
+        reads = [_tile_reads(m, nn) for m in users[oid].values()]
+        if all(reads):
+            key = (n, sum(reads))
+            tileable[key] = tileable.get(key, 0) + 1
+        else:
+            largest_untileable = max(largest_untileable, n)
     if total == 0:
         raise EstimateError(f"model {type(model).__name__} has no parameters")
 
@@ -195,6 +251,7 @@ def spec_from_module(model, *, seq=2048, batch=1, layers=None, hidden=None, voca
                      vocab=vocab, heads=heads,
                      largest_group={"module": int(largest_module), "block": int(largest_block)},
                      largest_untileable=int(largest_untileable),
+                     tileable=[[n, r, c] for (n, r), c in sorted(tileable.items())],
                      groups={"module": n_module_groups,
                              "block": n_layers + (1 if total > in_blocks else 0)},
                      source=f"module {type(model).__name__}")

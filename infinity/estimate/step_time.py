@@ -16,17 +16,25 @@ profiler (docs/profiling.md) shows how close a real step gets.
 Bytes per step (node-level for NVMe, per GPU for PCIe and collectives):
 
 * params on NVMe: every micro-batch reads each group twice (forward, and again for
-  backward after release): ``A*2*N*lp`` NVMe read per node.
+  backward after release): ``A*2*N*lp`` NVMe read per node, less the fraction ``k`` of
+  the parameters kept resident from forward for backward (``prefetch.reuse_gb``,
+  :func:`reused_fraction`), which backward neither reads nor all-gathers again.
 * optimizer on NVMe: m and v are read and written once per step: ``N*2*sb`` each way
   (not read on the very first step). The fp32 master moves too (``N*4`` each way) when it
   lives on NVMe: bf16/fp16 with the optimizer on NVMe, or fp32 with the params on NVMe
   (the fp32 param is the master). bf16/fp16 params homed on NVMe receive the updated
   low-precision copy in the same pass (``N*lp`` written).
+* memory-centric tiling (``tiling.max_group_gb``, one rank): a tiled group is read tile by
+  tile at every use, not twice per micro-batch: ``reads`` times its bytes (a Linear /
+  Conv1D use 2, an Embedding lookup 1, a tied embedding / LM head group 3;
+  ``ModelSpec.tileable``), i.e. ``(reads-2)*n*lp`` more than untiled.  No whole buffer of a
+  tiled group is released, so none is handed off as the master: fp32 params on NVMe read
+  the tiled groups' masters (``n*4``) at the step.
 * grads spilled to NVMe (host too small): ``A*N*4`` written during backward, read back
   ``(A-1)*N*4`` to accumulate and ``N*4`` by the optimizer.
 * PCIe (GPU nodes): params offloaded: ``A*2*N/R*lp`` H2D per GPU (each rank uploads its
   shard, then all-gathers); optimizer offloaded: ``A*N/R*lp`` grads D2H per GPU.
-* collectives (R > 1): stage 3 all-gathers ``A*2*N*lp*(R-1)/R`` per GPU; stage >= 2
+* collectives (R > 1): stage 3 all-gathers ``A*(2-k)*N*lp*(R-1)/R`` per GPU; stage >= 2
   reduce-scatters ``A*N*lp*(R-1)/R``; stage 1 all-reduces twice that.
 * compute: ``6*N*S*B`` FLOPs per micro-batch per rank (Kaplan et al. 2020), ``8*N*S*B``
   with activation checkpointing (one extra forward); attention-score FLOPs are ignored
@@ -149,6 +157,29 @@ def _param_cache(spec, machine, knobs, plan):
     return fit(cap - others - grads), bwd, fit(cap - others - grads), handoff
 
 
+def tiled_groups(spec, machine, knobs, plan):
+    """``[numel, reads, count]`` of the groups the runtime tiles in this configuration
+    (``infinity.runtime.tiling``: one rank, parameters paged, "module" grouping)."""
+    if knobs.tiling_max_group_gb is None or machine.ranks != 1 or plan.params_home == "none":
+        return []
+    return spec.tiled_groups(knobs.grouping, int(knobs.tiling_max_group_gb * GB) // knobs.lp)
+
+
+def reused_fraction(spec, machine, knobs, plan) -> float:
+    """The fraction ``k`` of the parameters backward finds still resident from forward
+    (Note [Reuse within a micro-step]): the kept bytes (:func:`reuse_budget`) over
+    ``N*lp``, at most 1.  On a GPU by default the engine keeps what the device budget
+    leaves besides activations, which the plan does not know: not counted (0)."""
+    from .memory_plan import reuse_budget
+    if plan.params_home == "none" and (machine.ranks == 1 or knobs.zero_stage != 3):
+        return 0.0
+    kept = reuse_budget(machine, knobs)
+    if not kept:
+        return 0.0
+    P = spec.params * knobs.lp
+    return min(1.0, kept / P) if P else 0.0
+
+
 def traffic_per_step(spec, machine, knobs, plan):
     """Bytes moved, as ``{"mb": {link: [(what, bytes)]}, "opt": {...}}``.
 
@@ -166,11 +197,20 @@ def traffic_per_step(spec, machine, knobs, plan):
     mb = {k: [] for k in links}
     opt = {k: [] for k in links}
     cache_fwd, cache_bwd, cache_master, handoff = _param_cache(spec, machine, knobs, plan)
+    k = reused_fraction(spec, machine, knobs, plan)
     if p == "nvme" and (cache_fwd or cache_bwd):
         mb["nvme_read"].append(("params fwd+bwd 2*N*lp minus host-cached copies",
                                 2 * node_params * lp - cache_fwd - cache_bwd))
+    elif p == "nvme" and k:
+        mb["nvme_read"].append((f"params fwd+bwd (2-k)*N*lp, k={k:.3g} kept for backward",
+                                int((2 - k) * node_params * lp)))
     elif p == "nvme":
         mb["nvme_read"].append(("params fwd+bwd 2*N*lp", 2 * node_params * lp))
+    tiled = tiled_groups(spec, machine, knobs, plan)
+    if p == "nvme" and tiled:
+        extra = sum((r - 2) * n * c for n, r, c in tiled) * lp
+        if extra:
+            mb["nvme_read"].append(("tiled groups read at every use sum((reads-2)*n)*lp", extra))
     if plan.grads_on_nvme:
         A = knobs.grad_accum
         gn = node_params * 4 - plan.grad_host_bytes      # bytes of fp32 grads homed on NVMe
@@ -200,7 +240,11 @@ def traffic_per_step(spec, machine, knobs, plan):
     # own master (bf16/fp16) homed on NVMe
     if (plan.master_is_param and p == "nvme") or (not plan.master_is_param and o == "nvme"):
         if handoff:
-            pass        # the buffer backward read (or a cached copy) is the master in hand
+            # the buffer backward read (or a cached copy) is the master in hand; a tiled
+            # group has no whole buffer: its master is read
+            nt = sum(n * c for n, _, c in tiled)
+            if nt and p == "nvme":
+                opt["nvme_read"].append(("master of tiled groups n*4", nt * 4))
         elif cache_master:
             opt["nvme_read"].append(("master N*4 minus host-cached copies",
                                      node_params * 4 - cache_master))
@@ -210,7 +254,10 @@ def traffic_per_step(spec, machine, knobs, plan):
     if p == "nvme" and not plan.master_is_param:
         opt["nvme_write"].append(("updated params N*lp", node_params * lp))
     if gpu:
-        if p != "none":
+        if p != "none" and k:
+            mb["h2d"].append((f"param shards fwd+bwd (2-k)*N/R*lp, k={k:.3g}",
+                              int((2 - k) * shard * lp)))
+        elif p != "none":
             mb["h2d"].append(("param shards fwd+bwd 2*N/R*lp", 2 * shard * lp))
         elif o != "none":
             n = shard if knobs.zero_stage == 3 else N
@@ -218,11 +265,11 @@ def traffic_per_step(spec, machine, knobs, plan):
         if o != "none":
             mb["d2h"].append(("grad shard N/R*lp", shard * lp))
     if R > 1:
-        collective_traffic(N, machine, knobs, mb, opt)
+        collective_traffic(N, machine, knobs, mb, opt, reused=k)
     return {"mb": mb, "opt": opt}
 
 
-def collective_traffic(N, machine, knobs, mb, opt):
+def collective_traffic(N, machine, knobs, mb, opt, reused=0.0):
     """Bytes one rank sends per micro-batch (``mb``) and per step (``opt``), by the
     convention of ``engine.stats()`` (an all-gather sends the rank's shard to every other
     rank of its group; a reduce-scatter or all-to-all each peer its chunk), with the part
@@ -239,13 +286,16 @@ def collective_traffic(N, machine, knobs, mb, opt):
         mb["allgather"].append((f"params fwd {tag}N*{w:.3g}*(R-1)/R", int(N * w * frac)))
         inter.append(("params fwd to other nodes", int(N * w * off)))
         H = knobs.hpz if knobs.hpz > 1 else 0
+        Nb = int(N * (1 - reused))      # backward gathers what was not kept from forward
+        kt = f"(1-k)*N, k={reused:.3g}" if reused else "N"
         if H:     # backward gathers the secondary copy within groups of H ranks
-            mb["allgather"].append(("params bwd hpZ N*lp*(H-1)/H", int(N * lp * (H - 1) / H)))
+            mb["allgather"].append((f"params bwd hpZ {kt}*lp*(H-1)/H",
+                                    int(Nb * lp * (H - 1) / H)))
             if H > r:
-                inter.append(("params bwd hpZ beyond the node", int(N * lp * (H - r) / H)))
+                inter.append(("params bwd hpZ beyond the node", int(Nb * lp * (H - r) / H)))
         else:
-            mb["allgather"].append((f"params bwd {tag}N*{w:.3g}*(R-1)/R", int(N * w * frac)))
-            inter.append(("params bwd to other nodes", int(N * w * off)))
+            mb["allgather"].append((f"params bwd {tag}{kt}*{w:.3g}*(R-1)/R", int(Nb * w * frac)))
+            inter.append(("params bwd to other nodes", int(Nb * w * off)))
     else:
         opt["allgather"].append(("updated params N*lp*(R-1)/R", int(N * lp * frac)))
         opt.setdefault("inter_node", []).append(("updated params to other nodes",

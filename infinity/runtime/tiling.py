@@ -1,14 +1,18 @@
 """Memory-centric tiling: a layer too large for its share of the device budget is never
 fetched whole.
 
-Which modules: an ``nn.Linear`` or ``nn.Embedding`` (their own ``forward``) whose parameter
+Which modules: an ``nn.Linear``, ``nn.Embedding`` or GPT-2's ``Conv1D``
+(``transformers.pytorch_utils.Conv1D``: weight stored ``(in, out)``, ``y = x @ W + b``; told
+by its class name and module, transformers is not imported) - their own ``forward`` - whose parameter
 groups are paged (home ``cpu`` or ``nvme``), hold only that module's weight (and bias), are
 used by no module that is not tiled too (a tied embedding / LM head pair is tiled as a
 pair, with the same rows per tile), and one of which is larger than the *tiling limit*:
 ``tiling.max_group_gb`` when set, else ``offload.device_memory_gb / (prefetch.depth + 2)``
 (the share of one group in the fetch window; no device budget, no limit).  A Linear is
 split by output rows, an Embedding by rows (a lookup reads only the tiles its indices
-touch), into tiles of at most the limit's bytes.
+touch), a Conv1D by rows of its stored weight (input features, contiguous in storage:
+``y = sum_t x[..., r0:r1] @ W[r0:r1] + b``, the bias read whole once), into tiles of at
+most the limit's bytes.
 
 How: the module's ``forward`` computes through :class:`_TiledLinearFn`, which reads each
 tile of the weight and bias from where the group's values are (Note [Tiles] in
@@ -64,10 +68,25 @@ def tiling_limit(max_group_bytes: int | None, device_budget: int | None,
     return int(device_budget) // (int(depth) + 2)
 
 
+def _conv1d_class(mod: nn.Module):
+    """GPT-2's ``transformers.pytorch_utils.Conv1D`` among ``mod``'s classes, or None (by
+    name and module: transformers is an optional dependency, not imported here)."""
+    for c in type(mod).__mro__:
+        if c.__name__ == "Conv1D" and c.__module__ == "transformers.pytorch_utils":
+            return c
+    return None
+
+
+def _is_conv1d(mod: nn.Module) -> bool:
+    return _conv1d_class(mod) is not None
+
+
 @dataclass
 class TileSpec:
-    """One tiled ``nn.Linear`` (tiles of ``rows`` output rows) or ``nn.Embedding`` (tiles
-    of ``rows`` rows)."""
+    """One tiled ``nn.Linear`` (tiles of ``rows`` output rows), ``nn.Embedding`` (tiles of
+    ``rows`` rows) or ``Conv1D`` (tiles of ``rows`` rows of the stored ``(in, out)`` weight,
+    i.e. input features).  ``out_features``/``in_features`` are the stored weight's rows
+    and row length (for a Conv1D: its input and output features)."""
     module: nn.Module
     rows: int
     weight: tuple[GroupRecord, ParamSlot]
@@ -80,6 +99,10 @@ class TileSpec:
     @property
     def in_features(self) -> int:
         return int(self.weight[1].shape[1])
+
+    @property
+    def conv1d(self) -> bool:
+        return _is_conv1d(self.module)
 
     @property
     def groups(self) -> list[GroupRecord]:
@@ -100,8 +123,8 @@ class TileSpec:
         if isinstance(self.module, nn.Embedding):     # the tile, and its gradient rows
             return 2 * (self.rows * self.in_features * isz + 2 * _IO_ALIGN)
         b = self.rows * self.in_features * isz + 2 * _IO_ALIGN
-        if self.bias is not None:
-            b += self.rows * isz + 2 * _IO_ALIGN
+        if self.bias is not None:                     # a Conv1D's bias: read whole
+            b += (self.in_features if self.conv1d else self.rows) * isz + 2 * _IO_ALIGN
         return b
 
 
@@ -113,6 +136,11 @@ def _tileable(mod: nn.Module) -> bool:
         # max_norm renormalises the weight in place; sparse / scale_grad_by_freq: not here
         return type(mod).forward is nn.Embedding.forward and mod.max_norm is None \
             and not mod.sparse and not mod.scale_grad_by_freq
+    conv = _conv1d_class(mod)
+    if conv is not None:
+        w, b = getattr(mod, "weight", None), getattr(mod, "bias", None)
+        return type(mod).forward is conv.forward and isinstance(w, torch.Tensor) \
+            and w.dim() == 2 and (b is None or (b.dim() == 1 and b.shape[0] == w.shape[1]))
     return False
 
 
@@ -156,6 +184,9 @@ def plan_tiles(grouping: Grouping, limit: int | None) -> dict[nn.Module, TileSpe
         budget = limit - 4 * _IO_ALIGN
         if isinstance(mod, nn.Embedding):
             budget //= 2                  # the tile and its gradient rows
+        elif _is_conv1d(mod):             # the whole bias beside the weight rows
+            row = mod.weight.shape[1] * isz
+            budget -= bias.numel() * isz if bias is not None else 0
         rows = max(1, min(mod.weight.shape[0], budget // row))
         out[mod] = TileSpec(mod, int(rows), w, where[id(bias)] if bias is not None else None)
     # a tied pair is tiled consistently: the same rows per tile for every user of a group
@@ -206,10 +237,11 @@ class _Runner:
             self.t.mm.give_back_range(lease)
 
     # the next tile is read while the current one computes (Note [Tile prefetch])
-    def _start(self, r0: int, r1: int) -> list:
+    def _start(self, r0: int, r1: int, refs=None) -> list:
+        """Start reading rows ``r0 .. r1`` of ``refs`` (default: the weight and bias)."""
         out = []
         try:
-            for ref in (self.spec.weight, self.spec.bias):
+            for ref in ((self.spec.weight, self.spec.bias) if refs is None else refs):
                 if ref is not None:
                     g, s = ref
                     per = int(s.shape[1]) if len(s.shape) == 2 else 1
@@ -238,18 +270,18 @@ class _Runner:
             raise
         return views[0], (views[1] if len(views) > 1 else None), leases
 
-    def _tiles(self, ranges):
+    def _tiles(self, ranges, refs=None):
         """``(r0, r1, w, b)`` per row range, each tile given back when the loop moves on;
         the next tile's read is started before the current one is handed out."""
         ranges = list(ranges)
-        nxt = self._start(*ranges[0]) if ranges else None
+        nxt = self._start(*ranges[0], refs) if ranges else None
         try:
             for i, (r0, r1) in enumerate(ranges):
                 cur, nxt = nxt, None
                 w, b, leases = self._finish(cur)
                 try:
                     if i + 1 < len(ranges):
-                        nxt = self._start(*ranges[i + 1])
+                        nxt = self._start(*ranges[i + 1], refs)
                     yield r0, r1, w, b
                 finally:
                     self._done(leases)
@@ -266,6 +298,8 @@ class _Runner:
     def forward_tiles(self, x: torch.Tensor) -> torch.Tensor:
         if isinstance(self.spec.module, nn.Embedding):
             return self._embed_forward(x)
+        if self.spec.conv1d:
+            return self._conv1d_forward(x)
         outs = []
         with contextlib.closing(self._tiles(self.spec.tiles())) as tiles:
             for _, _, w, b in tiles:
@@ -277,6 +311,8 @@ class _Runner:
         if isinstance(self.spec.module, nn.Embedding):
             self._embed_backward(x, gy)
             return None
+        if self.spec.conv1d:
+            return self._conv1d_backward(x, gy, need_gx)
         spec = self.spec
         n_in = spec.in_features
         x2 = x.reshape(-1, n_in)
@@ -307,6 +343,59 @@ class _Runner:
                 bsink(r0, gyt.sum(0), last)
             n += 1
         return n
+
+    # ------------------------------------------------------------------ Conv1D
+    def _conv1d_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W + b`` as ``b + sum_t x[:, r0:r1] @ W[r0:r1]`` (tiles of input rows; the
+        bias read whole, once)."""
+        spec = self.spec
+        n_in, n_out = spec.out_features, spec.in_features
+        x2 = x.reshape(-1, n_in)
+        dtype = spec.weight[0].dtype
+        if spec.bias is not None:
+            b, _, leases = self._finish(self._start(0, n_out, (spec.bias,)))
+            try:
+                out = b.to(x2.dtype).expand(x2.shape[0], n_out).clone()
+            finally:
+                self._done(leases)
+        else:
+            out = torch.zeros(x2.shape[0], n_out, dtype=torch.promote_types(x2.dtype, dtype),
+                              device=x2.device)
+        n = 0
+        with contextlib.closing(self._tiles(spec.tiles(), (spec.weight,))) as tiles:
+            for r0, r1, w, _ in tiles:
+                out.addmm_(x2[:, r0:r1].to(out.dtype), w.to(out.dtype))
+                n += 1
+        self.t.acct.count("tiles_forward", n)
+        return out.view(*x.shape[:-1], n_out)
+
+    def _conv1d_backward(self, x: torch.Tensor, gy: torch.Tensor, need_gx: bool):
+        """``gW[r0:r1] = x[:, r0:r1]^T gy``, ``gx[:, r0:r1] = gy W[r0:r1]^T``, ``gb =
+        sum gy`` (the whole bias once, after the weight rows)."""
+        spec = self.spec
+        n_in, n_out = spec.out_features, spec.in_features
+        x2 = x.reshape(-1, n_in)
+        gy2 = gy.reshape(-1, n_out)
+        gx = torch.zeros_like(x2) if need_gx else None
+        wsink = self.t.sink(spec.weight) if spec.weight[1].trainable else None
+        bsink = self.t.sink(spec.bias) if spec.bias is not None and spec.bias[1].trainable \
+            else None
+        n = 0
+        tiles = self._tiles(spec.tiles(), (spec.weight,)) if need_gx else \
+            ((r0, r1, None, None) for r0, r1 in spec.tiles())
+        with contextlib.closing(tiles):
+            for r0, r1, w, _ in tiles:
+                if gx is not None:
+                    gx[:, r0:r1].addmm_(gy2.to(w.dtype), w.t())
+                if wsink is not None:
+                    wsink(r0 * n_out, (x2[:, r0:r1].t() @ gy2.to(x2.dtype)).to(x2.dtype),
+                          r1 == n_in)
+                n += 1
+        if bsink is not None:
+            bsink(0, gy2.sum(0), True)
+        self.t.acct.count("tiles_backward", n)
+        self.t.use_done(spec)
+        return None if gx is None else gx.view_as(x)
 
     # ------------------------------------------------------------------ Embedding
     def _touched(self, tile_of: torch.Tensor) -> list[int]:

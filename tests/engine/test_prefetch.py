@@ -147,3 +147,47 @@ def test_external_parameter_must_be_registered(harness, swap_dir):
             eng.step()
         perr = harness.param_rel_err(ref, eng)
     assert harness.rel_err(losses, ref_losses) < 1e-5 and perr < 1e-5
+
+
+def _train(harness, model, cfg, batches):
+    with infinity.initialize(model, cfg) as eng:
+        losses = []
+        for b in batches:
+            loss = harness.loss_of("mlp", eng(b[0]), b)
+            losses.append(loss.item())
+            eng.backward(loss)
+            eng.step()
+        return losses, eng.stats(), {n: p.detach().clone() for n, p in
+                                     eng.state_dict().items()}
+
+
+def test_reuse_keeps_groups_from_forward_for_backward(harness, swap_dir):
+    """prefetch.reuse_gb (Note [Reuse within a micro-step]): released groups the trace uses
+    again in the same micro-step stay resident, so backward reads fewer groups from NVMe;
+    results are bit-identical to reuse off (kept values never outlive their micro-step:
+    the optimizer changes every group between steps).  Under a device budget too small
+    for everything, kept groups are released for prefetches (furthest next use first)."""
+    torch.manual_seed(0)
+    ref = harness.MLPStack(d=64, hidden=256, blocks=4)
+    batches = harness.make_batches("mlp", 5)
+    runs = {}
+    for name, extra in (("off", {"reuse_gb": 0}), ("on", {"reuse_gb": 1.0}),
+                        ("budget", {"reuse_gb": 1.0})):
+        cfg = {"offload": {"params": "nvme", "optimizer": "cpu", "nvme_paths": [swap_dir]},
+               "optimizer": {"lr": 1e-2}, "prefetch": {"depth": 2, **extra}}
+        if name == "budget":         # room for the window and a few kept groups, not all
+            cfg["offload"]["device_memory_gb"] = 6 * 65536 / 1e9
+        runs[name] = _train(harness, harness.copy(ref), cfg, batches)
+    off, on, budget = runs["off"], runs["on"], runs["budget"]
+    assert off[1]["reused_fetches"] == 0
+    assert on[1]["reused_fetches"] > budget[1]["reused_fetches"] > 0, (on[1], budget[1])
+    assert budget[1].get("reuse_evicted", 0) > 0, budget[1]
+    assert on[1]["nvme_read_bytes"] < budget[1]["nvme_read_bytes"] < off[1]["nvme_read_bytes"]
+    for r in (on, budget):
+        assert r[0] == off[0]
+        for k, v in off[2].items():
+            assert torch.equal(r[2][k], v), k
+    moved = max(float((off[2][k] - v).abs().max()) for k, v in
+                {n: p.detach() for n, p in ref.state_dict().items()}.items())
+    assert moved > 1e-3          # training moved the parameters: the comparison means something
+

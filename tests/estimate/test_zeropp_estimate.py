@@ -61,3 +61,24 @@ def test_inter_node_defaults_to_interconnect():
                                        nvme_gb=4000, interconnect_gbps=50),
                           config={"precision": "bf16"})
     assert a.machine.inter_node_gbps == 50
+
+
+def test_reuse_of_forward_gathers_takes_its_fraction_off_backward():
+    """prefetch.reuse_gb (Note [Reuse within a micro-step]): backward gathers (and reads
+    from NVMe) only the fraction k = reuse / (N*lp) that was not kept; on a GPU the
+    automatic setting is not counted (k = 0, the formulas above)."""
+    R, lp = 32, 2
+    kept = 0.25 * N * lp
+    e = infinity.estimate(params=N, layers=32, hidden=4096, vocab=32000, machine=MACHINE,
+                          config={"precision": "bf16", "prefetch": {"reuse_gb": kept / 1e9}})
+    c = next(c for c in e.configs if c.params_home == "nvme" and c.optimizer_home == "cpu")
+    e0 = infinity.estimate(params=N, layers=32, hidden=4096, vocab=32000, machine=MACHINE,
+                           config={"precision": "bf16"})
+    c0 = next(c for c in e0.configs if c.params_home == "nvme" and c.optimizer_home == "cpu")
+    t, t0 = c.steps["checkpointing"].traffic, c0.steps["checkpointing"].traffic
+    assert t0["allgather"] == pytest.approx(2 * N * lp * (R - 1) / R, rel=1e-6)
+    assert t["allgather"] == pytest.approx(1.75 * N * lp * (R - 1) / R, rel=1e-6)
+    # NVMe per node: its 8 of the 32 ranks' shards, k of them not read again
+    assert t["nvme_read"] == pytest.approx(t0["nvme_read"] - 0.25 * N * lp / 4, rel=1e-6)
+    assert any(i.name.startswith("groups kept for reuse") and i.nbytes == int(kept)
+               for i in c.plan.items)

@@ -130,7 +130,8 @@ def main():
                                        **{k: stats.get(k, 0) for k in (
                                            "optimizer_groups_overlapped", "optimizer_clip_redos",
                                            "optimizer_groups_redone",
-                                           "optimizer_master_handoffs")},
+                                           "optimizer_master_handoffs", "reused_fetches",
+                                           "reused_bytes")},
                                        **{k: stats.get(k, 0) for k in (
                                            "h2d_bytes", "d2h_bytes", "device_peak_bytes",
                                            "device_cap_bytes", "device_budget_overflows")},
