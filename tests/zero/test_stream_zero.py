@@ -100,9 +100,9 @@ def _predicted_grad_bytes(shard_numel, ranks, grad_accum, streamed, clip, accum_
     from infinity.estimate.step_time import traffic_per_step
     spec = SimpleNamespace(params=shard_numel * ranks)
     machine = SimpleNamespace(ranks=ranks, ranks_per_node=1, nodes=ranks, cpu_only=True)
-    knobs = SimpleNamespace(lp=4, sb=4, grad_accum=grad_accum, gradient_clipping=clip,
-                            state_dtype="fp32", grad_accum_dtype=accum_dtype, zero_stage=3,
-                            qwz=False, hpz=0, qgz=False)
+    from infinity.estimate.memory_plan import Knobs
+    knobs = Knobs(precision="fp32", zero_stage=3, grad_accum=grad_accum, gradient_clipping=clip,
+                  state_dtype="fp32", grad_accum_dtype=accum_dtype, reuse_gb=0)
     plan = SimpleNamespace(params_home="cpu", optimizer_home="cpu", master_is_param=True,
                            grads_on_nvme=True, grads_streamed=streamed, grad_host_bytes=0,
                            items=[])
