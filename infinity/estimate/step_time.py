@@ -24,12 +24,16 @@ Bytes per step (node-level for NVMe, per GPU for PCIe and collectives):
   lives on NVMe: bf16/fp16 with the optimizer on NVMe, or fp32 with the params on NVMe
   (the fp32 param is the master). bf16/fp16 params homed on NVMe receive the updated
   low-precision copy in the same pass (``N*lp`` written).
-* memory-centric tiling (``tiling.max_group_gb``, one rank): a tiled group is read tile by
+* memory-centric tiling (``tiling.max_group_gb``; across ranks at stage 3, each rank reading
+  its shard's part ``ceil(n/R)`` of every tile): a tiled group is read tile by
   tile at every use, not twice per micro-batch: ``reads`` times its bytes (a Linear /
   Conv1D use 2, an Embedding lookup 1, a tied embedding / LM head group 3;
-  ``ModelSpec.tileable``), i.e. ``(reads-2)*n*lp`` more than untiled.  No whole buffer of a
-  tiled group is released, so none is handed off as the master: fp32 params on NVMe read
-  the tiled groups' masters (``n*4``) at the step.
+  ``ModelSpec.tileable``), i.e. ``(reads-2+k)*n*lp`` more than the base term (never kept
+  for backward).  No whole buffer of a tiled group is released, so none is handed off as
+  the master: fp32 params on NVMe read the tiled groups' masters (``n*4``) at the step.
+* fp32 params on NVMe, CPU: the overlapped step takes a group's master from the buffer
+  backward read (at ZeRO-3 across ranks a rank's slice of the gathered buffer): no master
+  read at the step (an upper bound: the engine holds at most a few such buffers).
 * grads spilled to NVMe (host too small): ``A*N*4`` written during backward, read back
   ``(A-1)*N*4`` to accumulate and ``N*4`` by the optimizer.
 * PCIe (GPU nodes): params offloaded: ``A*2*N/R*lp`` H2D per GPU (each rank uploads its
@@ -126,9 +130,13 @@ def _param_cache(spec, machine, knobs, plan):
     which gives them up to gradient buffers (leased only while held): with the overlap
     about two groups' gradients are live, without it all of them by the end of backward."""
     N = spec.params
-    if not (machine.cpu_only and machine.ranks == 1 and plan.params_home == "nvme"
+    if not (machine.cpu_only and plan.params_home == "nvme"
             and plan.master_is_param and not plan.grads_on_nvme):
         return 0, 0, 0, False
+    if machine.ranks > 1:
+        # ZeRO-3 across ranks (Note [Overlap across ranks]): a rank hands off its slice of
+        # the released gathered buffer as its master; no host cache of clean copies
+        return 0, 0, 0, knobs.zero_stage == 3
     handoff = True     # (tests/engine/test_param_cache.py: the engine hands off under clipping)
     if not knobs.host_cap_gb:
         return 0, 0, 0, handoff
@@ -159,10 +167,16 @@ def _param_cache(spec, machine, knobs, plan):
 
 def tiled_groups(spec, machine, knobs, plan):
     """``[numel, reads, count]`` of the groups the runtime tiles in this configuration
-    (``infinity.runtime.tiling``: one rank, parameters paged, "module" grouping)."""
-    if knobs.tiling_max_group_gb is None or machine.ranks != 1 or plan.params_home == "none":
+    (``infinity.runtime.tiling``: parameters paged, "module" grouping; across ranks at ZeRO
+    stage 3 only, where each rank reads its shard's part of every tile: ``numel`` is then
+    the rank's share, ``ceil(n/R)``)."""
+    if knobs.tiling_max_group_gb is None or plan.params_home == "none":
         return []
-    return spec.tiled_groups(knobs.grouping, int(knobs.tiling_max_group_gb * GB) // knobs.lp)
+    R = machine.ranks
+    if R > 1 and knobs.zero_stage != 3:
+        return []
+    out = spec.tiled_groups(knobs.grouping, int(knobs.tiling_max_group_gb * GB) // knobs.lp)
+    return [[-(-int(n) // R), r, c] for n, r, c in out] if R > 1 else out
 
 
 def reused_fraction(spec, machine, knobs, plan) -> float:
@@ -208,9 +222,12 @@ def traffic_per_step(spec, machine, knobs, plan):
         mb["nvme_read"].append(("params fwd+bwd 2*N*lp", 2 * node_params * lp))
     tiled = tiled_groups(spec, machine, knobs, plan)
     if p == "nvme" and tiled:
-        extra = sum((r - 2) * n * c for n, r, c in tiled) * lp
+        # per node: r ranks' shares; a tiled group is never kept for backward (reuse: the
+        # base term above counted it (2-k) times)
+        extra = int(sum((rd - 2 + k) * n * c for n, rd, c in tiled) * lp * r)
         if extra:
-            mb["nvme_read"].append(("tiled groups read at every use sum((reads-2)*n)*lp", extra))
+            what = "sum((reads-2+k)*n)*lp" if k else "sum((reads-2)*n)*lp"
+            mb["nvme_read"].append((f"tiled groups read at every use {what}", extra))
     if plan.grads_on_nvme:
         A = knobs.grad_accum
         gn = node_params * 4 - plan.grad_host_bytes      # bytes of fp32 grads homed on NVMe
@@ -242,7 +259,7 @@ def traffic_per_step(spec, machine, knobs, plan):
         if handoff:
             # the buffer backward read (or a cached copy) is the master in hand; a tiled
             # group has no whole buffer: its master is read
-            nt = sum(n * c for n, _, c in tiled)
+            nt = r * sum(n * c for n, _, c in tiled)
             if nt and p == "nvme":
                 opt["nvme_read"].append(("master of tiled groups n*4", nt * 4))
         elif cache_master:
