@@ -5,8 +5,9 @@ the machine is this one as it is now: RAM = ``MemAvailable`` (the machine may be
 shared; ``offload.host_memory_gb`` in ``--config`` caps it further), NVMe = the free
 space at the first swap path, NVMe bandwidth from a saved ``infinity bench-io`` result
 when there is one (else the estimator's default), and the achieved compute rate
-measured here, over about a second, by matrix products of the model's own
-shape (tokens x hidden by hidden x 4*hidden, fp32, the process's threads).  The
+measured here, over about a second, on one transformer block of the model's width at
+the planned micro-batch and sequence (:func:`measure_block_tflops`; matrix products of
+the model's shape for models too large to probe that way).  The
 planner (:mod:`infinity.estimate.planner`) then picks homes, activation checkpointing
 and offload, micro-batch x accumulation (their product stays the run's batch) and the
 prefetch depth; lossy choices only with ``--allow-lossy``.
@@ -75,6 +76,58 @@ def measure_tflops(hidden, tokens, *, seconds=1.0):
     return n * 2 * t * h * 4 * h / dt / 1e12
 
 
+#: a block probe costing more than this (FLOPs of one forward+backward) falls back to the
+#: matrix-product probe: a model that large is dominated by its large products anyway
+BLOCK_PROBE_MAX_FLOP = 40e9
+
+
+def measure_block_tflops(spec, seq, micro_batch, *, seconds=1.0):
+    """The compute rate the estimator should use for this model at this micro-batch:
+    forward+backward of one pre-norm transformer block of the model's width (attention over
+    ``seq`` with the model's heads, an MLP holding the rest of a block's parameters), fp32,
+    on this process's threads, repeated for about ``seconds``, counted the estimator's way
+    (``6 * block params * tokens``).  The rate then carries what the FLOP count leaves out
+    (attention scores, norms, activations, small-batch inefficiency): measured 0.5-0.75x of
+    the matrix-product rate on the shipped tiny models.  None when one pass would cost more
+    than :data:`BLOCK_PROBE_MAX_FLOP` (use :func:`measure_tflops`)."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    H = int(spec.hidden)
+    heads = int(spec.heads or max(1, H // 64))
+    if H % heads:
+        heads = 1
+    per_block = (spec.params - (spec.vocab or 0) * H) / max(1, spec.layers)
+    ffn = max(H, int((per_block - 4 * H * H) / (2 * H)))
+    b, S = max(1, int(micro_batch)), max(1, int(seq))
+    p_block = 4 * H * H + 2 * H * ffn
+    if 6 * p_block * b * S > BLOCK_PROBE_MAX_FLOP:
+        return None
+    ln1, ln2 = nn.LayerNorm(H), nn.LayerNorm(H)
+    qkv, out = nn.Linear(H, 3 * H, bias=False), nn.Linear(H, H, bias=False)
+    up, down = nn.Linear(H, ffn, bias=False), nn.Linear(ffn, H, bias=False)
+    x = torch.randn(b, S, H, requires_grad=True)
+
+    def step():
+        h = ln1(x)
+        q, k, v = qkv(h).view(b, S, 3, heads, H // heads).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = x + out(a.transpose(1, 2).reshape(b, S, H))
+        y = y + down(F.gelu(up(ln2(y))))
+        y.sum().backward()
+
+    step()
+    n, t0 = 0, time.perf_counter()
+    while True:
+        step()
+        n += 1
+        dt = time.perf_counter() - t0
+        if dt >= seconds and n >= 2:
+            break
+    return n * 6 * p_block * b * S / dt / 1e12
+
+
 def model_config_path(spec):
     """The config.json behind a ``--model`` value (shipped name, directory or file)."""
     from infinity.finetune.model import (DEFAULT_MODEL, SHIPPED_MODELS, ModelError,
@@ -119,16 +172,36 @@ def make_auto_plan(opts, cfg, *, seq_len, global_batch, allow_lossy=False):
                                                    ("nvme_write_gbps", "nvme_write")) if c in ceil})
             except (OSError, ValueError) as e:
                 log.warning("auto: ignoring bench-io result %s: %s", found, e)
-    if not kw["gpus"]:
-        kw["tflops"] = measure_tflops(spec.hidden, seq_len * global_batch)
-    machine = Machine(**kw)
     knobs = _knobs_from(cfg, {})
-    try:
-        plan = make_plan(spec, machine, knobs, global_batch=global_batch, allow_lossy=allow_lossy)
-    except EstimateError as e:
-        raise ValueError(f"--auto: {e}") from e
-    if plan.best is None:
-        raise ValueError(f"--auto: {plan.headline()}")
+
+    def rate(micro_batch):
+        r = measure_block_tflops(spec, seq_len, micro_batch)
+        return r if r is not None else measure_tflops(spec.hidden, seq_len * micro_batch)
+
+    def plan_with(tflops):
+        if tflops is not None:
+            kw["tflops"] = tflops
+        try:
+            out = make_plan(spec, Machine(**kw), knobs, global_batch=global_batch,
+                            allow_lossy=allow_lossy)
+        except EstimateError as e:
+            raise ValueError(f"--auto: {e}") from e
+        if out.best is None:
+            raise ValueError(f"--auto: {out.headline()}")
+        return out
+
+    cpu = not kw["gpus"]
+    # CPU: plan with the matrix-product rate (cheap, small), then measure the rate of one
+    # block at the micro-batch the plan chose (its memory within what the plan gives one
+    # micro-batch's activations) and plan again; once more if the micro-batch changed
+    plan = plan_with(measure_tflops(spec.hidden, seq_len * global_batch) if cpu else None)
+    if cpu:
+        for _ in range(2):
+            b = plan.best.micro_batch
+            plan = plan_with(rate(b))
+            if plan.best.micro_batch == b:
+                break
+    machine = Machine(**kw)
     b = plan.best
     from infinity.finetune.settings import deep_merge
 
