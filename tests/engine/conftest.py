@@ -137,6 +137,30 @@ def param_rel_err(ref_model, engine):
     return math.sqrt(num / max(den, 1e-30))
 
 
+def one_backward_matches(ref, x, cfg, tol=1e-6):
+    """One forward/backward of ``ref``'s copy under an engine with ``cfg``: the output,
+    the input gradient and every parameter gradient (read from the engine's gradient
+    buffers) equal plain PyTorch's on ``ref`` within ``tol``; returns ``engine.stats()``."""
+    import infinity
+    model = copy.deepcopy(ref)
+    x = x.detach().clone().requires_grad_(True)
+    x_ref = x.detach().clone().requires_grad_(True)
+    out_ref = ref(x_ref)
+    out_ref.square().sum().backward()
+    with infinity.initialize(model, cfg) as eng:
+        out = eng(x)
+        eng.backward(out.square().sum())
+        assert rel_err(out.detach(), out_ref.detach()) < tol
+        assert rel_err(x.grad, x_ref.grad) < tol
+        want_of = dict(ref.named_parameters())
+        for g in eng.opt.groups:
+            gb = eng.opt.grad_in_hand(g)
+            for sl in g.slots:
+                got = gb[sl.offset:sl.offset + sl.numel].view(sl.shape)
+                assert rel_err(got, want_of[sl.name].grad) < tol, sl.name
+        return eng.stats()
+
+
 @pytest.fixture
 def models():
     return {"mlp": MLPStack, "lm": TinyCausalLM}
@@ -152,6 +176,7 @@ def harness():
         engine_run = staticmethod(engine_run)
         rel_err = staticmethod(rel_err)
         param_rel_err = staticmethod(param_rel_err)
+        one_backward_matches = staticmethod(one_backward_matches)
         loss_of = staticmethod(loss_of)
         inputs_of = staticmethod(inputs_of)
         copy = staticmethod(copy.deepcopy)

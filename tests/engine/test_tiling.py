@@ -95,23 +95,8 @@ def test_tiled_forward_and_backward_match_untiled(harness, swap_dir, home):
     buffers) equal plain PyTorch's; the input gradient flows through the tiles."""
     torch.manual_seed(0)
     ref = Wide()
-    model = harness.copy(ref)
-    x = torch.randn(3, 40, requires_grad=True)
-    x_ref = x.detach().clone().requires_grad_(True)
-    out_ref = ref(x_ref)
-    out_ref.square().sum().backward()
     cfg = _cfg(swap_dir, home, gradient_accumulation_steps=1, gradient_clipping=0.0)
-    with infinity.initialize(model, cfg) as eng:
-        out = eng(x)
-        eng.backward(out.square().sum())
-        assert harness.rel_err(out.detach(), out_ref.detach()) < 1e-6
-        assert harness.rel_err(x.grad, x_ref.grad) < 1e-6
-        for g in eng.opt.groups:
-            gb = eng.opt.grad_in_hand(g)
-            for sl in g.slots:
-                want = dict(ref.named_parameters())[sl.name].grad
-                got = gb[sl.offset:sl.offset + sl.numel].view(sl.shape)
-                assert harness.rel_err(got, want) < 1e-6, sl.name
+    harness.one_backward_matches(ref, torch.randn(3, 40), cfg)
 
 
 def test_tiling_off_below_the_limit(harness, swap_dir):

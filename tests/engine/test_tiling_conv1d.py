@@ -56,24 +56,8 @@ def test_conv1d_tile_plan(harness, swap_dir):
 def test_tiled_conv1d_forward_and_backward_match_untiled(harness, swap_dir, home):
     torch.manual_seed(0)
     ref = Convs()
-    model = harness.copy(ref)
-    x = torch.randn(3, 5, 40, requires_grad=True)
-    x_ref = x.detach().clone().requires_grad_(True)
-    out_ref = ref(x_ref)
-    out_ref.square().sum().backward()
     cfg = _cfg(swap_dir, home, gradient_accumulation_steps=1, gradient_clipping=0.0)
-    with infinity.initialize(model, cfg) as eng:
-        out = eng(x)
-        eng.backward(out.square().sum())
-        assert harness.rel_err(out.detach(), out_ref.detach()) < 1e-6
-        assert harness.rel_err(x.grad, x_ref.grad) < 1e-6
-        for g in eng.opt.groups:
-            gb = eng.opt.grad_in_hand(g)
-            for sl in g.slots:
-                want = dict(ref.named_parameters())[sl.name].grad
-                got = gb[sl.offset:sl.offset + sl.numel].view(sl.shape)
-                assert harness.rel_err(got, want) < 1e-6, sl.name
-        s = eng.stats()
+    s = harness.one_backward_matches(ref, torch.randn(3, 5, 40), cfg)
     assert s["tiles_forward"] == 3 + 4 and s["tiles_backward"] == 3 + 4
 
 
