@@ -39,6 +39,17 @@ def _cfg(swap_dir, home, limit_gb=40e3 / 1e9, **kw):
     return c
 
 
+def _train(eng, batches):
+    """The engine's side of :func:`_ref`: the losses of an MSE step per batch."""
+    losses = []
+    for x, y in batches:
+        loss = F.mse_loss(eng(x), y)
+        losses.append(loss.item())
+        eng.backward(loss)
+        eng.step()
+    return losses
+
+
 def _ref(model, batches, accum=2):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     out = []
@@ -68,12 +79,7 @@ def test_tiled_linear_trains_like_pytorch(harness, swap_dir, home):
         seen = []                                   # a tiled group is never fetched whole
         orig = eng.mm.wait_resident
         eng.mm.wait_resident = lambda g: (seen.append(g.gid), orig(g))[1]
-        losses = []
-        for x, y in batches:
-            loss = F.mse_loss(eng(x), y)
-            losses.append(loss.item())
-            eng.backward(loss)
-            eng.step()
+        losses = _train(eng, batches)
         tiled = eng.tiling.gids
         assert not tiled & set(seen) and seen
         assert all(g.state is not Location.DEVICE for g in eng.mm.groups if g.gid in tiled)
@@ -166,12 +172,7 @@ def test_tiled_embedding_trains_like_pytorch(harness, swap_dir, home):
     with infinity.initialize(model, _cfg(swap_dir, home)) as eng:
         (spec,) = eng.tiling.specs.values()
         assert spec.module is model.emb and spec.rows == 184      # 6 tiles, the last two untouched
-        losses = []
-        for x, y in batches:
-            loss = F.mse_loss(eng(x), y)
-            losses.append(loss.item())
-            eng.backward(loss)
-            eng.step()
+        losses = _train(eng, batches)
         s = eng.stats()
         perr = harness.param_rel_err(ref, eng)
     assert harness.rel_err(losses, ref_l) < 1e-5 and perr < 1e-5
@@ -231,12 +232,7 @@ def test_tiling_on_separate_device_memory(harness, swap_dir, home, monkeypatch):
     with infinity.initialize(model, _cfg(swap_dir, home)) as eng:
         assert eng.mm.dev.kind == "simulated" and set(eng.tiling.specs) == {model.a, model.b}
         assert not eng.opt.accumulates_rows(eng.tiling.specs[model.a].weight[0])
-        losses = []
-        for x, y in batches:
-            loss = F.mse_loss(eng(x), y)
-            losses.append(loss.item())
-            eng.backward(loss)
-            eng.step()
+        losses = _train(eng, batches)
         perr = harness.param_rel_err(ref, eng)
         s = eng.stats()
     assert harness.rel_err(losses, ref_l) < 1e-5 and perr < 1e-5
@@ -279,12 +275,7 @@ def test_next_tile_is_read_while_the_current_one_computes(harness, swap_dir):
                 live[0] -= 1
             give_back(lease)
         mm.read_range_start, mm.give_back_range = counting_start, counting_give_back
-        losses = []
-        for x, y in batches:
-            loss = F.mse_loss(eng(x), y)
-            losses.append(loss.item())
-            eng.backward(loss)
-            eng.step()
+        losses = _train(eng, batches)
         perr = harness.param_rel_err(ref, eng)
     # model.a: weight + bias rows per tile, two tiles in flight; nothing left leased
     assert most[0] == 4 and live[0] == 0
