@@ -17,7 +17,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from test_stages import BATCH, STEPS, base_config, check_run  # noqa: E402
-from zero_harness import run_ranks  # noqa: E402
+from zero_harness import run_ranks_ok  # noqa: E402
 
 
 def _runs(tmp_path):
@@ -38,9 +38,7 @@ def _runs(tmp_path):
 
 def test_reuse_parity_and_savings_2_ranks(tmp_path):
     runs = _runs(tmp_path)
-    res = run_ranks("dist_child.py", {"runs": runs}, tmp_path, world_size=2, timeout=900)
-    bad = [r for r in res if r.returncode != 0 or r.result is None]
-    assert not bad, "\n".join(repr(r) for r in res)
+    res = run_ranks_ok("dist_child.py", {"runs": runs}, tmp_path, world_size=2, timeout=900)
     prefix = str(tmp_path / [d for d in os.listdir(tmp_path) if d.startswith("ranks-")][0] /
                  "rank0.json")
     for run in runs:

@@ -24,7 +24,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from test_stages import BATCH, STEPS, base_config, check_run, reference  # noqa: E402
 from test_overlap_zero import FAIL_TIMEOUT_S  # noqa: E402
-from zero_harness import run_ranks  # noqa: E402
+from zero_harness import run_ranks, run_ranks_ok  # noqa: E402
 
 SIM = {"INFINITY_SIMULATE_DEVICE": "1"}
 NO_SIM = {"INFINITY_SIMULATE_DEVICE": "0"}
@@ -62,10 +62,8 @@ def _runs(tmp_path, combos):
 
 def _spawn(tmp_path, combos, world_size):
     runs = _runs(tmp_path, combos)
-    res = run_ranks("dist_child.py", {"runs": runs}, tmp_path, world_size=world_size,
-                    timeout=900)
-    bad = [r for r in res if r.returncode != 0 or r.result is None]
-    assert not bad, "\n".join(repr(r) for r in res)
+    res = run_ranks_ok("dist_child.py", {"runs": runs}, tmp_path, world_size=world_size,
+                       timeout=900)
     prefix = str(tmp_path / [d for d in os.listdir(tmp_path) if d.startswith("ranks-")][0] /
                  "rank0.json")
     for run in runs:

@@ -91,6 +91,15 @@ def run_ranks(script: str, spec: dict, tmp_path, *, world_size: int = 2,
                 p.wait()
 
 
+
+def run_ranks_ok(script: str, spec: dict, tmp_path, **kw) -> list[RankResult]:
+    """:func:`run_ranks`, asserting that every rank exited 0 and wrote its result (the
+    first failure may be on any rank: all are shown)."""
+    res = run_ranks(script, spec, tmp_path, **kw)
+    bad = [r for r in res if r.returncode != 0 or r.result is None]
+    assert not bad, "\n".join(repr(r) for r in res)
+    return res
+
 def store_snapshot(eng) -> dict:
     """Every optimizer-state tensor of this rank (master, exp_avg, exp_avg_sq per key), read
     from its home: what a failed step must leave unchanged."""
