@@ -25,6 +25,7 @@ from infinity.config_sections import (  # noqa: F401 (re-exported)
     SCHEDULER_TYPES, STATE_DTYPES, ZERO_STAGES, AioConfig, ConfigError, LossScaleConfig, OffloadConfig,
     OptimizerConfig, PrefetchConfig, SchedulerConfig, TilingConfig, _check_unknown, _choice,
     _float, _fmt, _int, _section, MAX_ACCUMULATION_STEPS, MAX_AIO_BLOCK, NONFINITE_POLICIES,
+    INTRA_NODE_TRANSPORTS,
     max_aio_threads, ZeroPPConfig)
 
 __all__ = [
@@ -60,6 +61,7 @@ class InfinityConfig:
     gradient_clipping: float = 0.0
     gradient_accumulation_steps: int = 1
     dist_timeout_s: float = 600
+    intra_node_transport: str = "auto"
     nonfinite_grads: str = "skip"
     activation_offload: ActivationOffloadConfig = field(default_factory=ActivationOffloadConfig)
     gradient_accumulation_dtype: str = "fp32"
@@ -92,6 +94,8 @@ class InfinityConfig:
             "gradient_accumulation_dtype", self.gradient_accumulation_dtype, GRAD_ACCUM_DTYPES)
         self.dist_timeout_s = _float("dist_timeout_s", self.dist_timeout_s,
                                      lo=0.0, lo_open=True)
+        self.intra_node_transport = _choice("intra_node_transport", self.intra_node_transport,
+                                            INTRA_NODE_TRANSPORTS)
         if self.offload.params != "none" and self.zero_stage != 3:
             raise ConfigError(
                 f"offload.params: {_fmt(self.offload.params)} needs zero_stage 3 (parameters "

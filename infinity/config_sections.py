@@ -264,6 +264,8 @@ class TilingConfig:
 MAX_AIO_BLOCK = 1 << 30          # the I/O engine's own bound (infinity.io.AioEngine)
 MAX_ACCUMULATION_STEPS = 1 << 20
 NONFINITE_POLICIES = ("skip", "raise")
+# how collectives between ranks of one machine travel (infinity.zero.shm_transport)
+INTRA_NODE_TRANSPORTS = ("auto", "process_group")
 
 
 def max_aio_threads() -> int:

@@ -43,6 +43,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from infinity.zero import shm_transport
 from infinity.zero.hierarchy import Topology
 
 log = logging.getLogger("infinity.zero")
@@ -190,7 +191,7 @@ class Comm:
     """Rank/world facts and the collectives ZeRO needs, over the default process group."""
 
     def __init__(self, *, timeout_s: float = 600.0, accounting=None, timeline=None,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", transport: str = "auto"):
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError("Comm: no torch.distributed process group; call "
                                "ensure_process_group() or launch with torchrun")
@@ -215,6 +216,9 @@ class Comm:
             log.warning("comm: %s; counting every rank as one node", e)
             self.topo = Topology(self.rank, self.world_size, self.world_size)
         self.device = torch.device("cpu")
+        self.compute_device = torch.device(device)
+        # between the ranks of one host: shared memory for the big host-tensor collectives
+        self.shm = shm_transport.create(self, transport)
         st = self._store()
         if st is not None:             # a failure reported by an earlier engine is stale
             try:
@@ -318,6 +322,15 @@ class Comm:
             return None
         return h
 
+    def _shm(self, group: str, *tensors: torch.Tensor):
+        """The shared-memory channel carrying ``group``'s collectives on these tensors, or
+        None (then the process group carries them)."""
+        if self.shm is None or not self.shm.carries(*tensors):
+            return None
+        if len({t.dtype for t in tensors}) != 1:
+            return None
+        return self.shm.channel(group)
+
     # ------------------------------------------------------------------ collectives
     def all_gather_into(self, out: torch.Tensor, shard: torch.Tensor, *, group: str = "param",
                         async_op: bool = False, name: str = "") -> CommHandle | None:
@@ -330,6 +343,10 @@ class Comm:
         nbytes = out.numel() * out.element_size()
         what = f"all_gather of {name or 'tensor'} ({nbytes} bytes, group {group!r})"
         self._count_chunks("allgather", shard.numel() * shard.element_size(), group)
+        ch = self._shm(group, out, shard)
+        if ch is not None:
+            return self._run(lambda: ch.submit(lambda: ch.all_gather(out, shard)),
+                             what + " [shm]", async_op, link="allgather", nbytes=nbytes)
         return self._run(lambda: _all_gather(out, shard, group=pg, async_op=async_op),
                          what, async_op, link="allgather", nbytes=nbytes)
 
@@ -343,6 +360,11 @@ class Comm:
         nbytes = full.numel() * full.element_size()
         what = f"reduce_scatter of {name or 'tensor'} ({nbytes} bytes, group {group!r})"
         self._count_chunks("grad_comm", out.numel() * out.element_size(), group)
+        ch = self._shm(group, out, full)
+        if ch is not None:
+            return self._run(lambda: ch.submit(lambda: ch.reduce_scatter(out, full)),
+                             what + " [shm]", async_op, post, link="reduce_scatter",
+                             nbytes=nbytes)
         if _reduce_scatter is not None:
             fn = lambda: _reduce_scatter(out, full, op=dist.ReduceOp.SUM, group=pg,
                                          async_op=async_op)
@@ -365,6 +387,10 @@ class Comm:
         if group == "grad":      # gradients (stage 1): a reduce-scatter + an all-gather
             self._count_chunks("grad_comm", -(-nbytes // len(self.group_ranks(group))),
                                group, times=2)
+        ch = self._shm(group, t)
+        if ch is not None:
+            return self._run(lambda: ch.submit(lambda: ch.all_reduce(t)), what + " [shm]",
+                             async_op, post, link="reduce_scatter", nbytes=nbytes)
         return self._run(lambda: dist.all_reduce(t, op=dist.ReduceOp.SUM, group=pg,
                                                  async_op=async_op),
                          what, async_op, post, link="reduce_scatter", nbytes=nbytes)
@@ -423,6 +449,8 @@ class Comm:
         self.all_reduce_sum(t, group="default", name=name)
 
     def close(self) -> None:
+        if self.shm is not None:
+            self.shm.close()
         for k in [k for k in self.groups if k != "default"]:
             pg = self.groups.get(k)
             if pg is not None:

@@ -55,7 +55,7 @@ class ZeroSetup:
             raise ValueError(f"offload.params={cfg.offload.params!r} needs zero_stage 3 "
                              f"(stage {stage} keeps a full copy of the parameters on every rank)")
         comm = Comm(timeout_s=cfg.dist_timeout_s, accounting=accounting, timeline=timeline,
-                    device=device)
+                    device=device, transport=cfg.intra_node_transport)
         log.info("ZeRO stage %d over %d ranks (%s), this is rank %d", stage, comm.world_size,
                  comm.backend, comm.rank)
         zpp = getattr(cfg, "zero_pp", None)

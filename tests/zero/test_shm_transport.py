@@ -1,0 +1,47 @@
+"""The shared-memory transport between the ranks of one machine
+(infinity/zero/shm_transport.py): collectives equal to their definition over several
+pieces per collective, async operations in flight on both channels, nothing left in
+/dev/shm, off across (pretend) nodes and with ``intra_node_transport: process_group``,
+and a failing rank ends the others clearly."""
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from zero_harness import run_ranks, run_ranks_ok  # noqa: E402
+
+
+def _checks_pass(res):
+    for r in res:
+        bad = [k for k, ok in r.result["checks"].items() if not ok]
+        assert not bad, f"rank {r.rank}: {bad}"
+        assert not r.result["leftover"], "the slots' directory was left in /dev/shm"
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_collectives_match_their_definition_across_pieces(tmp_path, world_size):
+    # a 4 KiB slot: the larger collectives take many pieces (and both parities)
+    res = run_ranks_ok("shm_child.py", {"transport": "auto", "slot_bytes": 4096}, tmp_path,
+                       world_size=world_size, timeout=180)
+    assert all(r.result["shm"] for r in res)
+    _checks_pass(res)
+
+
+def test_process_group_transport_and_several_nodes_keep_gloo(tmp_path):
+    res = run_ranks_ok("shm_child.py", {"transport": "process_group"}, tmp_path, timeout=120)
+    assert not any(r.result["shm"] for r in res)
+    _checks_pass(res)
+    # two pretend nodes of one rank each: no shared memory between them
+    res = run_ranks_ok("shm_child.py", {"transport": "auto"}, tmp_path, timeout=120,
+                       local_world_size=1)
+    assert not any(r.result["shm"] for r in res)
+    _checks_pass(res)
+
+
+def test_a_failing_rank_ends_the_others_with_a_collective_error(tmp_path):
+    res = run_ranks("shm_child.py", {"transport": "auto", "fail_rank": 1, "timeout_s": 8},
+                    tmp_path, timeout=120)
+    assert res[1].returncode != 0 and "injected failure on rank 1" in res[1].stderr
+    assert res[0].returncode not in (0, None) and "killed after" not in res[0].stderr, res[0]
+    assert "CollectiveError" in res[0].stderr and "[shm]" in res[0].stderr, res[0]
