@@ -11,9 +11,10 @@ kernel, no extra threads beyond one per channel.
 
 * :class:`ShmTransport` is created collectively by :class:`infinity.zero.comm.Comm`
   (:func:`create`) when every rank of the world runs on this machine (same kernel boot
-  id and user; ``LOCAL_WORLD_SIZE`` covers the world), the compute device is the host
-  (CPU-only ranks or the simulated device: CUDA buffers go over NCCL) and
-  ``intra_node_transport`` is ``"auto"``.  Every rank decides together (one all-gather
+  id and user; ``LOCAL_WORLD_SIZE`` covers the world) and ``intra_node_transport`` is
+  ``"auto"``.  It carries host tensors only (:meth:`ShmTransport.carries`): on CPU-only
+  ranks and the simulated device every gather and reduction, on GPUs the host ones
+  (stage 1's gradient all-reduce); CUDA buffers keep going over NCCL.  Every rank decides together (one all-gather
   of the facts), so either all ranks use it or none.
 * A :class:`Channel` is one ordered stream of collectives: ``param`` (parameter
   all-gathers, issued by the fetch worker) and ``grad`` (gradient reduce-scatters and
@@ -310,7 +311,7 @@ def create(comm, transport: str) -> ShmTransport | None:
     if transport == "process_group" or comm.topo.local_size != comm.world_size:
         return None                      # decided from the same facts on every rank
     n, me = comm.world_size, comm.rank
-    ok = comm.compute_device.type == "cpu" and _usable_here()
+    ok = _usable_here()
     ident = torch.zeros(_ID_BYTES + 1, dtype=torch.uint8)
     nid = _node_id()
     ident[:len(nid)] = torch.frombuffer(bytearray(nid), dtype=torch.uint8)

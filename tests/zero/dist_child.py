@@ -59,6 +59,7 @@ def main():
                 else:
                     os.environ[k] = v
         device_kind = eng.mm.dev.kind
+        shm_used = eng.zero is not None and eng.zero.comm.shm is not None
         shard_numel = sum(-eng.opt.shard(g)[0] + eng.opt.shard(g)[1]
                           for g in eng.opt.groups if g.trainable)
         grad_full_bytes = sum(4 * g.padded_numel for g in eng.grouping.groups if g.trainable)
@@ -136,6 +137,7 @@ def main():
                                            "h2d_bytes", "d2h_bytes", "device_peak_bytes",
                                            "device_cap_bytes", "device_budget_overflows")},
                                        "device_kind": device_kind,
+                                       "shm_transport": shm_used,
                                        "per_step": per_step,
                                        "shard_numel": shard_numel,
                                        "spill": bool(eng.zero.spill),
