@@ -140,6 +140,11 @@ def partition_placement(placement, zero: "ZeroSetup | None") -> None:
         placement.device[f"gradients awaiting reduce-scatter (fp32, {k + 3} x largest group "
                          f"+ {2 * k + 1} shards)"] = (k + 3) * full + (2 * k + 1) * shard
         placement.host[f"reduced gradient shard D2H staging ({k} shards)"] = k * shard
+    shm = getattr(getattr(zero, "comm", None), "shm", None)
+    if shm is not None and placement.groups:   # the intra-node transport's own slots
+        full = 4 * max(g.padded_numel for g in placement.groups)
+        placement.host["shared-memory slots (intra_node_transport)"] = \
+            shm.touched_bytes(full, w)
     zpp = getattr(zero, "zeropp", None)
     if zpp is not None:
         zeropp_placement(placement, zpp, zero.stage)

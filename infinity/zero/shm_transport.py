@@ -265,6 +265,19 @@ class ShmTransport:
 
     CHANNELS = ("param", "grad")
 
+    @staticmethod
+    def touched_bytes(full_bytes: int, world_size: int) -> int:
+        """Upper bound of this rank's own slot memory that collectives over at most
+        ``full_bytes`` (a whole gathered or reduced buffer) touch: both parities of the
+        ``param`` slot (a shard per piece) and of the ``grad`` slot (a sub-slot per other
+        rank per piece, or a shard when an all-reduce gathers)."""
+        n = int(world_size)
+        shard = -(-int(full_bytes) // n)
+        sub = (SLOT_BYTES // n) // ALIGN * ALIGN
+        param = min(SLOT_BYTES, shard)
+        grad = max(param, (n - 1) * min(sub, shard))
+        return 2 * (param + grad)
+
     def __init__(self, channels: dict[str, Channel], pgs: list, path: str):
         self.channels = channels
         self._pgs = pgs

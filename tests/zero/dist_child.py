@@ -60,6 +60,7 @@ def main():
                     os.environ[k] = v
         device_kind = eng.mm.dev.kind
         shm_used = eng.zero is not None and eng.zero.comm.shm is not None
+        shm_plan = eng.placement.host.get("shared-memory slots (intra_node_transport)", 0)
         shard_numel = sum(-eng.opt.shard(g)[0] + eng.opt.shard(g)[1]
                           for g in eng.opt.groups if g.trainable)
         grad_full_bytes = sum(4 * g.padded_numel for g in eng.grouping.groups if g.trainable)
@@ -138,6 +139,7 @@ def main():
                                            "device_cap_bytes", "device_budget_overflows")},
                                        "device_kind": device_kind,
                                        "shm_transport": shm_used,
+                                       "shm_plan_bytes": shm_plan,
                                        "per_step": per_step,
                                        "shard_numel": shard_numel,
                                        "spill": bool(eng.zero.spill),

@@ -73,4 +73,6 @@ def test_engine_parity_through_shared_memory_at_every_stage(tmp_path):
             shm = r.result["runs"][f"s{stage}-{home}-auto"]
             pg = r.result["runs"][f"s{stage}-{home}-process_group"]
             assert shm["shm_transport"] and not pg["shm_transport"], (stage, r.rank)
+            # the placement plan counts the slot pages this rank touches
+            assert shm["shm_plan_bytes"] > 0 and pg["shm_plan_bytes"] == 0, (stage, r.rank)
             assert shm["losses"] == pg["losses"], (stage, r.rank, shm["losses"], pg["losses"])
