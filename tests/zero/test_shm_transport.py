@@ -76,3 +76,20 @@ def test_engine_parity_through_shared_memory_at_every_stage(tmp_path):
             # the placement plan counts the slot pages this rank touches
             assert shm["shm_plan_bytes"] > 0 and pg["shm_plan_bytes"] == 0, (stage, r.rank)
             assert shm["losses"] == pg["losses"], (stage, r.rank, shm["losses"], pg["losses"])
+
+
+def test_zeropp_on_one_machine_goes_through_shared_memory(tmp_path):
+    """qwZ's int8 all-gather and qgZ at 2 ranks of one machine (no LOCAL_WORLD_SIZE: one
+    node): the same losses and parameters as over gloo."""
+    zpp = {"quantized_weights": True, "quantized_gradients": True}
+    runs = [{"name": t, "steps": 3, "hash": True,
+             "config": {"precision": "bf16", "zero_stage": 3, "dist_timeout_s": 60,
+                        "zero_pp": zpp, "intra_node_transport": t}}
+            for t in ("auto", "process_group")]
+    res = run_ranks_ok("zeropp_child.py", {"runs": runs, "batch": 4, "seq": 16}, tmp_path,
+                       world_size=2, timeout=600)
+    for r in res:
+        got = r.result["runs"]
+        assert got["auto"]["shm_transport"] and not got["process_group"]["shm_transport"]
+        assert got["auto"]["losses"] == got["process_group"]["losses"], r.rank
+        assert got["auto"]["params_sha"] == got["process_group"]["params_sha"], r.rank

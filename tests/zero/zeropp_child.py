@@ -87,6 +87,7 @@ def main():
             stats = eng.stats()
             sd = gathered_state_dict(eng) if run.get("hash") else {}
             plan = {k: v for k, v in eng.placement.device.items()}
+            shm = eng.zero.comm.shm is not None
         finally:
             eng.close()
         h = hashlib.sha256()
@@ -95,7 +96,7 @@ def main():
             h.update(sd[k].float().numpy().tobytes())
         result["runs"][run["name"]] = {
             "losses": losses, "seconds": secs, "params_sha": h.hexdigest(),
-            "plan_device": plan,
+            "plan_device": plan, "shm_transport": shm,
             **{k: stats.get(k, 0) for k in (
                 "allgather_sent_bytes", "allgather_sent_inter_bytes", "grad_comm_sent_bytes",
                 "grad_comm_sent_inter_bytes", "allgather_bytes", "device_budget_overflows",
