@@ -20,7 +20,7 @@ def _checks_pass(res):
         assert not r.result["leftover"], "the slots' directory was left in /dev/shm"
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_collectives_match_their_definition_across_pieces(tmp_path, world_size):
     # a 4 KiB slot: the larger collectives take many pieces (and both parities)
     res = run_ranks_ok("shm_child.py", {"transport": "auto", "slot_bytes": 4096}, tmp_path,
@@ -93,3 +93,17 @@ def test_zeropp_on_one_machine_goes_through_shared_memory(tmp_path):
         assert got["auto"]["shm_transport"] and not got["process_group"]["shm_transport"]
         assert got["auto"]["losses"] == got["process_group"]["losses"], r.rank
         assert got["auto"]["params_sha"] == got["process_group"]["params_sha"], r.rank
+
+
+def test_engine_parity_through_shared_memory_at_3_ranks(tmp_path):
+    """An odd world size (shards padded, sub-slots of a third of the slot): stage 3 with
+    NVMe homes, accumulation and clipping equals single-process torch AdamW."""
+    cfg = base_config(3, "nvme", str(tmp_path / "swap"), gradient_accumulation_steps=2,
+                      gradient_clipping=3.0)
+    runs = [{"name": "s3", "model": "awkward", "steps": STEPS, "batch": 6, "config": cfg,
+             "env": {"INFINITY_SIMULATE_DEVICE": "0"}}]
+    res = run_ranks_ok("dist_child.py", {"runs": runs}, tmp_path, world_size=3, timeout=900)
+    prefix = str(tmp_path / [d for d in os.listdir(tmp_path) if d.startswith("ranks-")][0] /
+                 "rank0.json")
+    assert all(r.result["runs"]["s3"]["shm_transport"] for r in res)
+    check_run(res, prefix, "s3", cfg, batch=6)

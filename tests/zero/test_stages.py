@@ -52,8 +52,8 @@ def reference(cfg, steps=STEPS, batch=BATCH, kind="awkward"):
     return losses, unique_param_snapshot(model)
 
 
-def check_run(res, out_prefix, name, cfg, kind="awkward"):
-    ref_losses, ref_params = reference(cfg, kind=kind)
+def check_run(res, out_prefix, name, cfg, kind="awkward", batch=BATCH):
+    ref_losses, ref_params = reference(cfg, batch=batch, kind=kind)
     for r in res:
         got = r.result["runs"][name]
         assert len(got["losses"]) == len(ref_losses)
