@@ -178,6 +178,8 @@ def assemble(engine, lr_scheduler) -> None:
         engine.zero = ZeroSetup.with_grad_spill(engine.zero, cfg, grouping.groups)
         partition_placement(placement, engine.zero)
     placement.check()
+    if engine.zero is not None:             # the slots the placement plan just counted
+        engine.zero.start_transport(grouping.groups)
     if cfg.precision == "fp32" and param_home == "nvme" and engine.zero is None \
             and not separate and device_budget is None \
             and cfg.host_memory_bytes is not None \

@@ -97,6 +97,13 @@ class ZeroSetup:
             opt.reduce_scatter_sum = self.zeropp.reduce_scatter_sum      # qgZ
         return opt
 
+    def start_transport(self, groups) -> None:
+        """Collective: map the shared-memory slots between local ranks for these groups'
+        collectives (after the placement plan, which counts them, was checked)."""
+        shm = self.comm.shm
+        if shm is not None and groups and not shm.channels:
+            shm.allocate(transport_bytes(groups))
+
     def close(self) -> None:
         try:
             if self.zeropp is not None:
@@ -142,9 +149,8 @@ def partition_placement(placement, zero: "ZeroSetup | None") -> None:
         placement.host[f"reduced gradient shard D2H staging ({k} shards)"] = k * shard
     shm = getattr(getattr(zero, "comm", None), "shm", None)
     if shm is not None and placement.groups:   # the intra-node transport's own slots
-        full = 4 * max(g.padded_numel for g in placement.groups)
         placement.host["shared-memory slots (intra_node_transport)"] = \
-            shm.touched_bytes(full, w)
+            shm.plan_bytes(transport_bytes(placement.groups), w)
     zpp = getattr(zero, "zeropp", None)
     if zpp is not None:
         zeropp_placement(placement, zpp, zero.stage)
@@ -156,6 +162,12 @@ def partition_placement(placement, zero: "ZeroSetup | None") -> None:
                 placement.nvme["bf16 partial gradient sums (spilled)"] = \
                     placement.nvme[key + " (spilled)"] // 2
         stream_window(placement, w)
+
+
+def transport_bytes(groups) -> int:
+    """The largest collective's whole buffer: a group's fp32 gradient (its parameters in
+    the working precision and qwZ's int8 rows are no larger)."""
+    return 4 * max(g.padded_numel for g in groups)
 
 
 def stream_window(placement, world_size: int) -> None:

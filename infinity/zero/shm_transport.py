@@ -22,12 +22,16 @@ kernel, no extra threads beyond one per channel.
   own gloo group for the barriers, so the order matches on every rank as it does for the
   process groups (:mod:`infinity.zero.comm`).  An operation returns a future; the
   :class:`~infinity.zero.comm.CommHandle` waits on it like on a gloo work object.
-* Slots: one file per rank and channel in a private directory ``/dev/shm/infinity-shm-*``
-  (0700, the files 0600), ``2 x SLOT_BYTES`` each (two parities).  Every rank maps every
-  slot, then rank 0 removes the directory with the files before any rank goes on: once
-  set up, nothing is left behind however the processes end (the memory is freed when the
-  last rank unmaps it); only a rank dying during the set-up can leave the directory.  Pages are
-  only committed when touched (at most ``2 x`` the largest piece per channel and rank).
+* Slots: sized by the engine once its groups are known (:meth:`ShmTransport.allocate`,
+  collective): per rank and channel, two parities of a shard (``param``) or of one shard
+  per rank (``grad``), at most ``SLOT_BYTES`` each (bigger collectives take several
+  pieces).  Their memory is reserved up front (``posix_fallocate``: a ``/dev/shm`` too
+  small — a container's 64 MB default — fails there and every rank falls back to the
+  process group, never a SIGBUS later) and counted by the placement plan.  The files
+  live in a private directory ``/dev/shm/infinity-shm-*`` (0700, files 0600); every rank
+  maps every slot, then rank 0 removes the directory with the files before any rank goes
+  on: once set up, nothing is left behind however the processes end (the memory is
+  freed when the last rank unmaps it); only a rank dying during the set-up can leave it.
 * One *piece* (at most a slot) per barrier; piece ``k`` uses parity ``k % 2``.  A rank
   writes piece ``k + 2`` (the same parity as ``k``) only after barrier ``k + 1``, which
   every rank entered only after reading piece ``k``: one barrier per piece suffices.
@@ -57,7 +61,7 @@ log = logging.getLogger("infinity.zero")
 __all__ = ["ShmTransport", "Channel", "create", "TRANSPORTS", "SLOT_BYTES"]
 
 from infinity.config_sections import INTRA_NODE_TRANSPORTS as TRANSPORTS  # noqa: E402
-SLOT_BYTES = 64 << 20          # per parity, rank and channel (pages committed as touched)
+SLOT_BYTES = 64 << 20          # at most, per parity, rank and channel
 ALIGN = 64
 SHM_ROOT = "/dev/shm"
 _ID_BYTES = 64
@@ -108,12 +112,14 @@ class _Work:
 class Channel:
     """One ordered stream of shared-memory collectives with its own worker thread."""
 
-    def __init__(self, name: str, rank: int, world_size: int, pg, slots: list[torch.Tensor]):
+    def __init__(self, name: str, rank: int, world_size: int, pg, slots: list[torch.Tensor],
+                 slot_bytes: int):
         self.name = name
+        self.slot_bytes = int(slot_bytes)      # per parity
         self.rank = rank
         self.world_size = world_size
         self.pg = pg
-        self.slots = slots                    # slots[r]: rank r's 2 x SLOT_BYTES uint8
+        self.slots = slots                    # slots[r]: rank r's 2 x slot_bytes uint8
         self.piece = 0
         self.broken: BaseException | None = None
         self._flag = torch.zeros(1, dtype=torch.int32)
@@ -167,7 +173,7 @@ class Channel:
 
     # ------------------------------------------------------------------ one piece
     def _slot(self, r: int, parity: int) -> torch.Tensor:
-        return self.slots[r][parity * SLOT_BYTES:(parity + 1) * SLOT_BYTES]
+        return self.slots[r][parity * self.slot_bytes:(parity + 1) * self.slot_bytes]
 
     def _barrier(self, failed: bool) -> None:
         self._flag.fill_(1 if failed else 0)
@@ -199,7 +205,7 @@ class Channel:
         mine = ob[me * s:(me + 1) * s]
         if mine.data_ptr() != sb.data_ptr():
             mine.copy_(sb)
-        step = SLOT_BYTES
+        step = self.slot_bytes
         for a in range(0, s, step):
             b = min(s, a + step)
 
@@ -220,7 +226,7 @@ class Channel:
         flat = full.reshape(-1)
         o = out.view(-1)
         el = flat.element_size()
-        sub = (SLOT_BYTES // n) // ALIGN * ALIGN      # bytes of the sub-slot for each rank
+        sub = (self.slot_bytes // n) // ALIGN * ALIGN   # bytes of the sub-slot for each rank
         per = max(1, sub // el)                       # elements per piece
         own = flat[me * s:(me + 1) * s]
         if o.data_ptr() != own.data_ptr():
@@ -261,27 +267,23 @@ class Channel:
 
 
 class ShmTransport:
-    """The channels of one :class:`~infinity.zero.comm.Comm` (``param``, ``grad``)."""
+    """The channels of one :class:`~infinity.zero.comm.Comm` (``param``, ``grad``).
+
+    Made by :func:`create` (collective: may every rank use it?) without memory; the
+    engine sizes and maps the slots with :meth:`allocate` (collective, once the groups
+    are known) — until then, and if that fails, every collective goes over the process
+    group on every rank."""
 
     CHANNELS = ("param", "grad")
 
-    @staticmethod
-    def touched_bytes(full_bytes: int, world_size: int) -> int:
-        """Upper bound of this rank's own slot memory that collectives over at most
-        ``full_bytes`` (a whole gathered or reduced buffer) touch: both parities of the
-        ``param`` slot (a shard per piece) and of the ``grad`` slot (a sub-slot per other
-        rank per piece, or a shard when an all-reduce gathers)."""
-        n = int(world_size)
-        shard = -(-int(full_bytes) // n)
-        sub = (SLOT_BYTES // n) // ALIGN * ALIGN
-        param = min(SLOT_BYTES, shard)
-        grad = max(param, (n - 1) * min(sub, shard))
-        return 2 * (param + grad)
-
-    def __init__(self, channels: dict[str, Channel], pgs: list, path: str):
-        self.channels = channels
+    def __init__(self, rank: int, world_size: int, pgs: list, backend: str):
+        self.rank = rank
+        self.world_size = world_size
+        self.channels: dict[str, Channel] = {}
         self._pgs = pgs
-        self.path = path              # the slots' directory (removed once they were mapped)
+        self.backend = backend
+        self.path: str | None = None  # the slots' directory (removed once they were mapped)
+        self.slot_bytes: dict[str, int] = {}
 
     def channel(self, group: str) -> Channel | None:
         return self.channels.get(group)
@@ -290,6 +292,104 @@ class ShmTransport:
     def carries(*tensors: torch.Tensor) -> bool:
         """Host tensors laid out flat (what the slots copy from and into)."""
         return all(t.device.type == "cpu" and t.is_contiguous() for t in tensors)
+
+    # ------------------------------------------------------------------ sizes
+    @staticmethod
+    def slot_sizes(full_bytes: int, world_size: int) -> dict[str, int]:
+        """Bytes per parity of each channel's slot for collectives over at most
+        ``full_bytes`` (a whole gathered or reduced buffer): the ``param`` slot holds a
+        shard, the ``grad`` slot one shard per rank (a reduce-scatter in one piece); each
+        at most ``SLOT_BYTES`` (larger collectives take several pieces)."""
+        n = int(world_size)
+        shard = -(-int(full_bytes) // n)
+        shard = -(-shard // ALIGN) * ALIGN
+        return {"param": max(ALIGN, min(SLOT_BYTES, shard)),
+                "grad": max(n * ALIGN, min(SLOT_BYTES, n * shard))}
+
+    @classmethod
+    def plan_bytes(cls, full_bytes: int, world_size: int) -> int:
+        """Host memory this rank's own slots commit (both parities of both channels)."""
+        return 2 * sum(cls.slot_sizes(full_bytes, world_size).values())
+
+    # ------------------------------------------------------------------ set-up
+    def allocate(self, full_bytes: int) -> bool:
+        """Collective over the default group: size the slots for collectives over at most
+        ``full_bytes``, reserve them (``posix_fallocate``: a full ``/dev/shm`` fails here,
+        never later as a SIGBUS) and map every rank's.  False (on every rank) when some
+        rank could not: the process group then carries everything."""
+        if self.channels:
+            raise RuntimeError("shm transport: slots already allocated")
+        n, me = self.world_size, self.rank
+        sizes = self.slot_sizes(full_bytes, n)
+        need = 2 * sum(sizes.values())
+        fail = torch.zeros(1, dtype=torch.int32)
+        why = None
+        try:
+            st = os.statvfs(SHM_ROOT)
+            free = st.f_bavail * st.f_frsize
+            if free < 2 * n * need:      # leave this node's /dev/shm half free
+                why = (f"{SHM_ROOT} has {free / 2**20:.0f} MiB free; the slots of {n} ranks "
+                       f"need {n * need / 2**20:.0f} MiB (x2 headroom)")
+        except OSError as e:
+            why = f"statvfs({SHM_ROOT}): {e}"
+        if why:
+            fail.fill_(1)
+        dist.all_reduce(fail)
+        if int(fail.item()):
+            return self._off(why or "another rank's /dev/shm is too small")
+        # rank 0 makes the private directory and tells the others its name
+        name = torch.zeros(256, dtype=torch.uint8)
+        tmp = None
+        if me == 0:
+            try:
+                tmp = tempfile.mkdtemp(prefix="infinity-shm-", dir=SHM_ROOT)
+                b = tmp.encode()
+                name[:len(b)] = torch.frombuffer(bytearray(b), dtype=torch.uint8)
+            except OSError as e:
+                why = f"cannot create a directory in {SHM_ROOT}: {e}"
+        dist.broadcast(name, 0)
+        path = bytes(name.tolist()).rstrip(b"\0").decode()
+        slots: dict[str, list] = {c: [None] * n for c in self.CHANNELS}
+        try:
+            if not path:
+                raise OSError(why or "rank 0 could not create the shared-memory directory")
+            for c in self.CHANNELS:
+                slots[c][me] = _map(os.path.join(path, f"{c}-r{me}"), sizes[c], create=True)
+        except OSError as e:
+            why = str(e)
+            fail.fill_(1)
+        dist.all_reduce(fail)
+        if not int(fail.item()):
+            try:
+                for c in self.CHANNELS:
+                    for r in range(n):
+                        if r != me:
+                            slots[c][r] = _map(os.path.join(path, f"{c}-r{r}"), sizes[c],
+                                               create=False)
+            except OSError as e:
+                why = str(e)
+                fail.fill_(1)
+            dist.all_reduce(fail)        # every rank mapped every slot (or one could not)
+        # nothing stays on the file system: every rank mapped every slot (or gave up),
+        # rank 0 removes the directory with the files, and no rank goes on before that
+        if me == 0 and tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
+        dist.all_reduce(torch.zeros(1))     # a barrier on the host backend (gloo)
+        if int(fail.item()):
+            return self._off(why or "another rank could not map the shared slots")
+        self.path = path
+        self.slot_bytes = sizes
+        self.channels = {c: Channel(c, me, n, pg, slots[c], sizes[c])
+                         for c, pg in zip(self.CHANNELS, self._pgs)}
+        log.info("shm transport: %d ranks share memory (%s, %.0f MiB per rank): parameter "
+                 "all-gathers and gradient reductions bypass %s", n, SHM_ROOT,
+                 need / 2**20, self.backend)
+        return True
+
+    def _off(self, why: str) -> bool:
+        log.warning("shm transport: off (%s): collectives between local ranks go over %s",
+                    why, self.backend)
+        return False
 
     def close(self) -> None:
         for ch in self.channels.values():
@@ -302,22 +402,24 @@ class ShmTransport:
         self._pgs = []
 
 
-def _map(path: str, create: bool) -> torch.Tensor:
+def _map(path: str, slot_bytes: int, create: bool) -> torch.Tensor:
+    """Map a rank's slot file (both parities); ``create``: make it (0600) and reserve its
+    memory."""
+    size = 2 * slot_bytes
     flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
     fd = os.open(path, flags, 0o600)
     try:
         if create:
-            os.ftruncate(fd, 2 * SLOT_BYTES)
-        mm = mmap.mmap(fd, 2 * SLOT_BYTES, flags=mmap.MAP_SHARED,
-                       prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            os.posix_fallocate(fd, 0, size)
+        mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)
     return torch.frombuffer(mm, dtype=torch.uint8)   # the tensor keeps ``mm`` alive
 
 
 def create(comm, transport: str) -> ShmTransport | None:
-    """Collective over the default group: the shared-memory transport when every rank can
-    use it (see the module docstring), else None on every rank."""
+    """Collective over the default group: the (not yet allocated) shared-memory transport
+    when every rank can use it (see the module docstring), else None on every rank."""
     if transport not in TRANSPORTS:
         raise ValueError(f"intra_node_transport: expected one of {TRANSPORTS}, got "
                          f"{transport!r}")
@@ -338,53 +440,4 @@ def create(comm, transport: str) -> ShmTransport | None:
         return None
     td = datetime.timedelta(seconds=comm.timeout_s)
     pgs = [dist.new_group(timeout=td, backend="gloo") for _ in ShmTransport.CHANNELS]
-    # rank 0 makes the private directory and tells the others its name
-    name = torch.zeros(256, dtype=torch.uint8)
-    tmp = None
-    if me == 0:
-        try:
-            tmp = tempfile.mkdtemp(prefix="infinity-shm-", dir=SHM_ROOT)
-            b = tmp.encode()
-            name[:len(b)] = torch.frombuffer(bytearray(b), dtype=torch.uint8)
-        except OSError as e:
-            log.info("shm transport: cannot create a directory in %s (%s)", SHM_ROOT, e)
-    dist.broadcast(name, 0)
-    path = bytes(name.tolist()).rstrip(b"\0").decode()
-    fail = torch.zeros(1, dtype=torch.int32)
-    slots: dict[str, list] = {}
-    err = None
-    try:
-        if not path:
-            raise OSError("rank 0 could not create the shared-memory directory")
-        for c in ShmTransport.CHANNELS:
-            slots[c] = [None] * n
-            slots[c][me] = _map(os.path.join(path, f"{c}-r{me}"), create=True)
-    except OSError as e:
-        err = e
-        fail.fill_(1)
-    dist.all_reduce(fail)
-    if not int(fail.item()):
-        try:
-            for c in ShmTransport.CHANNELS:
-                for r in range(n):
-                    if r != me:
-                        slots[c][r] = _map(os.path.join(path, f"{c}-r{r}"), create=False)
-        except OSError as e:
-            err = e
-            fail.fill_(1)
-        dist.all_reduce(fail)        # every rank mapped every slot (or one could not)
-    # nothing stays on the file system: every rank mapped every slot (or gave up), rank 0
-    # removes the directory with the files, and no rank goes on before it is gone
-    if me == 0 and tmp:
-        shutil.rmtree(tmp, ignore_errors=True)
-    dist.barrier()
-    if int(fail.item()):
-        for pg in pgs:
-            dist.destroy_process_group(pg)
-        log.info("shm transport: off (%s): collectives go over %s",
-                 err or "another rank could not map the shared slots", comm.backend)
-        return None
-    channels = {c: Channel(c, me, n, pg, slots[c]) for c, pg in zip(ShmTransport.CHANNELS, pgs)}
-    log.info("shm transport: %d ranks share memory (%s): parameter all-gathers and gradient "
-             "reductions bypass %s", n, SHM_ROOT, comm.backend)
-    return ShmTransport(channels, pgs, path)
+    return ShmTransport(me, n, pgs, comm.backend)

@@ -28,16 +28,27 @@ def main():
     spec = json.loads(open(sys.argv[1]).read())
     out_path = sys.argv[2]
     torch.set_num_threads(1)
+    import logging
+    logging.basicConfig(level=logging.INFO)     # the transport's decisions, on stderr
     from infinity.zero import shm_transport
     from infinity.zero.comm import Comm, ensure_process_group
     shm_transport.SLOT_BYTES = int(spec.get("slot_bytes", shm_transport.SLOT_BYTES))
     ensure_process_group(spec.get("timeout_s", 60))
     comm = Comm(timeout_s=spec.get("timeout_s", 60), transport=spec["transport"])
     me, n = comm.rank, comm.world_size
-    res = {"rank": me, "shm": comm.shm is not None,
-           "leftover": comm.shm is not None and os.path.exists(comm.shm.path),
+    allocated = False
+    if comm.shm is not None:       # sized for the largest collective below (capped by the slot)
+        if spec.get("tiny_shm_rank") == me:     # this rank's /dev/shm looks (nearly) full
+            import types
+            real = shm_transport.os.statvfs
+            shm_transport.os.statvfs = lambda p: types.SimpleNamespace(
+                f_bavail=16, f_frsize=4096) if p == shm_transport.SHM_ROOT else real(p)
+        allocated = comm.shm.allocate(4 * n * 20000)
+    res = {"rank": me, "shm": allocated,
+           "leftover": bool(comm.shm is not None and comm.shm.path
+                            and os.path.exists(comm.shm.path)),
            "checks": {}}
-    if spec.get("fail_rank") == me:
+    if spec.get("fail_rank") == me:   # (before any collective through the slots)
         raise RuntimeError(f"injected failure on rank {me}")
     checks = res["checks"]
     for salt, (numel, dtype) in enumerate([(1001, torch.float32), (4096, torch.bfloat16),

@@ -40,6 +40,17 @@ def test_process_group_transport_and_several_nodes_keep_gloo(tmp_path):
     _checks_pass(res)
 
 
+def test_a_full_dev_shm_on_one_rank_keeps_every_rank_on_gloo(tmp_path):
+    """The slots are reserved up front; one rank that cannot (its /dev/shm too small, as
+    in a container's 64 MB default) turns the transport off on every rank, and the
+    collectives still give the right results over the process group."""
+    res = run_ranks_ok("shm_child.py", {"transport": "auto", "tiny_shm_rank": 1}, tmp_path,
+                       timeout=120)
+    assert not any(r.result["shm"] for r in res)
+    _checks_pass(res)
+    assert "shm transport: off" in res[1].stderr and "MiB free" in res[1].stderr, res[1]
+
+
 def test_a_failing_rank_ends_the_others_with_a_collective_error(tmp_path):
     res = run_ranks("shm_child.py", {"transport": "auto", "fail_rank": 1, "timeout_s": 8},
                     tmp_path, timeout=120)
