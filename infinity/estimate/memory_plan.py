@@ -373,6 +373,13 @@ def plan_memory(spec, machine, knobs, params_home, optimizer_home):
             k = ZERO_INFLIGHT_REDUCTIONS
             add(Item("pageable", f"gradients awaiting reduce-scatter (fp32, {k + 2} x {gname})",
                      r * (k + 2) * Gf * 4, f"r*{k + 2}*{gname}*4"))
+    if R > 1 and machine.nodes == 1 and (not gpu or stage == 1):
+        # engine (infinity.zero.shm_transport, intra_node_transport "auto"): every rank's
+        # shared-memory slots for the host-tensor collectives between the node's ranks
+        from infinity.zero.shm_transport import ShmTransport
+        add(Item("pageable", "shared-memory slots (intra_node_transport)",
+                 r * ShmTransport.plan_bytes(4 * G, R),
+                 "r*2*(Gmax*4/R + Gmax*4), each part <= 64 MB"))
 
     # ---------------------------------------------------------------- optimizer
     if master_is_param:

@@ -216,6 +216,7 @@ class Comm:
             log.warning("comm: %s; counting every rank as one node", e)
             self.topo = Topology(self.rank, self.world_size, self.world_size)
         self.device = torch.device("cpu")
+        self.compute_device = torch.device(device)
         # between the ranks of one host: shared memory for the big host-tensor collectives
         self.shm = shm_transport.create(self, transport)
         st = self._store()

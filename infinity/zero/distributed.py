@@ -97,11 +97,18 @@ class ZeroSetup:
             opt.reduce_scatter_sum = self.zeropp.reduce_scatter_sum      # qgZ
         return opt
 
+    @property
+    def host_collectives(self) -> bool:
+        """Whether the big collectives run on host tensors (what the shared-memory
+        transport carries): on CPU-only ranks and the simulated device every gather and
+        reduction, on GPUs only stage 1's gradient all-reduce."""
+        return self.comm.compute_device.type == "cpu" or self.stage == 1
+
     def start_transport(self, groups) -> None:
         """Collective: map the shared-memory slots between local ranks for these groups'
         collectives (after the placement plan, which counts them, was checked)."""
         shm = self.comm.shm
-        if shm is not None and groups and not shm.channels:
+        if shm is not None and groups and not shm.channels and self.host_collectives:
             shm.allocate(transport_bytes(groups))
 
     def close(self) -> None:
@@ -148,7 +155,8 @@ def partition_placement(placement, zero: "ZeroSetup | None") -> None:
                          f"+ {2 * k + 1} shards)"] = (k + 3) * full + (2 * k + 1) * shard
         placement.host[f"reduced gradient shard D2H staging ({k} shards)"] = k * shard
     shm = getattr(getattr(zero, "comm", None), "shm", None)
-    if shm is not None and placement.groups:   # the intra-node transport's own slots
+    if shm is not None and placement.groups and zero.host_collectives:
+        # the intra-node transport's own slots
         placement.host["shared-memory slots (intra_node_transport)"] = \
             shm.plan_bytes(transport_bytes(placement.groups), w)
     zpp = getattr(zero, "zeropp", None)
