@@ -378,8 +378,8 @@ def plan_memory(spec, machine, knobs, params_home, optimizer_home):
         # shared-memory slots for the host-tensor collectives between the node's ranks
         from infinity.zero.shm_transport import ShmTransport
         add(Item("pageable", "shared-memory slots (intra_node_transport)",
-                 r * ShmTransport.plan_bytes(4 * G, R),
-                 "r*2*(Gmax*4/R + Gmax*4), each part <= 64 MB"))
+                 r * ShmTransport.plan_bytes(lp * G, 4 * G, R),
+                 "r*2*(Gmax*lp/R + Gmax*4), each part <= 64 MB"))
 
     # ---------------------------------------------------------------- optimizer
     if master_is_param:

@@ -109,7 +109,7 @@ class ZeroSetup:
         collectives (after the placement plan, which counts them, was checked)."""
         shm = self.comm.shm
         if shm is not None and groups and not shm.channels and self.host_collectives:
-            shm.allocate(transport_bytes(groups))
+            shm.allocate(*transport_bytes(groups))
 
     def close(self) -> None:
         try:
@@ -158,7 +158,7 @@ def partition_placement(placement, zero: "ZeroSetup | None") -> None:
     if shm is not None and placement.groups and zero.host_collectives:
         # the intra-node transport's own slots
         placement.host["shared-memory slots (intra_node_transport)"] = \
-            shm.plan_bytes(transport_bytes(placement.groups), w)
+            shm.plan_bytes(*transport_bytes(placement.groups), w)
     zpp = getattr(zero, "zeropp", None)
     if zpp is not None:
         zeropp_placement(placement, zpp, zero.stage)
@@ -172,10 +172,11 @@ def partition_placement(placement, zero: "ZeroSetup | None") -> None:
         stream_window(placement, w)
 
 
-def transport_bytes(groups) -> int:
-    """The largest collective's whole buffer: a group's fp32 gradient (its parameters in
-    the working precision and qwZ's int8 rows are no larger)."""
-    return 4 * max(g.padded_numel for g in groups)
+def transport_bytes(groups) -> tuple[int, int]:
+    """The largest collectives' whole buffers: a gathered group (working precision; qwZ's
+    int8 rows are smaller) and a reduced gradient (fp32 at most)."""
+    return (max(g.padded_numel * g.dtype.itemsize for g in groups),
+            4 * max(g.padded_numel for g in groups))
 
 
 def stream_window(placement, world_size: int) -> None:

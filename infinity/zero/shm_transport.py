@@ -295,32 +295,33 @@ class ShmTransport:
 
     # ------------------------------------------------------------------ sizes
     @staticmethod
-    def slot_sizes(full_bytes: int, world_size: int) -> dict[str, int]:
+    def slot_sizes(param_bytes: int, grad_bytes: int, world_size: int) -> dict[str, int]:
         """Bytes per parity of each channel's slot for collectives over at most
-        ``full_bytes`` (a whole gathered or reduced buffer): the ``param`` slot holds a
-        shard, the ``grad`` slot one shard per rank (a reduce-scatter in one piece); each
-        at most ``SLOT_BYTES`` (larger collectives take several pieces)."""
+        ``param_bytes`` (a gathered group) and ``grad_bytes`` (a reduced gradient): the
+        ``param`` slot holds a shard, the ``grad`` slot one shard per rank (a
+        reduce-scatter in one piece); each at most ``SLOT_BYTES`` (larger collectives
+        take several pieces)."""
         n = int(world_size)
-        shard = -(-int(full_bytes) // n)
-        shard = -(-shard // ALIGN) * ALIGN
-        return {"param": max(ALIGN, min(SLOT_BYTES, shard)),
-                "grad": max(n * ALIGN, min(SLOT_BYTES, n * shard))}
+
+        def shard(full):
+            return -(-(-(-int(full) // n)) // ALIGN) * ALIGN
+        return {"param": max(ALIGN, min(SLOT_BYTES, shard(param_bytes))),
+                "grad": max(n * ALIGN, min(SLOT_BYTES, n * shard(grad_bytes)))}
 
     @classmethod
-    def plan_bytes(cls, full_bytes: int, world_size: int) -> int:
+    def plan_bytes(cls, param_bytes: int, grad_bytes: int, world_size: int) -> int:
         """Host memory this rank's own slots commit (both parities of both channels)."""
-        return 2 * sum(cls.slot_sizes(full_bytes, world_size).values())
+        return 2 * sum(cls.slot_sizes(param_bytes, grad_bytes, world_size).values())
 
     # ------------------------------------------------------------------ set-up
-    def allocate(self, full_bytes: int) -> bool:
-        """Collective over the default group: size the slots for collectives over at most
-        ``full_bytes``, reserve them (``posix_fallocate``: a full ``/dev/shm`` fails here,
+    def allocate(self, param_bytes: int, grad_bytes: int) -> bool:
+        """Collective over the default group: size the slots (:meth:`slot_sizes`), reserve them (``posix_fallocate``: a full ``/dev/shm`` fails here,
         never later as a SIGBUS) and map every rank's.  False (on every rank) when some
         rank could not: the process group then carries everything."""
         if self.channels:
             raise RuntimeError("shm transport: slots already allocated")
         n, me = self.world_size, self.rank
-        sizes = self.slot_sizes(full_bytes, n)
+        sizes = self.slot_sizes(param_bytes, grad_bytes, n)
         need = 2 * sum(sizes.values())
         fail = torch.zeros(1, dtype=torch.int32)
         why = None

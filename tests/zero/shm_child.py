@@ -43,7 +43,7 @@ def main():
             real = shm_transport.os.statvfs
             shm_transport.os.statvfs = lambda p: types.SimpleNamespace(
                 f_bavail=16, f_frsize=4096) if p == shm_transport.SHM_ROOT else real(p)
-        allocated = comm.shm.allocate(4 * n * 20000)
+        allocated = comm.shm.allocate(4 * n * 20000, 4 * n * 20000)
     res = {"rank": me, "shm": allocated,
            "leftover": bool(comm.shm is not None and comm.shm.path
                             and os.path.exists(comm.shm.path)),
