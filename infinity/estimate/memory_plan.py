@@ -338,8 +338,14 @@ def plan_memory(spec, machine, knobs, params_home, optimizer_home):
     if kept and (R > 1 or params_home == "nvme"):
         # groups kept resident from forward for backward (not counted on a GPU by default:
         # they only use what the device budget leaves)
-        add(Item("device", "groups kept for reuse (prefetch.reuse_gb)", min(kept, N * lp),
-                 "min(reuse, N*lp)"))
+        # the groups in use and prefetched in backward are kept ones when everything is
+        # kept: a rank's gathered parameters never exceed the model plus one group in
+        # flight (window + kept <= N*lp + Gf*lp)
+        windowed = gpu or params_home == "nvme"
+        room = N * lp - (win - 1) * Gf * lp if windowed else N * lp
+        add(Item("device", "groups kept for reuse (prefetch.reuse_gb)",
+                 max(0, min(kept, room)),
+                 "min(reuse, N*lp - (d+1)*Gf*lp)" if windowed else "min(reuse, N*lp)"))
 
     if stage == 3 and R > 1 and knobs.hpz > 1:
         # hpZ (infinity/zero/zeropp.py): a secondary copy partitioned over hpz ranks,
