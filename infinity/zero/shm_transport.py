@@ -56,11 +56,12 @@ from concurrent.futures import Future
 import torch
 import torch.distributed as dist
 
+from infinity.config_sections import INTRA_NODE_TRANSPORTS as TRANSPORTS
+
 log = logging.getLogger("infinity.zero")
 
 __all__ = ["ShmTransport", "Channel", "create", "TRANSPORTS", "SLOT_BYTES"]
 
-from infinity.config_sections import INTRA_NODE_TRANSPORTS as TRANSPORTS  # noqa: E402
 SLOT_BYTES = 64 << 20          # at most, per parity, rank and channel
 ALIGN = 64
 SHM_ROOT = "/dev/shm"
