@@ -495,8 +495,10 @@ class MemoryManager:
         if g.home == "nvme" and self._listener is not None:   # Note [Master hand-off]
             if self._listener.on_release(g, None if cached else buf):
                 buf = None                # taken over
-        if buf is not None and not cached and buf is not g.host_buf:
-            # a leased compute buffer (a zero-copy host home is used in place: not leased)
+        if buf is not None and buf is not g.host_buf:
+            # a leased compute buffer (a zero-copy host home, or a buffer _admit kept as the
+            # cached copy, is used in place: not leased; across ranks the cached copy is a
+            # separate shard-sized lease and the gathered buffer always goes back)
             self._give_back(self.dev, buf)       # CUDA: the next copy into it waits for compute
         self._progress()
 
