@@ -584,20 +584,22 @@ class MemoryManager:
         self.acct.count("param_cache_evicted")
         return leased_size(buf)
 
-    def reclaim(self, need: int) -> None:
+    def reclaim(self, need: int) -> int:
         """The host pool needs ``need`` bytes: evict cached copies, the group latest in
         module order first (backward, where gradients need memory, reaches it last and
         forward uses it last).  Copies a running optimizer step updates are skipped; if
-        they are all that is left, the listener's ``reclaim_blocked()`` waits for those steps."""
+        they are all that is left, the listener's ``reclaim_blocked()`` waits for those
+        steps.  Returns the bytes still missing (<= 0: done)."""
         for attempt in range(2):
             for g in reversed(self.groups):
                 if need <= 0:
-                    return
+                    return need
                 if self.cached(g) and g.gid not in self._pinned:
                     need -= self._evict(g)
             if need <= 0 or attempt or self._listener is None or not self._pinned:
-                return
+                return need
             self._listener.reclaim_blocked()
+        return need
 
     def drop_cache(self) -> None:
         """Forget every cached copy (before anything writes the NVMe homes directly, e.g.

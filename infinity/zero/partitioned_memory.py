@@ -335,6 +335,17 @@ class PartitionedMemoryManager(MemoryManager):
         self.acct.count("param_cache_evicted")
         return leased_size(buf)
 
+    def reclaim(self, need: int) -> int:
+        """The base's; then, as a last resort, copies a gather is reading, once it ended
+        (the gather worker never waits for this thread)."""
+        need = super().reclaim(need)
+        for g in reversed(self.groups):
+            if need <= 0:
+                break
+            if self.cached(g) and g.gid not in self._pinned:
+                need -= self._evict(g, wait=True)
+        return need
+
     @staticmethod
     def _settle_gather(g: GroupRecord) -> None:
         f = g.pending

@@ -146,6 +146,7 @@ def main():
                                        "host_cap_bytes": stats.get("host_cap_bytes"),
                                        "host_peak_bytes": stats.get("host_peak_bytes", 0),
                                        "param_cache_budget": eng.placement.param_cache_budget,
+                                       "host_sizes": sizes[run["name"]],
                                        **{k: stats.get(k, 0) for k in (
                                            "h2d_bytes", "d2h_bytes", "device_peak_bytes",
                                            "device_cap_bytes", "device_budget_overflows")},
