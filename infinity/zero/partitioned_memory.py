@@ -289,9 +289,10 @@ class PartitionedMemoryManager(MemoryManager):
     #   it to NVMe in the same pass (PartitionedOptimizer._item: StepItem.master_buf), so
     #   it reads no master either; it takes the master hand-off's place (the release
     #   offers no buffer); an overlapped group step pins the copy while it runs;
-    # * the host pool's reclaimer (MemoryManager.reclaim) evicts copies without a write,
-    #   never one a gather is reading (TO_DEVICE): dropping such a copy (discard_cached
-    #   after a rollback, drop_cache before a checkpoint load) waits for that gather;
+    # * the host pool's reclaimer (reclaim) evicts copies without a write; one a gather is
+    #   still reading (TO_DEVICE) only as a last resort, after that gather ended, as does
+    #   discard_cached; a checkpoint load releases every group, then drops every copy
+    #   (drop_cache);
     # * a rolled-back window (Note [commit point]) discards the copies its steps updated
     #   in place (Engine._after_rollback -> discard_cached, whatever their state), and
     #   nothing is admitted while a failed window is abandoned (lenient_returns): a
