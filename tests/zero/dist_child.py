@@ -186,16 +186,20 @@ def host_sizes(eng) -> dict:
                 shards += round_up((hi - lo) * g.dtype.itemsize, ALIGN)
     full = max((round_up(4 * g.padded_numel, ALIGN) for g in eng.grouping.groups
                 if g.trainable), default=0)
-    return {"need": need, "shards": shards, "transient": (MAX_INFLIGHT_REDUCTIONS + 2) * full}
+    # the undo copies of host-resident optimizer states come before the cache (build.py)
+    undo = sum(v for k, v in eng.placement.host.items() if k.startswith("optimizer states"))
+    return {"need": need, "shards": shards, "transient": (MAX_INFLIGHT_REDUCTIONS + 2) * full,
+            "undo": undo}
 
 
 def cap_from(cfg, sizes, fraction):
-    """``cfg`` with ``offload.host_memory_gb`` = the plan's host tier + the transient
-    gradient buffers + ``fraction`` of this rank's shards (a parameter cache that holds
-    about that fraction between backward passes)."""
+    """``cfg`` with ``offload.host_memory_gb`` = the plan's host tier + the undo copies of
+    host-resident optimizer states + the transient gradient buffers + ``fraction`` of this
+    rank's shards (a parameter cache that holds about that fraction between backward
+    passes, less while gradients are in flight)."""
     import copy
     cfg = copy.deepcopy(cfg)
-    cap = sizes["need"] + sizes["transient"] + int(fraction * sizes["shards"])
+    cap = sizes["need"] + sizes["undo"] + sizes["transient"] + int(fraction * sizes["shards"])
     cfg["offload"]["host_memory_gb"] = cap / 1e9
     return cfg
 

@@ -4,14 +4,18 @@ with headroom: released groups keep a clean host copy of this rank's shard, whic
 fetches all-gather from and the optimizer updates in place and writes through.
 
 * parity: losses and gathered final parameters within 1e-5 of single-process torch AdamW
-  (``test_stages.check_run``) with a cap that holds every shard ("all"), one that holds
-  about half of them so the host pool evicts copies for the gradient buffers ("part"),
-  and no cap (the cache off), with gradient accumulation and with clipping (speculative
-  early steps redone), the overlapped step on; the three give bit-identical losses.
+  (``test_stages.check_run``) with a cap that holds every shard ("all"), one that leaves
+  the cache only what the gradient buffers of backward do not use, so the host pool
+  evicts copies for them ("part"), and no cap (the cache off), with gradient
+  accumulation, with clipping (speculative early steps redone), and with the Adam
+  moments in host memory (their undo copies keep their room: the step still overlaps
+  backward), the overlapped step on; the three give bit-identical losses.
 * it is really used: ``param_cache_admitted`` > 0, fetches gathered from copies, master
   reads saved, and fewer NVMe read bytes per optimizer step than with the cache off (all
   < part < off on the last step); "part" evicts, "all" never does; the host tier stays
   within the cap.
+* a checkpoint load drops the copies (it rewrites the NVMe homes) and training goes on
+  bit-identical to the cache off.
 * failure: a rank failing mid-window (its overlapped group steps raise, or its backward
   raises after every rank stepped groups early) makes every rank fail, no rank's states
   move, and every cached copy left equals the NVMe home it caches.
@@ -41,6 +45,8 @@ def _runs(tmp_path, tags):
         for cache in ("all", "part", "off"):
             name = f"{tag}-{cache}"
             cfg = base_config(3, "nvme", str(tmp_path / f"swap-{name}"), **extra)
+            if "cpuopt" in tag:      # Adam moments in host memory: undo copies come first
+                cfg["offload"]["optimizer"] = "cpu"
             run = {"name": name, "model": "awkward", "steps": STEPS, "batch": BATCH,
                    "config": cfg, "env": {"INFINITY_SIMULATE_DEVICE": "0"}}
             if cache == "all":
@@ -109,7 +115,7 @@ def _check(tmp_path, tags, world_size):
 
 
 def test_shard_cache_parity_and_reads_2_ranks(tmp_path):
-    _check(tmp_path, ["gas", "clip"], world_size=2)
+    _check(tmp_path, ["gas", "clip", "cpuopt"], world_size=2)
 
 
 @pytest.mark.slow
@@ -144,3 +150,25 @@ def test_rank_failing_mid_window_with_the_cache_commits_nothing(tmp_path, mode):
     assert stepping.result["overlapped"] > 0, stepping.result
     # a copy an early step updated in place on the rank that did not fail was dropped
     assert res[0].result["cache_discarded"] > 0, res[0].result
+
+
+def test_checkpoint_load_drops_the_shard_cache(tmp_path):
+    """The load rewrites the NVMe homes: the copies go first (else the next fetches would
+    all-gather the values of the steps after the save); training then goes on exactly as
+    without the cache, and the cache fills again."""
+    configs = {}
+    for name, cap in (("cache", ALL_GB), ("off", None)):
+        cfg = base_config(3, "nvme", str(tmp_path / f"swap-{name}"))
+        if cap is not None:
+            cfg["offload"]["host_memory_gb"] = cap
+        configs[name] = cfg
+    res = run_ranks_ok("cache_ckpt_child.py", {"configs": configs,
+                                               "ckpt": str(tmp_path / "ckpt")},
+                       tmp_path, world_size=2, timeout=300)
+    for r in res:
+        on, off = r.result["runs"]["cache"], r.result["runs"]["off"]
+        assert on["loaded_equal_saved"] and off["loaded_equal_saved"], r.result
+        assert on["cache_before_load"] > 0 and on["cache_after_load"] == 0, on
+        assert on["cache_end"] > 0, on
+        assert off["cache_before_load"] == off["cache_end"] == 0, off
+        assert on["losses"] == off["losses"], (r.rank, on["losses"], off["losses"])
