@@ -56,6 +56,16 @@ def thread_cpu() -> dict:
     return out
 
 
+def _merge(cfg: dict, extra: dict) -> None:
+    """``--config`` into the base config, section by section: ``{"offload":
+    {"host_memory_gb": 8}}`` sets the cap and keeps the offload homes."""
+    for k, v in extra.items():
+        if isinstance(v, dict) and isinstance(cfg.get(k), dict):
+            _merge(cfg[k], v)
+        else:
+            cfg[k] = v
+
+
 def child(a) -> dict:
     import torch
     import torch.distributed as dist
@@ -74,7 +84,7 @@ def child(a) -> dict:
            "offload": {"params": a.offload, "optimizer": a.offload,
                        "nvme_paths": [os.path.join(a.swap, "infinity")]}}
     if a.config:
-        cfg.update(json.loads(a.config))
+        _merge(cfg, json.loads(a.config))
     t0 = time.perf_counter()
     eng = infinity.initialize(model, cfg)
     init_s = time.perf_counter() - t0
@@ -116,7 +126,9 @@ def child(a) -> dict:
            "per_step": {k: (st.get(k, 0) - s0.get(k, 0)) / n for k in (
                "nvme_read_bytes", "nvme_write_bytes", "allgather_bytes", "reduce_scatter_bytes",
                "optimizer_groups_overlapped", "optimizer_master_handoffs",
-               "on_demand_fetches", "prefetched_fetches", "reused_fetches", "reused_bytes")}}
+               "on_demand_fetches", "prefetched_fetches", "reused_fetches", "reused_bytes",
+               "param_cache_admitted", "param_cache_evicted", "param_cache_gathers",
+               "optimizer_master_read_bytes_saved")}}
     by_name: dict = {}
     for tid, (name, cpu_s) in t1_threads.items():
         d = cpu_s - t0_threads.get(tid, (name, 0.0))[1]

@@ -89,6 +89,28 @@ def _tiling_across_ranks(engine) -> dict:
             "union": lambda m: comm.all_reduce_sum(m, group="default", name="touched tiles")}
 
 
+def _param_cache_allowed(cfg, zero, separate: bool, device_budget, placement,
+                         undo_room: int) -> bool:
+    """Whether released NVMe-homed groups keep clean host copies (the parameter cache,
+    Note [Cache write-through] in infinity/memory/manager.py): fp32 (the parameter is the
+    master the optimizer updates in place and writes through), NVMe param home, zero-copy
+    device tier, gradients in host memory, no activations on the host tier, and
+    ``offload.host_memory_gb`` above the placement plan and ``undo_room`` (the undo copies
+    of host-resident optimizer states, Note [commit point]).  One process: no device budget
+    either (the copies are the device tier's buffers, adopted by the host pool).  ZeRO
+    stage 3 across ranks (Note [Shard cache] in infinity/zero/partitioned_memory.py): each
+    rank copies its own shards within its own cap's headroom (the plan is already one
+    rank's share); not with ZeRO++, not at stages 1-2 (no paged parameters)."""
+    if not (cfg.precision == "fp32" and cfg.offload.params == "nvme" and not separate
+            and cfg.host_memory_bytes is not None
+            and cfg.host_memory_bytes > placement.host_total + undo_room
+            and placement.grad_home == "host" and cfg.activation_offload.home != "cpu"):
+        return False
+    if zero is None:
+        return device_budget is None
+    return zero.stage == 3 and zero.zeropp is None and not zero.spill
+
+
 def assemble(engine, lr_scheduler) -> None:
     """Build ``engine``'s parts in dependency order, each attribute set as soon as it
     exists (so ``engine.close()`` frees whatever a failure part-way left built)."""
@@ -178,18 +200,24 @@ def assemble(engine, lr_scheduler) -> None:
         engine.zero = ZeroSetup.with_grad_spill(engine.zero, cfg, grouping.groups)
         partition_placement(placement, engine.zero)
     placement.check()
-    if engine.zero is not None:             # the slots the placement plan just counted
-        engine.zero.start_transport(grouping.groups)
-    if cfg.precision == "fp32" and param_home == "nvme" and engine.zero is None \
-            and not separate and device_budget is None \
-            and cfg.host_memory_bytes is not None \
-            and cfg.host_memory_bytes > placement.host_total \
-            and placement.grad_home == "host" and act_home != "cpu":
+    # Note [commit point]: the undo copies of host-resident optimizer states that a
+    # window's steps update in place come first (without their room no group step
+    # overlaps backward); the parameter cache takes the rest of the cap's headroom
+    undo_room = sum(v for k, v in placement.host.items() if k.startswith("optimizer states"))
+    if _param_cache_allowed(cfg, engine.zero, separate, device_budget, placement, undo_room):
         # the cap's headroom keeps clean copies of NVMe params (write-through: in fp32
-        # the param is the master the optimizer updates in place)
-        placement.param_cache_budget = cfg.host_memory_bytes - placement.host_total
+        # the param is the master the optimizer updates in place); across ranks each
+        # rank's copies of its own shards in its own cap's headroom (Note [Shard cache])
+        placement.param_cache_budget = cfg.host_memory_bytes - placement.host_total - undo_room
+        if engine.zero is not None:
+            placement.param_shards = engine.zero.world_size
         placement.compute(engine.gas)
+        if engine.zero is not None:
+            from infinity.zero.distributed import partition_placement
+            partition_placement(placement, engine.zero)
         placement.check()
+    if engine.zero is not None:             # the slots the placement plan counted
+        engine.zero.start_transport(grouping.groups)
     engine.reuse_bytes = reuse_bytes_for(cfg, engine.zero, device_budget, placement)
     engine.placement = placement
     # Note [commit point]: host undo copies of a window's updated host states fit in what
@@ -204,20 +232,24 @@ def assemble(engine, lr_scheduler) -> None:
     if host_cap is not None:
         store_host = sum(v for k, v in placement.host.items() if k.startswith("optimizer"))
         pool_budget = host_cap - store_host
+        if placement.param_cache_budget:
+            # the undo copies (not pool buffers) keep their room: the cached copies in the
+            # pool may not grow into it
+            pool_budget -= undo_room
     engine.host_pool = BufferPool("host", pool_budget, engine.acct)
     mm_kw = dict(device=engine.device, device_budget=device_budget,
                  host_pool=engine.host_pool, swap=engine.swap, accounting=engine.acct,
                  timeline=engine.timeline, device_tier=engine._dev_tier)
     opt_kw = dict(store=engine.store, swap=engine.swap, host_pool=engine.host_pool,
                   accounting=engine.acct, timeline=engine.timeline, lr_scheduler=lr_scheduler)
+    cache = bool(placement.param_cache_budget)
     if engine.zero is None:
-        cache = bool(placement.param_cache_budget)
         engine.mm = MemoryManager(grouping.groups, cache=cache, **mm_kw)
         # with the cache, gradient buffers are leased only while they hold one
         engine.opt = EngineOptimizer(model, cfg, grouping.groups, grouping.names, lazy_grads=cache,
                                      **opt_kw)
     else:
-        engine.mm = engine.zero.memory_manager(grouping.groups, **mm_kw)
+        engine.mm = engine.zero.memory_manager(grouping.groups, cache=cache, **mm_kw)
         engine.opt = engine.zero.optimizer(model, cfg, grouping.groups, grouping.names, **opt_kw)
     engine._dev_tier = None                 # owned (and closed) by the manager now
     paged_nvme = [g for g in grouping.groups if g.home == "nvme"]

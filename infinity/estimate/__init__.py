@@ -171,11 +171,14 @@ def _evaluate(spec, machine, knobs, p, o):
     from .step_time import PARAM_CACHE_ITEM, _param_cache
     cache = max(_param_cache(spec, machine, knobs, plan)[:3])
     if cache:   # it gives up its room to gradient buffers as they are leased: within the cap
-        room = int(knobs.host_cap_gb * GB) - plan.tier_total("pinned") - plan.tier_total("pageable")
+        # (the cap is per rank, the plan's host items per node: r ranks)
+        room = machine.ranks_per_node * int(knobs.host_cap_gb * GB) \
+            - plan.tier_total("pinned") - plan.tier_total("pageable")
         cache = max(0, min(cache, room))
     if cache:
         plan.items.append(Item("pageable", PARAM_CACHE_ITEM, cache,
-                               "min(N*lp, cap - other host items)"))
+                               "min(N*lp, cap - other host items)" if machine.ranks == 1 else
+                               "r*min(N/R*lp, cap - a rank's other host items): own shards"))
     dev = plan.tier_total("device")
     pinned, pageable, nvme = plan.tier_total("pinned"), plan.tier_total("pageable"), plan.tier_total("nvme")
     r = machine.ranks_per_node

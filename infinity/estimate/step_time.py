@@ -34,6 +34,10 @@ Bytes per step (node-level for NVMe, per GPU for PCIe and collectives):
 * fp32 params on NVMe, CPU: the overlapped step takes a group's master from the buffer
   backward read (at ZeRO-3 across ranks a rank's slice of the gathered buffer): no master
   read at the step (an upper bound: the engine holds at most a few such buffers).
+* fp32 params on NVMe, CPU, ``offload.host_memory_gb`` above the plan: the parameter
+  cache keeps clean host copies in that headroom (:func:`_param_cache`); a cached group is
+  read neither by forward, backward nor the step.  Across ranks (ZeRO stage 3) each rank
+  caches its own shards in its own cap's headroom (:func:`_shard_cache`).
 * grads spilled to NVMe (host too small): ``A*N*4`` written during backward, read back
   ``(A-1)*N*4`` to accumulate and ``N*4`` by the optimizer.
 * PCIe (GPU nodes): params offloaded: ``A*2*N/R*lp`` H2D per GPU (each rank uploads its
@@ -134,9 +138,7 @@ def _param_cache(spec, machine, knobs, plan):
             and plan.master_is_param and not plan.grads_on_nvme):
         return 0, 0, 0, False
     if machine.ranks > 1:
-        # ZeRO-3 across ranks (Note [Overlap across ranks]): a rank hands off its slice of
-        # the released gathered buffer as its master; no host cache of clean copies
-        return 0, 0, 0, knobs.zero_stage == 3
+        return _shard_cache(spec, machine, knobs, plan)
     handoff = True     # (tests/engine/test_param_cache.py: the engine hands off under clipping)
     if not knobs.host_cap_gb:
         return 0, 0, 0, handoff
@@ -163,6 +165,34 @@ def _param_cache(spec, machine, knobs, plan):
     A = knobs.grad_accum
     bwd = (fit(cap - others) + (A - 1) * fit(cap - others - grads)) // A
     return fit(cap - others - grads), bwd, fit(cap - others - grads), handoff
+
+
+def _shard_cache(spec, machine, knobs, plan):
+    """:func:`_param_cache` at ZeRO stage 3 across ranks (node bytes, ``r`` ranks per
+    node): a rank hands off its slice of the released gathered buffer as its master (Note
+    [Overlap across ranks]), and with ``offload.host_memory_gb`` above its share of the
+    plan keeps clean copies of its own shards, up to ``N/R*lp``, in that headroom (Note
+    [Shard cache] in infinity/zero/partitioned_memory.py; not with ZeRO++).  The full-size
+    fp32 gradients awaiting their reduce-scatter are leased from the same host pool during
+    backward and evict copies: backward and the step see the cache without them."""
+    if knobs.zero_stage != 3:
+        return 0, 0, 0, False
+    if not knobs.host_cap_gb or knobs.qwz or knobs.hpz > 1 or knobs.qgz:
+        return 0, 0, 0, True
+    r = machine.ranks_per_node
+    cap = int(knobs.host_cap_gb * GB)
+    host = [i for i in plan.items if i.tier in ("pinned", "pageable") and i.name != PARAM_CACHE_ITEM
+            and "initialisation only" not in i.name]
+    awaiting = sum(i.nbytes for i in host if i.name.startswith("gradients awaiting reduce-scatter"))
+    others = sum(i.nbytes for i in host) - awaiting
+    if cap * r <= others:                      # no headroom above the plan: no cache
+        return 0, 0, 0, True
+    S = -(-spec.params // machine.ranks) * knobs.lp     # one rank's shard of the params
+
+    def fit(b):
+        return r * max(0, min(S, b // r))
+    fwd, bwd = fit(cap * r - others), fit(cap * r - others - awaiting)
+    return fwd, bwd, bwd, True
 
 
 def tiled_groups(spec, machine, knobs, plan):
@@ -212,7 +242,14 @@ def traffic_per_step(spec, machine, knobs, plan):
     opt = {k: [] for k in links}
     cache_fwd, cache_bwd, cache_master, handoff = _param_cache(spec, machine, knobs, plan)
     k = reused_fraction(spec, machine, knobs, plan)
-    if p == "nvme" and (cache_fwd or cache_bwd):
+    if p == "nvme" and R > 1 and (cache_fwd or cache_bwd):
+        # shards: forward reads what is not cached; backward what was neither kept from
+        # forward (k) nor cached
+        mb["nvme_read"].append((f"param shards fwd+bwd (2-k)*N*lp minus host-cached shard "
+                                f"copies, k={k:.3g}",
+                                max(0, node_params * lp - cache_fwd)
+                                + max(0, int((1 - k) * node_params * lp) - cache_bwd)))
+    elif p == "nvme" and (cache_fwd or cache_bwd):
         mb["nvme_read"].append(("params fwd+bwd 2*N*lp minus host-cached copies",
                                 2 * node_params * lp - cache_fwd - cache_bwd))
     elif p == "nvme" and k:

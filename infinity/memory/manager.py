@@ -495,8 +495,10 @@ class MemoryManager:
         if g.home == "nvme" and self._listener is not None:   # Note [Master hand-off]
             if self._listener.on_release(g, None if cached else buf):
                 buf = None                # taken over
-        if buf is not None and not cached and buf is not g.host_buf:
-            # a leased compute buffer (a zero-copy host home is used in place: not leased)
+        if buf is not None and buf is not g.host_buf:
+            # a leased compute buffer (a zero-copy host home, or a buffer _admit kept as the
+            # cached copy, is used in place: not leased; across ranks the cached copy is a
+            # separate shard-sized lease and the gathered buffer always goes back)
             self._give_back(self.dev, buf)       # CUDA: the next copy into it waits for compute
         self._progress()
 
@@ -582,20 +584,22 @@ class MemoryManager:
         self.acct.count("param_cache_evicted")
         return leased_size(buf)
 
-    def reclaim(self, need: int) -> None:
+    def reclaim(self, need: int) -> int:
         """The host pool needs ``need`` bytes: evict cached copies, the group latest in
         module order first (backward, where gradients need memory, reaches it last and
         forward uses it last).  Copies a running optimizer step updates are skipped; if
-        they are all that is left, the listener's ``reclaim_blocked()`` waits for those steps."""
+        they are all that is left, the listener's ``reclaim_blocked()`` waits for those
+        steps.  Returns the bytes still missing (<= 0: done)."""
         for attempt in range(2):
             for g in reversed(self.groups):
                 if need <= 0:
-                    return
+                    return need
                 if self.cached(g) and g.gid not in self._pinned:
                     need -= self._evict(g)
             if need <= 0 or attempt or self._listener is None or not self._pinned:
-                return
+                return need
             self._listener.reclaim_blocked()
+        return need
 
     def drop_cache(self) -> None:
         """Forget every cached copy (before anything writes the NVMe homes directly, e.g.

@@ -76,6 +76,9 @@ class PlacementPlan:
     clipping: bool = False          # clipping with bf16 moments: streamed sums are written (redo)
     stream_window: int = 0          # final sums in hand at once (compute(); 0: no streaming)
     param_cache_budget: int = 0     # host bytes for clean copies of NVMe params (fp32, CPU)
+    # ZeRO stage 3 across ranks: a rank caches its shard (1/param_shards) of each group
+    # (Note [Shard cache] in infinity/zero/partitioned_memory.py)
+    param_shards: int = 1
     state_bytes: int = 4            # bytes per Adam moment (optimizer.state_dtype: 4 fp32, 2 bf16)
     # memory-centric tiling (infinity.runtime.tiling): gid -> device bytes of one tile; a
     # tiled group is never fetched whole, its tile is what it adds to the fetch window
@@ -166,15 +169,19 @@ class PlacementPlan:
             self.nvme["fp32 gradients"] = 4 * n_grad_nvme
             if self.grad_accum_dtype == "bf16" and grad_accum > 1:
                 self.nvme["bf16 partial gradient sums"] = 2 * n_grad_nvme
-        # parameter cache (MemoryManager.enable_cache): first released, first kept
-        cached = cached_trainable = 0
+        # parameter cache (MemoryManager.enable_cache): first released, first kept; across
+        # ranks a rank keeps its shard of each group (``cached`` counts whole groups, as
+        # the links below do)
+        cached = cached_trainable = used = 0
         if self.param_cache_budget and self.param_home == "nvme":
             self.host["parameter cache (clean copies of NVMe params)"] = self.param_cache_budget
+            w = max(1, self.param_shards)
             for g in paged:
-                size = round_up(g.nbytes, ALIGN)
-                if cached + size <= self.param_cache_budget:
-                    cached += size
-                    cached_trainable += size if g.trainable else 0
+                size = round_up(-(-g.nbytes // w), ALIGN)
+                if used + size <= self.param_cache_budget:
+                    used += size
+                    cached += round_up(g.nbytes, ALIGN)
+                    cached_trainable += round_up(g.nbytes, ALIGN) if g.trainable else 0
         # nvme
         if self.param_home == "nvme":
             self.nvme["param home"] = sum(g.nbytes for g in paged)

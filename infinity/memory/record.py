@@ -21,6 +21,8 @@ States (``Location``)::
                                  an NVMe-homed group keeping a clean host copy -> CACHED)
     CACHED --drop_host_copy--> NVME     (an NVMe-homed group forgets its cached host copy)
     DEVICE --forget_host_copy--> DEVICE  (in use: its buffer stops being a cached copy)
+    TO_DEVICE --forget_host_copy--> TO_DEVICE  (ZeRO-3: the gather that read the cached
+                                                shard copy has finished; the copy goes)
     READING | TO_DEVICE --abort_fetch--> NVME | HOST | CACHED   (a failed read, or the
                                           window it was for failed: back to the home state)
 
@@ -28,7 +30,9 @@ A ZeRO-3 group (``sharded``) keeps only this rank's shard at its home, whichever
 and is gathered into a full compute buffer before every use: NVMe home as above; a host
 or *device* home goes ``HOST --begin_to_device--> TO_DEVICE --finish_to_device-->
 DEVICE --release--> HOST`` (``HOST`` then means "at its home, not gathered": for a
-device home the shard stays resident in device memory).
+device home the shard stays resident in device memory).  An NVMe-homed ZeRO-3 group that
+is ``CACHED`` keeps a clean host copy of its *shard* only (``host_buf``, shard-sized; the
+gather reads it instead of NVMe: Note [Shard cache] in infinity/zero/partitioned_memory.py).
 
 Nothing is ever written back on release: parameters do not change during
 forward/backward and the optimizer updates the home (and a cached copy) in place.
@@ -254,11 +258,16 @@ class GroupRecord:
 
     def forget_host_copy(self) -> None:
         """DEVICE stays DEVICE: an NVMe-homed group in use stops treating its buffer as a
-        cached host copy (it is released to its home afterwards)."""
+        cached host copy (it is released to its home afterwards).  A ZeRO-3 group being
+        gathered (TO_DEVICE) may forget its cached shard copy too, once the gather that
+        read it has finished (the manager waits for it first)."""
         if self.home != "nvme":
             raise StateError(f"group {self.gid} ({self.name}): only an NVMe-homed group has a "
                              f"cached host copy to forget (home {self.home!r})")
-        self._need(Location.DEVICE, op="forget its cached host copy")
+        if self.sharded:
+            self._need(Location.DEVICE, Location.TO_DEVICE, op="forget its cached host copy")
+        else:
+            self._need(Location.DEVICE, op="forget its cached host copy")
         self.host_buf = None
 
     def make_resident(self, buf: torch.Tensor) -> None:

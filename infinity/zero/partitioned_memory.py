@@ -25,7 +25,9 @@ does:
   one.  All parameter all-gathers are issued by that one thread on the ``param`` process
   group, in ``fetch_async`` order, which is the same on every rank.
 * ``release``: the base's: the full buffer goes back to the device tier; the shard at
-  home is current (the optimizer updates it in place), nothing is written back.
+  home is current (the optimizer updates it in place), nothing is written back.  With the
+  parameter cache on, an NVMe-homed group keeps a clean host copy of this rank's shard,
+  which later fetches all-gather from (Note [Shard cache]).
 * ``read_range_start`` / ``read_range``: one tile of a group that memory-centric tiling
   never fetches whole, gathered from the owners of its pieces (Note [Tiles across ranks]).
 """
@@ -39,6 +41,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from infinity.memory.manager import Fetch, MemoryManager, ReadyTile
+from infinity.memory.pool import leased_size
 from infinity.memory.record import GroupRecord, Location
 from infinity.zero.comm import Comm
 from infinity.zero.partition import Partition
@@ -176,32 +179,40 @@ class PartitionedMemoryManager(MemoryManager):
             return False
         t0 = time.perf_counter()
         staging = None
+        # Note [Shard cache]: a cached shard copy is the all-gather's input (no NVMe read)
+        copy = g.host_buf if g.state is Location.CACHED else None
         try:
-            if g.home == "nvme" and not self.dev.zero_copy:
+            if g.home == "nvme" and copy is None and not self.dev.zero_copy:
                 staging = self.host_pool.lease(self._shard_bytes(g), g.dtype)
-            f = Fetch(_Gather(self._worker.submit(self._gather, g, buf, staging), staging), t0)
+            f = Fetch(_Gather(self._worker.submit(self._gather, g, buf, staging, copy),
+                              staging), t0)
         except BaseException:
             if staging is not None:
                 self.host_pool.give_back(staging)
             self.dev.give_back(buf)
             raise
-        if g.home == "nvme":
+        if g.state is Location.NVME:
             g.begin_read(buf, f)
         else:
             g.begin_to_device(buf, f)
+        if copy is not None:
+            self.acct.count("param_cache_gathers")
         self._inflight[g.gid] = g
         return True
 
-    def _gather(self, g: GroupRecord, buf: torch.Tensor, staging):
+    def _gather(self, g: GroupRecord, buf: torch.Tensor, staging, copy=None):
         """Worker thread: this rank's shard into its slot of ``buf``, then all-gather the
-        others into ``buf`` on the device; returns the completion marker."""
+        others into ``buf`` on the device; returns the completion marker.  ``copy``: the
+        cached clean copy of an NVMe-homed shard (Note [Shard cache]), read instead of NVMe."""
         lo, hi = self.shard(g)
         mine = buf[lo:hi]
         name = f"parameters of group {g.gid} ({g.name or '<root>'})"
         with self.dev.side_stream():
-            if g.home == "device" or (g.home == "cpu" and self.dev.zero_copy):
-                # the resident shard (or a zero-copy host home) is the all-gather's input
-                src = self._resident.get(g.gid, g.host_buf)
+            if g.home == "device" or (g.home == "cpu" and self.dev.zero_copy) \
+                    or copy is not None:
+                # the resident shard (or a zero-copy host home, or a cached shard copy) is
+                # the all-gather's input
+                src = copy if copy is not None else self._resident.get(g.gid, g.host_buf)
                 x = self._refreshed.get(g.gid)
                 if x is not None:
                     x.wait_host()             # the last refresh from the mirror has landed
@@ -262,6 +273,96 @@ class PartitionedMemoryManager(MemoryManager):
         super()._forget_fetch(g, err)          # waits for the worker's job
         if f is not None:
             self._drop_staging(f)
+
+    # ------------------------------------------------------------------ shard cache
+    # Note [Shard cache]
+    # ~~~~~~~~~~~~~~~~~~
+    # The parameter cache (Note [Cache write-through] in infinity/memory/manager.py) at
+    # ZeRO stage 3: what a rank keeps of a released NVMe-homed group is a clean host copy
+    # of its own shard [lo, hi) -- g.host_buf, a shard-sized host-pool lease -- never the
+    # gathered group (the gathered buffer goes back to the device tier as before).
+    # * admitted at release (_admit): the gathered buffer's slice is copied out when the
+    #   host pool can hold it without reclaiming anything; the group is then CACHED;
+    # * a CACHED group's fetch all-gathers from the copy (fetch_async/_gather): no NVMe read,
+    #   forward or backward;
+    # * write-through: the optimizer step of the shard updates the copy in place and writes
+    #   it to NVMe in the same pass (PartitionedOptimizer._item: StepItem.master_buf), so
+    #   it reads no master either; it takes the master hand-off's place (the release
+    #   offers no buffer); an overlapped group step pins the copy while it runs;
+    # * the host pool's reclaimer (reclaim) evicts copies without a write; one a gather is
+    #   still reading (TO_DEVICE) only as a last resort, after that gather ended, as does
+    #   discard_cached; a checkpoint load releases every group, then drops every copy
+    #   (drop_cache);
+    # * a rolled-back window (Note [commit point]) discards the copies its steps updated
+    #   in place (Engine._after_rollback -> discard_cached, whatever their state), and
+    #   nothing is admitted while a failed window is abandoned (lenient_returns): a
+    #   gathered buffer may then hold values of a step that was not committed, and a copy
+    #   must always equal what NVMe holds.
+    def _admit(self, g: GroupRecord, buf: torch.Tensor) -> bool:
+        """Keep a clean copy of this rank's shard of ``g`` (just released, gathered in
+        ``buf``) when the host pool can hold it without reclaiming; True when ``g`` has
+        one (already, or now)."""
+        if g.host_buf is not None:
+            return True                       # the gather read from its cached copy
+        if not self.cache_on or self._abandoning:
+            return False
+        n = self._shard_bytes(g)
+        if not self.host_pool.can_lease(n):   # (then lease() neither reclaims nor raises)
+            return False
+        lo, hi = self.shard(g)
+        copy = self.host_pool.lease(n, g.dtype)
+        copy.copy_(buf[lo:hi])
+        g.host_buf = copy
+        self.acct.count("param_cache_admitted")
+        return True
+
+    def _evict(self, g: GroupRecord, wait: bool = False) -> int:
+        """Forget ``g``'s cached shard copy (its buffer goes back to the host pool); returns
+        the bytes freed.  A copy a gather is still reading is kept (0) unless ``wait``:
+        then that gather is waited for first (its own error is raised by its wait)."""
+        buf = g.host_buf
+        if buf is None or g.home != "nvme":
+            return 0
+        if g.state is Location.CACHED:
+            g.drop_host_copy()
+        elif g.state is Location.DEVICE:
+            g.forget_host_copy()              # gathered: the copy is not its compute buffer
+        elif wait:
+            self._settle_gather(g)
+            g.forget_host_copy()
+        else:
+            return 0
+        self.host_pool.give_back(buf)
+        self.acct.count("param_cache_evicted")
+        return leased_size(buf)
+
+    def reclaim(self, need: int) -> int:
+        """The base's; then, as a last resort, copies a gather is reading, once it ended
+        (the gather worker never waits for this thread)."""
+        need = super().reclaim(need)
+        for g in reversed(self.groups):
+            if need <= 0:
+                break
+            if self.cached(g) and g.gid not in self._pinned:
+                need -= self._evict(g, wait=True)
+        return need
+
+    @staticmethod
+    def _settle_gather(g: GroupRecord) -> None:
+        f = g.pending
+        if isinstance(f, Fetch) and isinstance(f.handle, _Gather):
+            try:
+                f.handle.fut.exception()      # finished (its error is raised by its wait)
+            except BaseException:  # noqa: BLE001 - cancelled: nothing in flight
+                pass
+
+    def discard_cached(self, gids) -> None:
+        """Forget the cached shard copies of ``gids`` whatever their state (a rolled-back
+        step updated them in place; their NVMe homes hold the committed values)."""
+        for g in self.groups:
+            if g.gid in gids and self.cached(g):
+                self._pinned.discard(g.gid)
+                self._evict(g, wait=True)
 
     # ------------------------------------------------------------------ tiles
     # Note [Tiles across ranks]: at stage 3 a tile's element range [lo, hi) of a group spans

@@ -710,4 +710,10 @@ class PartitionedOptimizer(EngineOptimizer):
             else:
                 param_out = self._param_shard(g)
                 sink = None
-        return StepItem(it.key, grad, segs, param_out=param_out, param_sink=sink)
+        # fp32 NVMe-homed shard with a cached clean copy (Note [Shard cache] in
+        # infinity/zero/partitioned_memory.py): the copy is the master in hand, updated in
+        # place and written through
+        master = g.host_buf if self.precision == "fp32" and self.stage == 3 \
+            and g.home == "nvme" else None
+        return StepItem(it.key, grad, segs, param_out=param_out, param_sink=sink,
+                        master_buf=master)

@@ -460,3 +460,47 @@ def test_spec_from_module_largest_untileable():
     assert s.largest_group["module"] == 1000 and s.largest_untileable == 300
     assert s.fetched_numel("module", 400) == 400 and s.fetched_numel("module", 100) == 300
     assert s.fetched_numel("module", None) == 1000
+
+
+def test_traffic_with_the_shard_cache_across_ranks():
+    """ZeRO stage 3 on 2 CPU ranks (one per node), fp32, params and optimizer on NVMe: with
+    a host cap above a rank's share of the plan each rank caches its own shards (Note
+    [Shard cache]); forward reads what does not fit, backward what was neither kept for
+    reuse nor cached once the gradients awaiting their reduce-scatter took their room."""
+    from infinity.estimate.step_time import PARAM_CACHE_ITEM
+    m = Machine(gpus=0, host_mem_gb=100, nvme_gb=100, nodes=2)
+    N, S = 1_000_000, 500_000 * 4               # params; one rank's shard bytes (= a node's)
+    mv = 2 * 4 * N // 2                        # a node's m + v, read once per step
+
+    def run(cap, zero_pp=None):
+        cfg = {"precision": "fp32", "zero_stage": 3}
+        if zero_pp:
+            cfg["zero_pp"] = zero_pp
+        c = estimate(small_spec(), machine=m, config=cfg, configs=[("nvme", "nvme")],
+                     host_cap_gb=cap).configs[0]
+        cache = [i.nbytes for i in c.plan.items if i.name == PARAM_CACHE_ITEM]
+        return c.steps["none"].traffic["nvme_read"], cache, c
+    # no cap: no cache; backward's groups are all kept from forward (reuse, k = 1)
+    read, cache, _ = run(None)
+    assert read == S + mv and cache == []
+    # room for every shard: only the moments are read
+    read, cache, c = run(1.0)
+    assert read == mv and cache == [S]
+    # a rank's other host items (init staging excluded): grads N/R*4, the tile ring; the
+    # full gradients awaiting their reduce-scatter evict copies during backward
+    others = sum(i.nbytes for i in c.plan.items if i.tier in ("pinned", "pageable")
+                 and i.name != PARAM_CACHE_ITEM and "initialisation" not in i.name
+                 and not i.name.startswith("gradients awaiting"))
+    cap = others + 800_000                      # room for 0.8 MB of copies before backward
+    read, cache, _ = run(cap / 1e9)             # (a cap of 4.08 MB: no gradient spill)
+    assert read == (S - 800_000) + mv
+    # the plan line is what stays resident next to backward's gradient buffers: none
+    assert cache == []
+    # 2.3 MB of room: every shard before backward (2 MB), 1.1 MB of them during it
+    # (reads: forward none, backward none: kept for reuse); the plan line: the cap's rest
+    # once the gradient buffers (1.2 MB) and the init staging (0.2 MB) are counted
+    read, cache, _ = run((cap + 1_500_000) / 1e9)
+    assert read == mv and cache == [2_300_000 - 1_200_000 - 200_000]
+    # ZeRO++ turns it off
+    read, cache, _ = run(1.0, zero_pp={"quantized_weights": True})
+    assert cache == [] and read == S + mv

@@ -34,8 +34,11 @@ def main():
     rank = int(os.environ["RANK"])
     ws = int(os.environ["WORLD_SIZE"])
     result = {"rank": rank, "runs": {}}
+    sizes = {}                # run name -> host sizes of its engine (cap_from)
     for run in spec["runs"]:
         cfg = run["config"]
+        if "cap_from" in run:     # a host cap relative to an earlier run's plan
+            cfg = cap_from(cfg, sizes[run["cap_from"]["run"]], run["cap_from"]["fraction"])
         had_pg = dist.is_initialized()
         if not (spec.get("pg_by_initialize") and not run.get("init")):
             ensure_process_group(cfg.get("dist_timeout_s", 60))
@@ -58,6 +61,7 @@ def main():
                     os.environ.pop(k, None)
                 else:
                     os.environ[k] = v
+        sizes[run["name"]] = host_sizes(eng)
         device_kind = eng.mm.dev.kind
         shm_used = eng.zero is not None and eng.zero.comm.shm is not None
         shm_plan = eng.placement.host.get("shared-memory slots (intra_node_transport)", 0)
@@ -106,6 +110,7 @@ def main():
                 losses.append(float(t) / ws)
             sd = gathered_state_dict(eng)
             stats = eng.stats()
+            cached_groups = sum(1 for g in eng.mm.groups if eng.mm.cached(g))
             if spec.get("check_state_dict"):
                 check_engine_weights(eng, sd, f"{out_path}.{run['name']}.pretrained", rank)
         finally:
@@ -133,7 +138,16 @@ def main():
                                            "optimizer_groups_overlapped", "optimizer_clip_redos",
                                            "optimizer_groups_redone",
                                            "optimizer_master_handoffs", "reused_fetches",
-                                           "reused_bytes")},
+                                           "reused_bytes", "param_cache_admitted",
+                                           "param_cache_evicted", "param_cache_gathers",
+                                           "optimizer_master_read_bytes_saved")},
+                                       "cached_groups": cached_groups,
+                                       "nvme_groups": sum(1 for g in eng.grouping.groups
+                                                          if g.home == "nvme"),
+                                       "host_cap_bytes": stats.get("host_cap_bytes"),
+                                       "host_peak_bytes": stats.get("host_peak_bytes", 0),
+                                       "param_cache_budget": eng.placement.param_cache_budget,
+                                       "host_sizes": sizes[run["name"]],
                                        **{k: stats.get(k, 0) for k in (
                                            "h2d_bytes", "d2h_bytes", "device_peak_bytes",
                                            "device_cap_bytes", "device_budget_overflows")},
@@ -157,6 +171,39 @@ def main():
 PER_STEP = ("nvme_read_bytes", "nvme_write_bytes", "optimizer_groups_overlapped",
             "optimizer_master_read_bytes_saved", "optimizer_stream_waits",
             "optimizer_clip_redos")
+
+
+def host_sizes(eng) -> dict:
+    """What a parameter-cache test sizes a host cap from: the plan's host tier without the
+    cache, this rank's NVMe-homed shards (page-rounded, as the pool leases them) and the
+    full-size fp32 gradients the reductions lease from the host pool during backward."""
+    from infinity.memory.pool import ALIGN, round_up
+    from infinity.zero.partitioned_optimizer import MAX_INFLIGHT_REDUCTIONS
+    need = sum(v for k, v in eng.placement.host.items() if not k.startswith("parameter cache"))
+    shards = 0
+    if eng.zero is not None:
+        for g in eng.grouping.groups:
+            if g.home == "nvme":
+                lo, hi = eng.zero.part.range(g.padded_numel)
+                shards += round_up((hi - lo) * g.dtype.itemsize, ALIGN)
+    full = max((round_up(4 * g.padded_numel, ALIGN) for g in eng.grouping.groups
+                if g.trainable), default=0)
+    # the undo copies of host-resident optimizer states come before the cache (build.py)
+    undo = sum(v for k, v in eng.placement.host.items() if k.startswith("optimizer states"))
+    return {"need": need, "shards": shards, "transient": (MAX_INFLIGHT_REDUCTIONS + 2) * full,
+            "undo": undo}
+
+
+def cap_from(cfg, sizes, fraction):
+    """``cfg`` with ``offload.host_memory_gb`` = the plan's host tier + the undo copies of
+    host-resident optimizer states + the transient gradient buffers + ``fraction`` of this
+    rank's shards (a parameter cache that holds about that fraction between backward
+    passes, less while gradients are in flight)."""
+    import copy
+    cfg = copy.deepcopy(cfg)
+    cap = sizes["need"] + sizes["undo"] + sizes["transient"] + int(fraction * sizes["shards"])
+    cfg["offload"]["host_memory_gb"] = cap / 1e9
+    return cfg
 
 
 def check_engine_weights(eng, sd, directory, rank):

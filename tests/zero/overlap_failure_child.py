@@ -74,12 +74,20 @@ def main():
     for i, (x, y) in enumerate(data):
         xs, ys = x[rank * 4:(rank + 1) * 4], y[rank * 4:(rank + 1) * 4]
         if i == 2:
-            before = eng.stats()["optimizer_groups_overlapped"]
+            s0 = eng.stats()
+            before = s0["optimizer_groups_overlapped"]
             if failing:
                 armed[0] = spec["mode"] == "step"
                 Boom.armed = spec["mode"] == "backward"
             result.update(attempt_step(eng, xs, ys))
-            result["overlapped"] = eng.stats()["optimizer_groups_overlapped"] - before
+            s1 = eng.stats()
+            result["overlapped"] = s1["optimizer_groups_overlapped"] - before
+            if spec.get("check_cache"):          # test_shard_cache.py
+                result.update(cache_admitted=s0.get("param_cache_admitted", 0),
+                              cache_gathers=s0.get("param_cache_gathers", 0),
+                              cache_discarded=s1.get("param_cache_evicted", 0)
+                              - s0.get("param_cache_evicted", 0),
+                              cache_stale=stale_copies(eng))
             result["kept"] = sum(held)
             armed[0] = Boom.armed = False
             break
@@ -87,6 +95,21 @@ def main():
         eng.step()
         held.clear()
     report_and_exit(result, sys.argv[2])
+
+
+def stale_copies(eng) -> list:
+    """Groups whose cached shard copy differs from the master at its NVMe home (read back
+    from NVMe): a failed window must leave none (Note [Shard cache])."""
+    out = []
+    st = eng.opt.store
+    for g in eng.opt.groups:
+        if eng.mm.cached(g):
+            k = eng.opt.key(g)
+            t = torch.empty(st.numel(k))
+            st.read_master(k, t)
+            if not torch.equal(g.host_buf[:t.numel()], t):
+                out.append(g.gid)
+    return out
 
 
 if __name__ == "__main__":
