@@ -182,7 +182,13 @@ def test_reuse_keeps_groups_from_forward_for_backward(harness, swap_dir):
     assert off[1]["reused_fetches"] == 0
     assert on[1]["reused_fetches"] > budget[1]["reused_fetches"] > 0, (on[1], budget[1])
     assert budget[1].get("reuse_evicted", 0) > 0, budget[1]
-    assert on[1]["nvme_read_bytes"] < budget[1]["nvme_read_bytes"] < off[1]["nvme_read_bytes"]
+    # NVMe reads of the parameters: the step's master reads depend on timing (a group whose
+    # released buffer was handed off to its early step is not read, Note [Master hand-off])
+    # and are counted back in so the three runs compare what reuse changes
+
+    def reads(r):
+        return r[1]["nvme_read_bytes"] + r[1].get("optimizer_master_read_bytes_saved", 0)
+    assert reads(on) < reads(budget) < reads(off), (reads(on), reads(budget), reads(off))
     for r in (on, budget):
         assert r[0] == off[0]
         for k, v in off[2].items():
