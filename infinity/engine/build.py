@@ -116,7 +116,7 @@ def assemble(engine, lr_scheduler) -> None:
     exists (so ``engine.close()`` frees whatever a failure part-way left built)."""
     cfg, model = engine.cfg, engine.module
     # ZeRO across ranks (None at world size 1): partitioned memory manager + optimizer
-    from infinity.zero.distributed import ZeroSetup
+    from infinity.zero.distributed import SLOTS_LINE, ZeroSetup
     engine.zero = ZeroSetup.from_config(cfg, accounting=engine.acct, timeline=engine.timeline,
                                         device=engine.device)
     ws = engine.zero.world_size if engine.zero else 1
@@ -231,7 +231,10 @@ def assemble(engine, lr_scheduler) -> None:
     pool_budget = None
     if host_cap is not None:
         store_host = sum(v for k, v in placement.host.items() if k.startswith("optimizer"))
-        pool_budget = host_cap - store_host
+        # the transport's shared-memory slots are host memory outside the pool
+        slots = placement.host.get(SLOTS_LINE, 0) if engine.zero is not None and \
+            engine.zero.comm.shm is not None and engine.zero.comm.shm.channels else 0
+        pool_budget = host_cap - store_host - slots
         if placement.param_cache_budget:
             # the undo copies (not pool buffers) keep their room: the cached copies in the
             # pool may not grow into it

@@ -157,7 +157,7 @@ def partition_placement(placement, zero: "ZeroSetup | None") -> None:
     shm = getattr(getattr(zero, "comm", None), "shm", None)
     if shm is not None and placement.groups and zero.host_collectives:
         # the intra-node transport's own slots
-        placement.host["shared-memory slots (intra_node_transport)"] = \
+        placement.host[SLOTS_LINE] = \
             shm.plan_bytes(*transport_bytes(placement.groups), w)
     zpp = getattr(zero, "zeropp", None)
     if zpp is not None:
@@ -170,6 +170,9 @@ def partition_placement(placement, zero: "ZeroSetup | None") -> None:
                 placement.nvme["bf16 partial gradient sums (spilled)"] = \
                     placement.nvme[key + " (spilled)"] // 2
         stream_window(placement, w)
+
+
+SLOTS_LINE = "shared-memory slots (intra_node_transport)"   # a placement-plan host line
 
 
 def transport_bytes(groups) -> tuple[int, int]:

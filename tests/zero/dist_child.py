@@ -64,7 +64,8 @@ def main():
         sizes[run["name"]] = host_sizes(eng)
         device_kind = eng.mm.dev.kind
         shm_used = eng.zero is not None and eng.zero.comm.shm is not None
-        shm_plan = eng.placement.host.get("shared-memory slots (intra_node_transport)", 0)
+        from infinity.zero.distributed import SLOTS_LINE
+        shm_plan = eng.placement.host.get(SLOTS_LINE, 0)
         shard_numel = sum(-eng.opt.shard(g)[0] + eng.opt.shard(g)[1]
                           for g in eng.opt.groups if g.trainable)
         grad_full_bytes = sum(4 * g.padded_numel for g in eng.grouping.groups if g.trainable)
