@@ -479,12 +479,7 @@ class PartitionedMemoryManager(MemoryManager):
         """No gather in flight still reads a home the optimizer is about to update (and
         the hpZ secondary shards, copies of the current values, are dropped)."""
         for g in list(self._inflight.values()):
-            f = g.pending
-            if isinstance(f, Fetch) and isinstance(f.handle, _Gather):
-                try:
-                    f.handle.fut.exception()   # finished (its error is raised by its wait)
-                except BaseException:  # noqa: BLE001 - cancelled: nothing in flight
-                    pass
+            self._settle_gather(g)
         if self.zeropp is not None:
             self.zeropp.invalidate()
         super().wait_host_reads()

@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from zero_harness import run_ranks  # noqa: E402
+from zero_harness import rank0_prefix, run_ranks  # noqa: E402
 from zero_models import make_batches, make_model, unique_param_snapshot  # noqa: E402
 
 STEPS = 6
@@ -56,8 +56,7 @@ def test_zero_param_groups_and_mixed_frozen_module(tmp_path):
                     world_size=2, timeout=300)
     assert all(r.returncode == 0 and r.result is not None for r in res), \
         "\n".join(repr(r) for r in res)
-    out = str(tmp_path / [d for d in os.listdir(tmp_path) if d.startswith("ranks-")][0] /
-              "rank0.json")
+    out = rank0_prefix(tmp_path)
     torch.manual_seed(1234)
     init = {n: p.detach().clone() for n, p in make_model(MODEL).named_parameters()}
     for run in runs:

@@ -10,7 +10,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from test_stages import BATCH, STEPS, base_config, check_run  # noqa: E402
-from zero_harness import run_ranks, run_ranks_ok  # noqa: E402
+from zero_harness import rank0_prefix, run_ranks, run_ranks_ok  # noqa: E402
 
 
 def _checks_pass(res):
@@ -74,8 +74,7 @@ def test_engine_parity_through_shared_memory_at_every_stage(tmp_path):
             runs.append({"name": name, "model": "awkward", "steps": STEPS, "batch": BATCH,
                          "config": cfg, "env": {"INFINITY_SIMULATE_DEVICE": "0"}})
     res = run_ranks_ok("dist_child.py", {"runs": runs}, tmp_path, world_size=2, timeout=900)
-    prefix = str(tmp_path / [d for d in os.listdir(tmp_path) if d.startswith("ranks-")][0] /
-                 "rank0.json")
+    prefix = rank0_prefix(tmp_path)
     for run in runs:
         if run["name"].endswith("auto"):
             check_run(res, prefix, run["name"], run["config"])
@@ -114,7 +113,6 @@ def test_engine_parity_through_shared_memory_at_3_ranks(tmp_path):
     runs = [{"name": "s3", "model": "awkward", "steps": STEPS, "batch": 6, "config": cfg,
              "env": {"INFINITY_SIMULATE_DEVICE": "0"}}]
     res = run_ranks_ok("dist_child.py", {"runs": runs}, tmp_path, world_size=3, timeout=900)
-    prefix = str(tmp_path / [d for d in os.listdir(tmp_path) if d.startswith("ranks-")][0] /
-                 "rank0.json")
+    prefix = rank0_prefix(tmp_path)
     assert all(r.result["runs"]["s3"]["shm_transport"] for r in res)
     check_run(res, prefix, "s3", cfg, batch=6)

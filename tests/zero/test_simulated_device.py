@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from test_stages import BATCH, STEPS, base_config, check_run  # noqa: E402
-from zero_harness import run_ranks, run_ranks_ok  # noqa: E402
+from zero_harness import rank0_prefix, run_ranks, run_ranks_ok  # noqa: E402
 
 SIM = {"INFINITY_SIMULATE_DEVICE": "1"}
 BUDGET_GB = 0.002          # 2 MB: the fetch window and the gradient buffers must fit it
@@ -45,8 +45,7 @@ def _run(tmp_path, combos, world_size, budget_gb=BUDGET_GB):
     runs = _runs(tmp_path, combos, budget_gb)
     res = run_ranks_ok("dist_child.py", {"runs": runs}, tmp_path, world_size=world_size,
                        timeout=420)
-    prefix = str(tmp_path / [d for d in os.listdir(tmp_path) if d.startswith("ranks-")][0] /
-                 "rank0.json")
+    prefix = rank0_prefix(tmp_path)
     budget = (budget_gb if budget_gb is not None else 1.0) * 1e9
     for run in runs:
         name = run["name"]

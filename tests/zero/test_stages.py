@@ -8,7 +8,7 @@ from safetensors.torch import load_file
 import os as _os
 import sys as _sys
 _sys.path.insert(0, _os.path.dirname(_os.path.abspath(__file__)))
-from zero_harness import run_ranks_ok  # noqa: E402
+from zero_harness import rank0_prefix, run_ranks_ok  # noqa: E402
 from zero_models import make_batches, make_model, unique_param_snapshot  # noqa: E402
 
 STEPS = 10
@@ -91,8 +91,7 @@ def _run_matrix(tmp_path, combos, **extra):
     res = run_ranks_ok("dist_child.py", {"runs": runs, "check_state_dict": True,
                                             "pg_by_initialize": True}, tmp_path,
                        world_size=2, timeout=300)
-    prefix = str(tmp_path / [d for d in os.listdir(tmp_path) if d.startswith("ranks-")][0] /
-                 "rank0.json")
+    prefix = rank0_prefix(tmp_path)
     for run in runs:
         check_run(res, prefix, run["name"], run["config"])
     return res

@@ -92,6 +92,13 @@ def run_ranks(script: str, spec: dict, tmp_path, *, world_size: int = 2,
 
 
 
+def rank0_prefix(tmp_path) -> str:
+    """Where rank 0 of the (single) :func:`run_ranks` spawn under ``tmp_path`` wrote its
+    result; its per-run files (``dist_child.py``) are ``<prefix>.<run name>.*``."""
+    ranks = [d for d in os.listdir(tmp_path) if d.startswith("ranks-")]
+    return str(Path(tmp_path) / ranks[0] / "rank0.json")
+
+
 def run_ranks_ok(script: str, spec: dict, tmp_path, **kw) -> list[RankResult]:
     """:func:`run_ranks`, asserting that every rank exited 0 and wrote its result (the
     first failure may be on any rank: all are shown)."""
