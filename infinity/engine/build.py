@@ -216,8 +216,8 @@ def assemble(engine, lr_scheduler) -> None:
             from infinity.zero.distributed import partition_placement
             partition_placement(placement, engine.zero)
         placement.check()
-    if engine.zero is not None:             # the slots the placement plan counted
-        engine.zero.start_transport(grouping.groups)
+    if engine.zero is not None and not engine.zero.start_transport(grouping.groups):
+        placement.host.pop(SLOTS_LINE, None)     # the transport is off: no slots
     engine.reuse_bytes = reuse_bytes_for(cfg, engine.zero, device_budget, placement)
     engine.placement = placement
     # Note [commit point]: host undo copies of a window's updated host states fit in what
@@ -232,9 +232,7 @@ def assemble(engine, lr_scheduler) -> None:
     if host_cap is not None:
         store_host = sum(v for k, v in placement.host.items() if k.startswith("optimizer"))
         # the transport's shared-memory slots are host memory outside the pool
-        slots = placement.host.get(SLOTS_LINE, 0) if engine.zero is not None and \
-            engine.zero.comm.shm is not None and engine.zero.comm.shm.channels else 0
-        pool_budget = host_cap - store_host - slots
+        pool_budget = host_cap - store_host - placement.host.get(SLOTS_LINE, 0)
         if placement.param_cache_budget:
             # the undo copies (not pool buffers) keep their room: the cached copies in the
             # pool may not grow into it

@@ -104,12 +104,14 @@ class ZeroSetup:
         reduction, on GPUs only stage 1's gradient all-reduce."""
         return self.comm.compute_device.type == "cpu" or self.stage == 1
 
-    def start_transport(self, groups) -> None:
+    def start_transport(self, groups) -> bool:
         """Collective: map the shared-memory slots between local ranks for these groups'
-        collectives (after the placement plan, which counts them, was checked)."""
+        collectives (after the placement plan, which counts them, was checked).  Whether
+        the slots exist (False: every collective goes over the process group)."""
         shm = self.comm.shm
-        if shm is not None and groups and not shm.channels and self.host_collectives:
-            shm.allocate(*transport_bytes(groups))
+        if shm is None or not groups or not self.host_collectives:
+            return False
+        return bool(shm.channels) or shm.allocate(*transport_bytes(groups))
 
     def close(self) -> None:
         try:
