@@ -18,8 +18,8 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from test_stages import BATCH, STEPS, base_config, check_run  # noqa: E402
-from zero_harness import rank0_prefix, run_ranks, run_ranks_ok  # noqa: E402
+from test_stages import BATCH, STEPS, base_config, run_and_check  # noqa: E402
+from zero_harness import run_ranks  # noqa: E402
 
 SIM = {"INFINITY_SIMULATE_DEVICE": "1"}
 FAIL_TIMEOUT_S = 8     # the survivor waits this long; shorter is flaky on a loaded machine
@@ -52,12 +52,9 @@ def home_of(run):
 
 def _run(tmp_path, combos, world_size):
     runs = _runs(tmp_path, combos)
-    res = run_ranks_ok("dist_child.py", {"runs": runs}, tmp_path, world_size=world_size,
-                       timeout=900)
-    prefix = rank0_prefix(tmp_path)
+    res = run_and_check(tmp_path, runs, world_size=world_size)
     for run in runs:
         name = run["name"]
-        check_run(res, prefix, name, run["config"])
         for r in res:
             st = r.result["runs"][name]
             if run["config"]["zero_stage"] == 3:

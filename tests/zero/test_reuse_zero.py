@@ -16,8 +16,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from test_stages import BATCH, STEPS, base_config, check_run  # noqa: E402
-from zero_harness import rank0_prefix, run_ranks_ok  # noqa: E402
+from test_stages import BATCH, STEPS, base_config, run_and_check  # noqa: E402
 
 
 def _runs(tmp_path):
@@ -38,10 +37,7 @@ def _runs(tmp_path):
 
 def test_reuse_parity_and_savings_2_ranks(tmp_path):
     runs = _runs(tmp_path)
-    res = run_ranks_ok("dist_child.py", {"runs": runs}, tmp_path, world_size=2, timeout=900)
-    prefix = rank0_prefix(tmp_path)
-    for run in runs:
-        check_run(res, prefix, run["name"], run["config"])
+    res = run_and_check(tmp_path, runs)
     for home in ("cpu", "nvme"):
         for r in res:
             got = {k: r.result["runs"][f"s3-{home}-{k}"] for k in ("auto", "small", "off")}

@@ -26,8 +26,8 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from test_stages import BATCH, STEPS, base_config, check_run  # noqa: E402
-from zero_harness import rank0_prefix, run_ranks, run_ranks_ok  # noqa: E402
+from test_stages import BATCH, STEPS, base_config, run_and_check  # noqa: E402
+from zero_harness import run_ranks, run_ranks_ok  # noqa: E402
 
 CLIP = 3.0          # the awkward model's gradient norm crosses it during the run
 ALL_GB = 0.25       # holds every shard of the awkward model many times over
@@ -61,11 +61,7 @@ def _runs(tmp_path, tags):
 
 def _check(tmp_path, tags, world_size):
     runs = _runs(tmp_path, tags)
-    res = run_ranks_ok("dist_child.py", {"runs": runs}, tmp_path, world_size=world_size,
-                       timeout=900)
-    prefix = rank0_prefix(tmp_path)
-    for run in runs:
-        check_run(res, prefix, run["name"], run["config"])
+    res = run_and_check(tmp_path, runs, world_size=world_size)
     for tag in tags:
         for r in res:
             got = {k: r.result["runs"][f"{tag}-{k}"] for k in ("all", "part", "off")}

@@ -78,6 +78,18 @@ def make_model_init(kind="awkward"):
     return {n: p.detach().clone() for n, p in m.named_parameters()}
 
 
+def run_and_check(tmp_path, runs, *, world_size=2, timeout=900, spec=None):
+    """Spawn ``dist_child.py`` over ``runs`` (and the extra ``spec`` keys); every run's
+    losses and gathered parameters within 1e-5 of torch AdamW (:func:`check_run`).
+    Returns the ranks' results."""
+    res = run_ranks_ok("dist_child.py", {"runs": runs, **(spec or {})}, tmp_path,
+                       world_size=world_size, timeout=timeout)
+    prefix = rank0_prefix(tmp_path)
+    for run in runs:
+        check_run(res, prefix, run["name"], run["config"])
+    return res
+
+
 def _run_matrix(tmp_path, combos, **extra):
     runs = []
     for combo in combos:
@@ -88,13 +100,8 @@ def _run_matrix(tmp_path, combos, **extra):
         runs.append({"name": name, "model": "awkward", "steps": STEPS, "batch": BATCH,
                      "init": "init" in flags, "spill": "spill" in flags,
                      "config": base_config(stage, offload, swap, **extra)})
-    res = run_ranks_ok("dist_child.py", {"runs": runs, "check_state_dict": True,
-                                            "pg_by_initialize": True}, tmp_path,
-                       world_size=2, timeout=300)
-    prefix = rank0_prefix(tmp_path)
-    for run in runs:
-        check_run(res, prefix, run["name"], run["config"])
-    return res
+    return run_and_check(tmp_path, runs, timeout=300,
+                         spec={"check_state_dict": True, "pg_by_initialize": True})
 
 
 def test_stages_default_matrix(tmp_path):
