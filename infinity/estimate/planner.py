@@ -285,7 +285,7 @@ def _key(ch):
 
 def make_plan(spec, machine, knobs, *, global_batch=None, micro_batch=None, grad_accum=None,
               allow_lossy=False, checkpointing=None, activations=ACTIVATION_CHOICES,
-              depths=DEPTHS, alternatives=5):
+              depths=DEPTHS, alternatives=5, homes=None):
     """Search the configurations (module docstring) and return a :class:`Plan`.
 
     spec: a ModelSpec (its ``batch`` is ignored); knobs: the base Knobs (precision,
@@ -294,7 +294,8 @@ def make_plan(spec, machine, knobs, *, global_batch=None, micro_batch=None, grad
     accumulation dtypes are searched).  ``global_batch``: sequences per optimizer step
     across all ranks (default: :func:`default_global_batch`, or ``micro_batch *
     grad_accum * R`` when both are given); ``micro_batch`` / ``grad_accum`` pin one of
-    them.  ``checkpointing``: None searches both, True/False pins it.
+    them.  ``checkpointing``: None searches both, True/False pins it.  ``homes``: only
+    these ``(params, optimizer)`` pairs (default: every valid pair).
     """
     from . import _evaluate  # the estimator's per-configuration evaluation
 
@@ -332,7 +333,15 @@ def make_plan(spec, machine, knobs, *, global_batch=None, micro_batch=None, grad
         # one process pages gradients to NVMe only under offload.host_memory_gb: the plan
         # sets it to the RAM left after the reserve (as the estimator assumes)
         host_cap = max(0.0, (machine.host_mem_gb * GB - host_reserve_bytes(machine)) / GB)
-    homes = valid_configs(knobs)
+    valid = valid_configs(knobs)
+    if homes is None:
+        homes = valid
+    else:
+        homes = [tuple(h) for h in homes]
+        bad = [h for h in homes if h not in valid]
+        if bad:
+            raise EstimateError(f"homes {bad} are not valid at zero_stage {knobs.zero_stage}; "
+                                f"valid (params, optimizer) homes: {valid}")
     evaluated = 0
     found = []          # fitting choices
     near = []           # non-fitting, for "closest"

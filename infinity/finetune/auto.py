@@ -81,7 +81,7 @@ def measure_tflops(hidden, tokens, *, seconds=1.0):
 BLOCK_PROBE_MAX_FLOP = 40e9
 
 
-def measure_block_tflops(spec, seq, micro_batch, *, seconds=1.0):
+def measure_block_tflops(spec, seq, micro_batch, *, seconds=1.0, device=None, dtype=None):
     """The compute rate the estimator should use for this model at this micro-batch:
     forward+backward of one pre-norm transformer block of the model's width (attention over
     ``seq`` with the model's heads, an MLP holding the rest of a block's parameters), fp32,
@@ -89,7 +89,9 @@ def measure_block_tflops(spec, seq, micro_batch, *, seconds=1.0):
     (``6 * block params * tokens``).  The rate then carries what the FLOP count leaves out
     (attention scores, norms, activations, small-batch inefficiency): measured 0.5-0.75x of
     the matrix-product rate on the shipped tiny models.  None when one pass would cost more
-    than :data:`BLOCK_PROBE_MAX_FLOP` (use :func:`measure_tflops`)."""
+    than :data:`BLOCK_PROBE_MAX_FLOP` (use :func:`measure_tflops`).  ``device`` / ``dtype``:
+    probe on that device in that precision (the GPU check: ``cuda``, bf16; the FLOP limit
+    then does not apply, and the device is synchronized around the timed passes)."""
     import torch
     import torch.nn.functional as F
     from torch import nn
@@ -102,12 +104,16 @@ def measure_block_tflops(spec, seq, micro_batch, *, seconds=1.0):
     ffn = max(H, int((per_block - 4 * H * H) / (2 * H)))
     b, S = max(1, int(micro_batch)), max(1, int(seq))
     p_block = 4 * H * H + 2 * H * ffn
-    if 6 * p_block * b * S > BLOCK_PROBE_MAX_FLOP:
+    device = torch.device(device or "cpu")
+    cuda = device.type == "cuda"
+    if 6 * p_block * b * S > BLOCK_PROBE_MAX_FLOP and not cuda:
         return None
-    ln1, ln2 = nn.LayerNorm(H), nn.LayerNorm(H)
-    qkv, out = nn.Linear(H, 3 * H, bias=False), nn.Linear(H, H, bias=False)
-    up, down = nn.Linear(H, ffn, bias=False), nn.Linear(ffn, H, bias=False)
-    x = torch.randn(b, S, H, requires_grad=True)
+    kw = {"device": device, "dtype": dtype or torch.float32}
+    ln1, ln2 = nn.LayerNorm(H, **kw), nn.LayerNorm(H, **kw)
+    qkv, out = nn.Linear(H, 3 * H, bias=False, **kw), nn.Linear(H, H, bias=False, **kw)
+    up, down = nn.Linear(H, ffn, bias=False, **kw), nn.Linear(ffn, H, bias=False, **kw)
+    x = torch.randn(b, S, H, requires_grad=True, **kw)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
 
     def step():
         h = ln1(x)
@@ -118,10 +124,14 @@ def measure_block_tflops(spec, seq, micro_batch, *, seconds=1.0):
         y.sum().backward()
 
     step()
+    sync()
     n, t0 = 0, time.perf_counter()
     while True:
         step()
         n += 1
+        if cuda and n % 4:
+            continue
+        sync()
         dt = time.perf_counter() - t0
         if dt >= seconds and n >= 2:
             break
