@@ -64,6 +64,8 @@ PARTS = {
     "core": [("tests", 90), ("rates", 45), ("infinity_small", 120), ("deepspeed_small", 150),
              ("infinity_planned", 150)],
     "nvme": [("rates", 45), ("infinity_nvme", 240), ("deepspeed_nvme", 240)],
+    # diagnosis of a wrong first update (tools/gpu_diag.py) and the CPU Adam roofline
+    "diag": [("diag", 150), ("adam", 45)],
 }
 SUMMARY_RESERVE_S = 15
 
@@ -604,7 +606,35 @@ def step_deepspeed_small(out, dry):
     return res
 
 
-STEPS = {"tests": step_tests, "rates": step_rates, "infinity_small": step_infinity_small,
+def step_diag(out, dry):
+    """tools/gpu_diag.py: the first micro-step's gradient sums against plain PyTorch, per
+    variant, then the default variant again with CUDA_LAUNCH_BLOCKING=1."""
+    res = {}
+    base = [sys.executable, "-P", os.path.join(TOOLS, "gpu_diag.py")]
+    size = ["--size", "dry", "--layers", "2", "--seq", "64", "--batch", "2"] if dry else \
+        ["--layers", "8"]
+    for tag, env_extra, variants in (("async", {}, []),
+                                     ("blocking", {"CUDA_LAUNCH_BLOCKING": "1"},
+                                      ["--variant", "default"])):
+        path = os.path.join(out, "steps", f"diag_{tag}.json")
+        env = dict(os.environ, **env_extra)
+        r = subprocess.run(base + [path] + size + variants, cwd=ROOT, env=env)
+        res[tag] = {"rc": r.returncode, "variants": read_json(path)}
+    return res
+
+
+def step_adam(out, dry):
+    """``infinity bench-adam``: CPU Adam against torch's fused Adam on this host."""
+    n = "2000000" if dry else "200000000"
+    r = subprocess.run([sys.executable, "-P", "-m", "infinity.cli.main", "bench-adam",
+                        "--numel", n, "--rounds", "3", "--skip-foreach", "--json"],
+                       cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    print(r.stdout[-3000:])
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
+    return json.loads(lines[-1]) if lines else {"rc": r.returncode}
+
+
+STEPS = {"diag": step_diag, "adam": step_adam, "tests": step_tests, "rates": step_rates, "infinity_small": step_infinity_small,
          "deepspeed_small": step_deepspeed_small, "infinity_planned": step_infinity_planned,
          "infinity_nvme": step_infinity_nvme, "deepspeed_nvme": step_deepspeed_nvme}
 

@@ -31,7 +31,7 @@ while [ $# -gt 0 ]; do
         *) usage ;;
     esac
 done
-case $PART in core|nvme) ;; *) echo "gpu_check: --part must be core or nvme, got '$PART'" >&2; exit 2 ;; esac
+case $PART in core|nvme|diag) ;; *) echo "gpu_check: --part must be core, nvme or diag, got '$PART'" >&2; exit 2 ;; esac
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 mkdir -p "$DIR" || { echo "gpu_check: cannot create $DIR" >&2; exit 2; }
 DIR=$(cd "$DIR" && pwd)
