@@ -65,7 +65,7 @@ PARTS = {
              ("infinity_planned", 150)],
     "nvme": [("rates", 45), ("infinity_nvme", 240), ("deepspeed_nvme", 240)],
     # diagnosis of a wrong first update (tools/gpu_diag.py) and the CPU Adam roofline
-    "diag": [("diag", 150), ("adam", 45)],
+    "diag": [("diag", 170), ("adam", 30)],
 }
 SUMMARY_RESERVE_S = 15
 
@@ -612,8 +612,11 @@ def step_diag(out, dry):
     res = {}
     base = [sys.executable, "-P", os.path.join(TOOLS, "gpu_diag.py")]
     size = ["--size", "dry", "--layers", "2", "--seq", "64", "--batch", "2"] if dry else \
-        ["--layers", "8"]
-    for tag, env_extra, variants in (("async", {}, []),
+        ["--layers", "4"]
+    probes = [] if dry else [a for v in ("default", "nockpt", "sync_all", "sync_giveback",
+                                         "sync_h2d", "keep_bw", "nockpt_sync_all")
+                             for a in ("--variant", v)]
+    for tag, env_extra, variants in (("async", {}, probes),
                                      ("blocking", {"CUDA_LAUNCH_BLOCKING": "1"},
                                       ["--variant", "default"])):
         path = os.path.join(out, "steps", f"diag_{tag}.json")

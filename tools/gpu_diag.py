@@ -32,7 +32,44 @@ VARIANTS = {
     "nockpt": dict(params="cpu", ckpt=False, depth=2),
     "depth0": dict(params="cpu", ckpt=True, depth=0),
     "devicehome": dict(params="none", ckpt=True, depth=2),
+    # the default set-up with a probe patched in (see PATCHES)
+    "sync_all": dict(params="cpu", ckpt=True, depth=2, patch="sync_all"),
+    "sync_giveback": dict(params="cpu", ckpt=True, depth=2, patch="sync_giveback"),
+    "sync_h2d": dict(params="cpu", ckpt=True, depth=2, patch="sync_h2d"),
+    "keep_bw": dict(params="cpu", ckpt=True, depth=2, patch="keep_bw"),
+    "nockpt_sync_all": dict(params="cpu", ckpt=False, depth=2, patch="sync_all"),
 }
+
+
+def _patches(name):
+    """Probes: ``sync_h2d`` (every H2D completes before the host goes on), ``sync_giveback``
+    (the device is idle whenever a buffer goes back to its pool), ``sync_all`` (both),
+    ``keep_bw`` (no group released inside backward: only at its end)."""
+    from infinity.memory import device as D
+    from infinity.runtime.hooks import ParamHooks
+    undo = []
+
+    def put(cls, attr, fn):
+        undo.append((cls, attr, cls.__dict__[attr]))
+        setattr(cls, attr, fn)
+    if name in ("sync_all", "sync_h2d"):
+        h2d = D.CudaDevice.h2d
+
+        def h2d_sync(self, dst, src, _f=h2d):
+            t = _f(self, dst, src)
+            torch.cuda.synchronize()
+            return t
+        put(D.CudaDevice, "h2d", h2d_sync)
+    if name in ("sync_all", "sync_giveback"):
+        gb = D.DeviceTier.give_back
+
+        def gb_sync(self, buf, _f=gb):
+            torch.cuda.synchronize()
+            _f(self, buf)
+        put(D.DeviceTier, "give_back", gb_sync)
+    if name == "keep_bw":
+        put(ParamHooks, "_maybe_release_bw", lambda self, g: None)
+    return undo
 
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"   # cpu: a dry run (simulated device)
@@ -63,17 +100,31 @@ def build(size, layers, seq, ckpt):
     return m
 
 
+_REF = {}
+
+
+def reference(size, layers, seq, batch, ckpt):
+    key = (size, layers, seq, batch, ckpt)
+    if key not in _REF:
+        ids = lb.batches(1, batch, seq, seed=1)[0].to(DEV)
+        ref = build(size, layers, seq, ckpt)
+        loss_ref = ref(input_ids=ids, labels=ids).loss
+        loss_ref.backward()
+        _sync()
+        _REF[key] = {n: p.grad.float().cpu() for n, p in ref.named_parameters()}
+        del ref, loss_ref
+        gc.collect()
+        if DEV == "cuda":
+            torch.cuda.empty_cache()
+    return _REF[key]
+
+
 def run(variant, size, layers, seq, batch):
     import infinity
     v = VARIANTS[variant]
     ids = lb.batches(1, batch, seq, seed=1)[0].to(DEV)
-    ref = build(size, layers, seq, v["ckpt"])
-    loss_ref = ref(input_ids=ids, labels=ids).loss
-    loss_ref.backward()
-    _sync()
-    ref_grads = {n: p.grad.float().cpu() for n, p in ref.named_parameters()}
-    del ref, loss_ref
-    gc.collect()
+    ref_grads = reference(size, layers, seq, batch, v["ckpt"])
+    undo = _patches(v["patch"]) if v.get("patch") else []
     model = build(size, layers, seq, v["ckpt"])
     cfg = {"precision": "bf16", "offload": {"params": v["params"], "optimizer": "cpu"},
            "prefetch": {"depth": v["depth"]}, "gradient_clipping": 1.0,
@@ -120,6 +171,8 @@ def run(variant, size, layers, seq, batch):
                    skipped=st.get("skipped_steps"))
     finally:
         e.close()
+        for cls, attr, fn in undo:
+            setattr(cls, attr, fn)
     del e, model
     gc.collect()
     return out
