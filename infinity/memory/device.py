@@ -15,12 +15,15 @@ One small interface, three implementations:
   (:meth:`compute_waits`) instead of blocking the host, a host staging buffer goes back
   to its pool only once its event has completed (:meth:`retire`/:meth:`poll`), and a
   device buffer given back after compute records a compute-stream event that the next
-  copy into it waits on.
+  copy into it waits on; so does a buffer fresh from the allocator (Note [fresh device
+  memory]).
 * :class:`SimulatedDevice` - the same protocol on CPU with *deferred* copies: a copy
   happens only when its event completes (after ``delay`` queries, or when someone
   waits on it), and fresh device buffers are NaN-filled.  Reading a buffer before its
-  event, or reusing a source buffer before its copy ran, produces wrong numbers, so
-  the protocol's ordering is tested without a GPU (``tests/memory/test_device.py``).
+  event, or reusing a source buffer before its copy ran, produces wrong numbers, and a
+  copy into device memory that nothing ordered after compute's earlier use of it raises
+  (Note [fresh device memory]), so the protocol's ordering is tested without a GPU
+  (``tests/memory/test_device.py``).
   ``INFINITY_SIMULATE_DEVICE=1`` makes :func:`make_device` return it for CPU runs at any
   world size (a testing aid; budget ``offload.device_memory_gb``, else 1 GB).
 
@@ -127,6 +130,20 @@ class DeviceTier:
 
     def _after_compute(self, buf: torch.Tensor) -> None:
         pass
+
+    # Note [fresh device memory]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # A device buffer fresh from torch's caching allocator is free only with respect to
+    # the stream that allocated it (compute): its memory may have held an activation that
+    # compute freed while kernels reading it are still queued.  A copy into it on a copy
+    # stream must therefore wait for compute's work so far, exactly as a copy into a buffer
+    # given back after compute does.  Found on the first GPU run (H200): without this, the
+    # first micro-step's backward (on-demand fetches into fresh buffers while recomputed
+    # activations were being freed) read overwritten weights: NaN or wrong gradients.
+    def _fresh(self, buf: torch.Tensor) -> torch.Tensor:
+        """A buffer just allocated for the pool: ordered after compute's work so far."""
+        self._after_compute(buf)
+        return buf
 
     def lease_or_overflow(self, nbytes: int, dtype: torch.dtype, what: str,
                           allow_overflow: bool = True) -> torch.Tensor | None:
@@ -267,7 +284,7 @@ class CudaDevice(DeviceTier):
         dev = self.device
 
         def alloc(nbytes: int) -> torch.Tensor:
-            return torch.empty(nbytes, dtype=torch.uint8, device=dev)
+            return self._fresh(torch.empty(nbytes, dtype=torch.uint8, device=dev))
 
         def on_drop(raw: torch.Tensor) -> None:
             # the memory goes back to the allocator: a later buffer at the same address
@@ -288,7 +305,9 @@ class CudaDevice(DeviceTier):
             log.debug("h2d: source is not pinned; the copy will not overlap compute")
         t0 = time.perf_counter()
         s = self.h2d_stream
-        prev = self._free_after.pop(dst.untyped_storage().data_ptr(), None)
+        # (kept, not popped: every copy into any view of this buffer waits for compute's
+        # last use of it; an event already passed costs nothing)
+        prev = self._free_after.get(dst.untyped_storage().data_ptr())
         # (also issued from the manager's lander thread: Note [H2D on landing])
         with torch.cuda.device(self.device), torch.cuda.stream(s):
             if prev is not None:          # compute's last use of this buffer comes first
@@ -332,7 +351,7 @@ class CudaDevice(DeviceTier):
         return Transfer(buf, buf, ev, "mark", time.perf_counter())
 
     def wait_free(self, buf):
-        prev = self._free_after.pop(buf.untyped_storage().data_ptr(), None)
+        prev = self._free_after.get(buf.untyped_storage().data_ptr())
         if prev is not None:
             torch.cuda.current_stream(self.device).wait_event(prev)
 
@@ -389,10 +408,22 @@ class SimulatedDevice(DeviceTier):
         self.log: list[tuple[str, int]] = []
 
     def _pool_kw(self) -> dict:
+        # (the pool is built by DeviceTier.__init__: the ordering set must exist first)
+        self._ordered: set[int] = set()
+
         def alloc(nbytes: int) -> torch.Tensor:
             # fresh device memory is garbage: NaN makes any early use visible
-            return torch.full((nbytes // 4,), float("nan"), dtype=torch.float32).view(torch.uint8)
-        return {"allocator": alloc}
+            return self._fresh(torch.full((nbytes // 4,), float("nan"),
+                                          dtype=torch.float32).view(torch.uint8))
+
+        def on_drop(raw: torch.Tensor) -> None:
+            self._ordered.discard(raw.untyped_storage().data_ptr())
+        return {"allocator": alloc, "on_drop": on_drop}
+
+    def _after_compute(self, buf):
+        # what CUDA records as an event (Note [fresh device memory]): copies into this
+        # memory are ordered after compute's use of it
+        self._ordered.add(buf.untyped_storage().data_ptr())
 
     def _copy(self, stream: _SimStream, link: str, dst, src) -> Transfer:
         if dst.shape != src.shape:
@@ -406,6 +437,12 @@ class SimulatedDevice(DeviceTier):
         return Transfer(dst, src, ev, link, t0)
 
     def h2d(self, dst, src):
+        if dst.untyped_storage().data_ptr() not in self._ordered:
+            raise RuntimeError(
+                "device protocol: a host-to-device copy into device memory that nothing "
+                "ordered after compute's earlier use of it (a buffer not from the device "
+                "pool, or one the pool allocated without DeviceTier._fresh): on a GPU it can "
+                "overwrite memory queued kernels still read (Note [fresh device memory])")
         return self._copy(self.h2d_stream, "h2d", dst, src)
 
     def d2h(self, dst, src):

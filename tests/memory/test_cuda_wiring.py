@@ -330,6 +330,9 @@ def test_checkpoint_round_trip_on_a_separate_device(tmp_path, swap_dir, monkeypa
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("params", ["none", "cpu", "nvme"])
 def test_cuda_engine_trains_like_torch_adamw(swap_dir, params):
+    """Against torch's CUDA AdamW (the engine steps with the CPU Adam kernel): on an H200
+    (torch 2.11) the losses differed by 1.0e-4 relative after three updates at lr 1e-2,
+    the same for every home (arithmetic order, not paging), so the bound is 1e-3 relative."""
     torch.manual_seed(0)
     ref = _model().cuda()
     model = _model().cuda()
@@ -352,15 +355,30 @@ def test_cuda_engine_trains_like_torch_adamw(swap_dir, params):
             ref_loss.backward()
             opt.step()
             opt.zero_grad()
-            assert abs(loss.item() - ref_loss.item()) < 1e-4
+            assert abs(loss.item() - ref_loss.item()) <= 1e-3 * abs(ref_loss.item())
         sd = dict(e.state_dict())
         st = e.stats()
     for k, p in ref.state_dict().items():
         assert sd[k].device.type == "cpu"
-        torch.testing.assert_close(sd[k], p.cpu(), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(sd[k], p.cpu(), rtol=1e-3, atol=1e-5)
     assert st["device_budget_overflows"] == 0
     assert st["device_peak_bytes"] <= BUDGET_GB * 1e9
     assert st["h2d_bytes"] > 0 and st["d2h_bytes"] > 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_fresh_cuda_buffers_are_ordered_after_compute():
+    """Note [fresh device memory]: a buffer the pool allocates carries a compute-stream
+    event that the first copy into it waits on (the defect the first GPU run found)."""
+    from infinity.memory.device import CudaDevice
+    dev = CudaDevice(torch.device("cuda", 0), None, Accounting())
+    buf = dev.lease(1 << 20, torch.float32)
+    assert buf.untyped_storage().data_ptr() in dev._free_after
+    x = dev.h2d(buf, torch.ones(buf.numel()).pin_memory())
+    dev.compute_waits(x)
+    assert bool((buf == 1).all())
+    dev.give_back(buf)
+    dev.close()
 
 
 def test_default_cuda_budget_leaves_documented_headroom():

@@ -52,6 +52,40 @@ def test_simulated_streams_are_in_order_and_compute_wait_runs_the_copy():
     assert bool((host == 2).all())
 
 
+def test_copy_into_device_memory_must_be_ordered_after_compute():
+    """Note [fresh device memory] (first found on a GPU): a buffer fresh from the allocator is
+    free only for the compute stream, so the pool orders it after compute's work (as a
+    give-back does) before a copy stream may write it; memory nothing ordered is refused."""
+    dev = SimulatedDevice(None, Accounting(), delay=NEVER)
+    dst = dev.lease(4096, torch.float32)           # fresh from the pool's allocator
+    dev.compute_waits(dev.h2d(dst, torch.ones(1024)))
+    assert bool((dst == 1).all())
+    dev.give_back(dst)
+    again = dev.lease(4096, torch.float32)         # the same buffer, given back after compute
+    dev.compute_waits(dev.h2d(again, torch.full((1024,), 2.0)))
+    assert bool((again == 2).all())
+    with pytest.raises(RuntimeError, match="fresh device memory"):
+        dev.h2d(torch.empty(1024), torch.ones(1024))   # not the pool's: nothing ordered it
+
+
+def test_an_allocator_that_skips_the_ordering_is_caught_by_the_engine(monkeypatch):
+    """The GPU defect as the simulated device sees it: with DeviceTier._fresh not ordering
+    fresh buffers, the engine's first step (every fetch on demand into fresh buffers) fails
+    with the protocol error instead of computing on overwritten weights."""
+    import infinity.engine.build as eng_mod
+    from infinity.memory.device import DeviceTier
+
+    monkeypatch.setattr(DeviceTier, "_fresh", lambda self, buf: buf)
+    monkeypatch.setattr(eng_mod, "make_device",
+                        lambda device, budget, acct: SimulatedDevice(budget, acct, delay=2))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 8))
+    cfg = {"offload": {"params": "cpu", "optimizer": "cpu", "device_memory_gb": 0.001}}
+    with infinity.initialize(model, cfg) as e:
+        with pytest.raises(RuntimeError, match="fresh device memory"):
+            e(torch.randn(4, 16))
+
+
 def test_retire_runs_callback_only_after_the_copy_completed():
     dev = SimulatedDevice(None, Accounting(), delay=2)
     dst = dev.lease(4096, torch.float32)
