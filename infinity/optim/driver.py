@@ -256,6 +256,8 @@ class EngineOptimizer(GradAccumulation):
         if txn is not None:
             for it in items:
                 self.store.prepare(txn, it.key)
+            if self.LOCAL_VOTE and self.swap is None and self.store.swap is None:
+                txn.finish_only()        # Note [finish only] (infinity/optim/offload_step.py)
 
         def apply():
             if items:
@@ -330,6 +332,9 @@ class EngineOptimizer(GradAccumulation):
             finally:
                 if kept is None:
                     self.host_pool.give_back(buf)
+
+    #: the commit vote is this process's own (no other rank can fail the update)
+    LOCAL_VOTE = True
 
     def vote(self, ok: bool) -> bool:
         """Whether every rank completed its part of the update (one process: ``ok``)."""

@@ -89,8 +89,15 @@ class StepTxn:
     NVMe: one shadow per extent-backed state tensor (<= 1x the optimizer states); extra
     host: the undo copies of the groups stepped in the window (``undo_bytes``).
     Shadows are allocated on the caller's thread by :meth:`OptimizerStateStore.prepare`.
+
+    Note [finish only]: past the commit decision (the norm is known and finite, nothing
+    left to vote on) one process with no swap space has nothing that can fail half-way but
+    a bug: :meth:`finish_only` then stops taking undo copies (they cost as much memory
+    traffic as the Adam step itself), and a rollback of what was stepped after it cannot
+    restore those host states, so it raises (the engine enters ``FAILED``) instead of
+    leaving a half-applied update behind as if it were the last one.
     """
-    __slots__ = ("writes", "undo", "undo_bytes", "keys", "host_undo")
+    __slots__ = ("writes", "undo", "undo_bytes", "keys", "host_undo", "irreversible")
 
     def __init__(self, host_undo: bool = True):
         self.writes: Dict[int, list] = {}   # id(backing) -> [backing, shadow extent, tiles written]
@@ -98,6 +105,12 @@ class StepTxn:
         self.undo_bytes = 0
         self.keys: set = set()              # partitions stepped in this window
         self.host_undo = host_undo
+        self.irreversible = False           # Note [finish only]
+
+    def finish_only(self) -> None:
+        """Note [finish only]: from here on host states are updated without undo copies."""
+        self.host_undo = False
+        self.irreversible = True
 
     def save(self, view: torch.Tensor, key: Optional[str] = None) -> None:
         if self.host_undo:
@@ -391,7 +404,13 @@ class OptimizerStateStore:
 
     def rollback(self, txn: StepTxn) -> None:
         """Forget ``txn``'s writes: host tensors get their undo copies back, shadows are
-        kept as spares (their contents are garbage, overwritten before any commit)."""
+        kept as spares (their contents are garbage, overwritten before any commit).  Raises
+        for a transaction past :meth:`StepTxn.finish_only` (Note [finish only])."""
+        if txn.irreversible:
+            raise RuntimeError(
+                "optimizer: the update failed after its commit decision, part-way through "
+                "host-resident optimizer states updated in place (Note [finish only]); they "
+                "cannot be restored: reload the last checkpoint")
         with self._lock, self._spare_lock:
             for view, saved, _ in reversed(txn.undo):
                 view.copy_(saved)

@@ -629,6 +629,8 @@ class PartitionedOptimizer(EngineOptimizer):
         return self.comm.all_reduce_scalar(local, name="squared gradient norm") ** 0.5
 
     # ------------------------------------------------------------------ the step
+    LOCAL_VOTE = False
+
     def vote(self, ok: bool) -> bool:
         """Every rank completed its part of the update (the sum of one flag per rank)."""
         return self.comm.all_reduce_scalar(1.0 if ok else 0.0,

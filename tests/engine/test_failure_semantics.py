@@ -513,3 +513,52 @@ def test_a_failing_release_from_a_dropped_saved_tensor_is_logged(tmp_path, caplo
         e.hooks.finish_backward()          # what the next backward's end does
         _train(e, _batches(1, seed=5))
         assert e.global_steps == 1
+
+
+def test_after_the_decision_one_process_only_finishes_the_update(tmp_path, monkeypatch):
+    """Note [finish only]: with no swap space and one process, what is stepped after the
+    commit decision takes no undo copies (the same numbers as a run that takes them), and
+    a failure part-way through it cannot pass for a rolled-back update: the engine enters
+    FAILED and says to reload a checkpoint."""
+    from infinity.optim.offload_step import StepTxn
+    saved = []
+    real_save = StepTxn.save
+
+    def counting_save(self, view, key=None):
+        if self.host_undo:
+            saved.append(view.numel())
+        return real_save(self, view, key)
+    monkeypatch.setattr(StepTxn, "save", counting_save)
+    data = _batches(4)
+    torch.manual_seed(0)
+    m = Net()
+    ref = copy.deepcopy(m)
+    clipped = _cfg(str(tmp_path / "a"), "cpu", "cpu", clip=1e-3)   # every update clips:
+    with infinity.initialize(m, clipped) as e:                      # nothing is speculative
+        _train(e, data)
+        got = _state(e)
+    assert saved == []
+    with infinity.initialize(ref, _cfg(str(tmp_path / "b"), "cpu", "cpu", clip=1e-3)) as r:
+        monkeypatch.setattr(StepTxn, "finish_only", lambda self: None)   # undo copies as before
+        _train(r, data)
+        want = _state(r)
+    assert saved and _same(got, want)
+
+    monkeypatch.undo()
+    torch.manual_seed(0)
+    with infinity.initialize(Net(), clipped) as e:
+        _train(e, data[:1])
+        real_step = e.store.step
+
+        def failing_step(items, **kw):            # a bug half-way through the update
+            real_step(items[:1], **kw)
+            raise RuntimeError("adam kernel failed (simulated)")
+        e.store.step = failing_step
+        x, y = data[1]
+        e.backward(F.mse_loss(e(x).float(), y))
+        with pytest.raises(RuntimeError, match="simulated") as ei:
+            e.step()
+        assert "reload a checkpoint" in "".join(getattr(ei.value, "__notes__", []))
+        assert e.stats()["phase"] == "failed"
+        with pytest.raises(RuntimeError, match="reload"):
+            e(x)
