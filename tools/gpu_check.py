@@ -509,6 +509,7 @@ def infinity_run(out, dry, *, micro_batch, grad_accum, steps, homes, profile, ta
             write_json(partial, res)
         st = engine.stats()
         res["stats"] = {k: v for k, v in st.items() if isinstance(v, (int, float, str))}
+        res["skipped_updates"] = int(st.get("skipped_steps", 0))
         if profile:
             res["profile"] = _profile_facts(engine, prof_dir)
         if cuda:
@@ -517,9 +518,16 @@ def infinity_run(out, dry, *, micro_batch, grad_accum, steps, homes, profile, ta
     finally:
         engine.close()
     del engine
+    ids = loss = None
     gc.collect()
     if cuda:
         torch.cuda.synchronize()
+        res["cuda_allocated_after_close_raw_bytes"] = torch.cuda.memory_allocated()
+        # torch keeps cuBLAS workspaces (32 MiB per handle and stream on Hopper) in the
+        # caching allocator: torch's, not the engine's
+        clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+        if clear is not None:
+            clear()
         res["cuda_allocated_after_close_bytes"] = torch.cuda.memory_allocated()
     measured = times[1:] or times
     med = sorted(measured)[len(measured) // 2]
@@ -683,6 +691,10 @@ def targets(summary):
             v = e.get(k)
             put(f"estimate_{k}_{tag}", v, "within 25 %",
                 None if v is None else abs(v - 1) <= 0.25)
+    for tag, r in (("small", small), ("planned", big)):
+        if r and "skipped_updates" in r:
+            put(f"no_skipped_updates_{tag}", r["skipped_updates"], "== 0",
+                r["skipped_updates"] == 0)
     if small and small.get("profile"):
         f = small["profile"].get("h2d_overlap_fraction")
         put("h2d_overlaps_compute", f, "> 0", None if f is None else f > 0)
