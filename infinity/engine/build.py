@@ -299,7 +299,8 @@ def assemble(engine, lr_scheduler) -> None:
             # (ZeRO: the reduced shard's landing, grad_final; a separate device: the D2H's
             # landing, GradD2H.landed)
             after = engine.overlap.grad_arrived
-    on_grad = grad_sink(engine.opt.accumulate, grouping.groups, after=after)
+    # (gradients enter only inside engine.backward: Note [foreign backward] in core.py)
+    on_grad = engine._grad_gate(grad_sink(engine.opt.accumulate, grouping.groups, after=after))
     acts = None
     if act_home != "none":                  # saved activations on the host tier or NVMe
         from infinity.runtime.activations import ActivationOffload
@@ -310,8 +311,9 @@ def assemble(engine, lr_scheduler) -> None:
                               activations=acts)
     if tile_specs:
         from infinity.runtime.tiling import Tiling
-        engine.tiling = Tiling(tile_specs, engine.mm, engine.acct, accumulate=engine.opt.accumulate,
-                               accumulate_rows=engine.opt.accumulate_rows,
+        engine.tiling = Tiling(tile_specs, engine.mm, engine.acct,
+                               accumulate=engine._grad_gate(engine.opt.accumulate),
+                               accumulate_rows=engine._grad_gate(engine.opt.accumulate_rows),
                                accepts_rows=engine.opt.accumulates_rows, after=after,
                                **_tiling_across_ranks(engine))
         engine.tiling.install(grouping)

@@ -10,6 +10,8 @@ in :mod:`infinity.engine.overlap`.
 """
 from __future__ import annotations
 
+import contextlib
+
 import logging
 import torch
 from torch import nn
@@ -68,6 +70,11 @@ class Engine:
         self._closed = False
         self.phase = Phase.IDLE
         self._has_grads = False           # a backward ran since the last step()
+        # Note [foreign backward]: gradients enter the engine only inside engine.backward;
+        # ones that reach its hooks from another backward (a plain loss.backward()) are
+        # dropped, and the next forward/backward/step raises saying so
+        self._accepting_grads = False
+        self._foreign_grads = 0
         self._txn = None                  # the window's StepTxn (Note [commit point])
         self._worker = None               # runs commits shielded from signals
         self._warned: set[str] = set()
@@ -156,6 +163,25 @@ class Engine:
         raise PhaseError(f"engine.{what}: called while the engine is in {ph.value} (re-entrant "
                          f"call from a hook or another thread?); call it after that returns")
 
+    def _grad_gate(self, sink):
+        """``sink`` (a gradient sink of the hooks or of tiling), dropping what arrives outside
+        engine.backward (Note [foreign backward])."""
+        def gated(*args, **kwargs):
+            if not self._accepting_grads:
+                self._foreign_grads += 1
+                return None
+            return sink(*args, **kwargs)
+        return gated
+
+    def _refuse_foreign(self, what: str) -> None:
+        if self._foreign_grads:
+            n, self._foreign_grads = self._foreign_grads, 0
+            raise RuntimeError(
+                f"engine.{what}: a backward outside engine.backward(loss) reached this engine "
+                f"(a plain loss.backward()?): its {n} gradient(s) were dropped and no update will "
+                f"use them; call engine.backward(loss) instead of loss.backward(), then "
+                f"engine.step()")
+
     def _warn_once(self, key: str, msg: str, *args) -> None:
         if key not in self._warned:
             self._warned.add(key)
@@ -179,6 +205,11 @@ class Engine:
         hooks are reset here (saved-tensor hooks are thread-local); the rest runs
         shielded from signals on the commit worker.  ``exc``: the error propagating (an
         interrupt arriving meanwhile is folded into it), or None (then errors raise)."""
+        if exc is not None:
+            try:
+                exc._infinity_window_dropped = True       # Note [one exit]
+            except AttributeError:
+                pass
         if exc is not None and self.zero is not None:
             from infinity.zero.comm import CollectiveError
             if not isinstance(exc, CollectiveError):
@@ -276,24 +307,50 @@ class Engine:
         return StepTxn(host_undo=host_undo or self.overlap is not None)
 
     # ------------------------------------------------------------------ training API
+    # Note [one exit]: an exception leaves a public call (forward, backward, step) through
+    # one ``except`` that covers the whole call, the gate's opening and closing included
+    # (Note [held interrupts]), and nothing else.  The core's own ``except`` drops the
+    # window for what it raises (marking the exception); any other exception -- one raised
+    # before the core (a phase or misuse error, a signal landing in the call's bookkeeping
+    # or while the gate installs its handlers), or a signal held inside the call and
+    # delivered as the gate closes -- goes to ``late(exc)``: forward and backward drop the
+    # window as for any other exception, step only when its update did not commit, none
+    # when the engine is busy (a re-entrant call from a hook: the outer call owns the
+    # window), failed or closed.  So a Ctrl-C that lands as the model's forward returns
+    # leaves the window dropped (micro_step back at the window's start) exactly as one a
+    # moment earlier.
+    @staticmethod
+    def _left(exc, late) -> None:
+        if not getattr(exc, "_infinity_window_dropped", False):
+            late(exc)
+
+    def _late_abort(self, exc) -> None:
+        if self.phase is Phase.IDLE:
+            self._abort_window(exc)
+
     def forward(self, *args, **kwargs):
-        self._enter("forward")
-        self._drop_open_window("forward")   # Note [Overlap safety]: no home being updated
-        if self.device.type != "cpu":     # inputs follow the parameters (top-level tensors)
-            args = tuple(self._to_device(a) for a in args)
-            kwargs = {k: self._to_device(v) for k, v in kwargs.items()}
-        if self.dtype != torch.float32:
-            args = tuple(self._cast(a) for a in args)
-            kwargs = {k: self._cast(v) for k, v in kwargs.items()}
-        with self.gate.open():                # Note [held interrupts]
-            try:
-                self.phase = Phase.FORWARD
-                with self.timeline.span("forward", "forward"):
-                    out = self.module(*args, **kwargs)
-                self.phase = Phase.IDLE
-            except BaseException as e:
-                self._abort_window(e)
-                raise
+        try:                                  # Note [one exit]
+            with self.gate.open():
+                self._enter("forward")
+                self._refuse_foreign("forward")
+                self._drop_open_window("forward")   # Note [Overlap safety]: no home being updated
+                if self.device.type != "cpu":     # inputs follow the parameters (top-level tensors)
+                    args = tuple(self._to_device(a) for a in args)
+                    kwargs = {k: self._to_device(v) for k, v in kwargs.items()}
+                if self.dtype != torch.float32:
+                    args = tuple(self._cast(a) for a in args)
+                    kwargs = {k: self._cast(v) for k, v in kwargs.items()}
+                try:
+                    self.phase = Phase.FORWARD
+                    with self.timeline.span("forward", "forward"):
+                        out = self.module(*args, **kwargs)
+                    self.phase = Phase.IDLE
+                except BaseException as e:
+                    self._abort_window(e)
+                    raise
+        except BaseException as e:
+            self._left(e, self._late_abort)
+            raise
         return out
 
     def _cast(self, x):
@@ -305,113 +362,135 @@ class Engine:
         """Scale ``loss`` by 1/gradient_accumulation_steps (and the fp16 loss scale) and
         run backward; gradients accumulate in fp32 at their home.  Any exception drops
         the accumulation window (Note [window abort])."""
-        self._enter("backward")
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            raise ValueError(f"engine.backward: expected a scalar loss tensor, got "
-                             f"{type(loss).__name__}{tuple(getattr(loss, 'shape', ()))}; "
-                             f"reduce it first (e.g. loss.mean())")
-        if not loss.requires_grad or loss.grad_fn is None:
-            raise ValueError("engine.backward: the loss has no autograd graph (computed under "
-                             "torch.no_grad(), in eval-only code, or detached); compute it from "
-                             "engine(...)'s output with gradients enabled")
-        self._drop_open_window("backward")
-        scale = self.opt.scaler.scale / self.gas
-        if scale != 1.0:
-            loss = loss.float() * scale      # fp32: an fp16 loss times 65536 overflows
-        final = (self.micro_steps + 1) % self.gas == 0
-        with self.gate.open():                # Note [held interrupts]
-            try:
-                self.phase = Phase.BACKWARD
-                self.opt.before_backward(final)
-                if final:
-                    self._txn = self._new_txn() if self.commit_point and \
-                        (self.swap is not None or self.overlap is not None) else None
-                ov = self.overlap
-                if ov is not None and final and self.overlap_optimizer_step and not retain_graph:
-                    ov.begin(self._txn)
-                with self.timeline.span("backward", "backward"):
-                    try:
-                        loss.backward(retain_graph=retain_graph)
-                        if ov is not None:
-                            ov.land()       # separate device: the last D2H copies land
-                    finally:
-                        if ov is not None:
-                            ov.end()
-                    self.hooks.finish_backward()
-                    if self.tiling is not None:   # a use whose output never reached a
-                        self.tiling.reset()       # backward does not hold its group back
-                    self.opt.end_backward()
-                self._has_grads = True
-                self.phase = Phase.IDLE
-            except BaseException as e:
-                self._abort_window(e)
-                raise
+        try:                                  # Note [one exit]
+            with self.gate.open():
+                self._enter("backward")
+                if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                    shape = tuple(getattr(loss, 'shape', ()))
+                    raise ValueError(f"engine.backward: expected a scalar loss tensor, got "
+                                     f"{type(loss).__name__}{shape}; reduce it first "
+                                     f"(e.g. loss.mean())")
+                if not loss.requires_grad or loss.grad_fn is None:
+                    raise ValueError("engine.backward: the loss has no autograd graph (computed "
+                                     "under torch.no_grad(), in eval-only code, or detached); "
+                                     "compute it from engine(...)'s output with gradients "
+                                     "enabled")
+                self._refuse_foreign("backward")
+                self._drop_open_window("backward")
+                scale = self.opt.scaler.scale / self.gas
+                if scale != 1.0:
+                    loss = loss.float() * scale      # fp32: an fp16 loss times 65536 overflows
+                final = (self.micro_steps + 1) % self.gas == 0
+                try:
+                    self.phase = Phase.BACKWARD
+                    self.opt.before_backward(final)
+                    if final:
+                        self._txn = self._new_txn() if self.commit_point and \
+                            (self.swap is not None or self.overlap is not None) else None
+                    ov = self.overlap
+                    if ov is not None and final and self.overlap_optimizer_step \
+                            and not retain_graph:
+                        ov.begin(self._txn)
+                    with self.timeline.span("backward", "backward"):
+                        try:
+                            self._accepting_grads = True      # Note [foreign backward]
+                            try:
+                                loss.backward(retain_graph=retain_graph)
+                            finally:
+                                self._accepting_grads = False
+                            if ov is not None:
+                                ov.land()       # separate device: the last D2H copies land
+                        finally:
+                            if ov is not None:
+                                ov.end()
+                        self.hooks.finish_backward()
+                        if self.tiling is not None:   # a use whose output never reached a
+                            self.tiling.reset()       # backward does not hold its group back
+                        self.opt.end_backward()
+                    self._has_grads = True
+                    self.phase = Phase.IDLE
+                except BaseException as e:
+                    self._abort_window(e)
+                    raise
+        except BaseException as e:
+            self._left(e, self._late_abort)
+            raise
 
     def step(self) -> bool:
         """Call after every micro-batch; applies the optimizer at accumulation boundaries.
         Returns True when an update was applied at this call; False between boundaries,
         when the update was skipped (fp16 overflow, non-finite gradients) and when no
         backward ran since the previous step() (a no-op, warned once)."""
-        self._enter("step")
-        if not self._has_grads:
-            self._warn_once("step-without-backward",
-                            "infinity: engine.step() without a backward since the previous "
-                            "step(): nothing to do (no micro-step is counted)")
-            return False
-        if (self.micro_steps + 1) % self.gas:
-            self.micro_steps += 1
-            self._has_grads = False
-            return False
-        busy = [g.name for g in self.mm.groups if g.users]
-        if busy:
-            raise RuntimeError(f"engine.step: called while modules are still executing "
-                               f"(groups in use: {busy[:4]}); call it after backward")
-        od = self.acct.counters.get("on_demand_fetches", 0)
         committed = [False]
-        with self.gate.open():                # Note [held interrupts]
-            try:
-                self.phase = Phase.STEPPING
-                self.coord.release_kept()      # Note [Reuse within a micro-step]
-                self.mm.wait_host_reads()      # no copy may still read a home being updated
-                with self.timeline.span("optimizer", "step"):
-                    # Note [Overlap safety]: every early step ended before homes are read
-                    done = self.overlap.finish() if self.overlap is not None else None
-                    txn = self._txn
 
-                    def on_commit(moved):
-                        self._after_commit(moved)
-                        committed[0] = True
+        def late(exc):                        # Note [one exit]: the update is in, or not
+            if not committed[0]:
+                self._late_abort(exc)
+        try:                                  # Note [one exit]
+            with self.gate.open():
+                self._enter("step")
+                self._refuse_foreign("step")
+                if not self._has_grads:
+                    self._warn_once("step-without-backward",
+                                    "infinity: engine.step() without a backward since the previous "
+                                    "step(): nothing to do (no micro-step is counted)")
+                    return False
+                if (self.micro_steps + 1) % self.gas:
+                    self.micro_steps += 1
+                    self._has_grads = False
+                    return False
+                busy = [g.name for g in self.mm.groups if g.users]
+                if busy:
+                    raise RuntimeError(f"engine.step: called while modules are still executing "
+                                       f"(groups in use: {busy[:4]}); call it after backward")
+                od = self.acct.counters.get("on_demand_fetches", 0)
 
-                    def on_rollback(keys):
-                        self._after_rollback(keys)
-                        self.micro_steps += 1      # the window is consumed (skipped)
-                        self._has_grads = False
-                        committed[0] = True
+                try:
+                    self.phase = Phase.STEPPING
+                    self.coord.release_kept()      # Note [Reuse within a micro-step]
+                    self.mm.wait_host_reads()      # no copy may still read a home being updated
+                    with self.timeline.span("optimizer", "step"):
+                        # Note [Overlap safety]: every early step ended before homes are read
+                        done = self.overlap.finish() if self.overlap is not None else None
+                        txn = self._txn
 
-                    with self.gate.allow():    # interruptible: rolls back, commits shielded
-                        applied = self.opt.boundary_step(done or None, txn=txn,
-                                                         shield=self._shield,
-                                                         on_commit=on_commit,
-                                                         on_rollback=on_rollback,
-                                                         on_undo=self._after_rollback)
-                    if not applied and txn is None:
-                        on_rollback(())
-                    self._txn = None
-                if applied:
-                    # separate device: resident copies from mirrors (not those the
-                    # step gathered on the device)
-                    self.mm.refresh_resident(skip=self.opt.gathered_on_device)
-                self.timeline.mark_step(self.opt.boundaries)
-                self._last_on_demand = od - self._od_at_last_step
-                self._od_at_last_step = od
-                self.phase = Phase.IDLE
-            except BaseException as e:
-                if committed[0]:                   # the update is in: only the signal remains
-                    self._txn = None
+                        def on_commit(moved):
+                            self._after_commit(moved)
+                            committed[0] = True
+
+                        def on_rollback(keys):
+                            self._after_rollback(keys)
+                            self.micro_steps += 1      # the window is consumed (skipped)
+                            self._has_grads = False
+                            committed[0] = True
+
+                        with self.gate.allow():    # interruptible: rolls back, commits shielded
+                            applied = self.opt.boundary_step(done or None, txn=txn,
+                                                             shield=self._shield,
+                                                             on_commit=on_commit,
+                                                             on_rollback=on_rollback,
+                                                             on_undo=self._after_rollback)
+                        if not applied and txn is None:
+                            on_rollback(())
+                        self._txn = None
+                    if applied:
+                        # separate device: resident copies from mirrors (not those the
+                        # step gathered on the device)
+                        self.mm.refresh_resident(skip=self.opt.gathered_on_device)
+                    self.timeline.mark_step(self.opt.boundaries)
+                    self._last_on_demand = od - self._od_at_last_step
+                    self._od_at_last_step = od
                     self.phase = Phase.IDLE
-                else:
-                    self._abort_window(e)
-                raise
+                except BaseException as e:
+                    if committed[0]:                   # the update is in: only the signal remains
+                        self._txn = None
+                        self.phase = Phase.IDLE
+                    else:
+                        self._abort_window(e)
+                    raise
+        except BaseException as e:
+            self._left(e, late)
+            raise
         if not applied and self.dtype != torch.float16:
             self._nonfinite(self.opt.boundaries)
         return applied
