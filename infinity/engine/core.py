@@ -75,6 +75,7 @@ class Engine:
         # dropped, and the next forward/backward/step raises saying so
         self._accepting_grads = False
         self._foreign_grads = 0
+        self._rank_failure: str | None = None   # several ranks: why every call refuses
         self._txn = None                  # the window's StepTxn (Note [commit point])
         self._worker = None               # runs commits shielded from signals
         self._warned: set[str] = set()
@@ -157,6 +158,8 @@ class Engine:
             raise PhaseError(f"engine.{what}: the engine is closed; create a new one with "
                              f"infinity.initialize (stats() still answers)")
         if ph is Phase.FAILED:
+            if self._rank_failure is not None:
+                raise PhaseError(f"engine.{what}: {self._rank_failure}")
             raise PhaseError(f"engine.{what}: the engine failed to roll back an earlier error "
                              f"({self._fail_reason}); its state is undefined: close it and load a "
                              f"checkpoint into a new engine")
@@ -232,6 +235,29 @@ class Engine:
             self._mark_failed(exc, e)
             if exc is None:
                 raise
+        if exc is not None and self.zero is not None and self.phase is Phase.IDLE:
+            self._fail_across_ranks(exc)
+
+    def _fail_across_ranks(self, exc) -> None:
+        """Several ranks: an error dropped this rank's window and the other ranks abandon
+        their collectives (Note [failures in seconds] in infinity/zero/comm.py), so the
+        process groups are out of step for good: the rollback is complete (weights and
+        states as after the last update), but every call but stats()/close() now refuses,
+        naming the failed rank and the way out."""
+        from infinity.zero.comm import RESTART, CollectiveError
+        failed = self.zero.comm.failed or (self.zero.comm.reported_failures()
+                                           if isinstance(exc, CollectiveError) else None)
+        me = self.zero.comm.rank
+        who = (f"rank {failed[0][0]} failed ({failed[0][1]})" if failed else
+               f"rank {me} failed (this rank: {type(exc).__name__}: {exc})"[:600])
+        self.phase = Phase.FAILED
+        self._fail_reason = who
+        self._rank_failure = (f"{who}; this rank rolled back to its last completed update "
+                              f"(global step {self.global_steps}), but {RESTART}")
+        try:
+            exc.add_note(f"infinity: {self._rank_failure}")
+        except AttributeError:
+            pass
 
     def _mark_failed(self, exc, err) -> None:
         self.phase = Phase.FAILED
@@ -563,6 +589,9 @@ class Engine:
             "skipped_steps": int(self.opt.scaler.skipped_steps) + int(self.opt.nonfinite_steps),
             "nonfinite_steps": int(self.opt.nonfinite_steps),
             "phase": self.phase.value,
+            # FAILED: why, and the way out (a rank failure, or a failed rollback)
+            "failure": (self._rank_failure or getattr(self, "_fail_reason", None))
+            if self.phase is Phase.FAILED else None,
             "grad_norm": float(self.opt.last_grad_norm),
             "optimizer_step_seconds": float(self.opt.last_step_seconds),
             "on_demand_fetches_last_step": int(self._last_on_demand),

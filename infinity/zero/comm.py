@@ -27,6 +27,17 @@
   ``async_op=False``.  A failure — including a peer that died or stopped participating,
   which gloo/NCCL turn into an error after the process-group timeout — raises
   :class:`CollectiveError` naming this rank, the collective, the tensor and the timeout.
+* Note [failures in seconds]: a rank that drops its window tells the others through the
+  process group's store (:meth:`Comm.report_failure`).  A rank waiting on a host
+  collective (gloo, or the shared-memory transport) asks the store every
+  :data:`FAILURE_POLL_S` while it waits, and when another rank reported a failure it
+  stops waiting at once: it aborts the shared-memory transport and raises
+  :class:`CollectiveError` naming that rank (a stalled rank that reports nothing is
+  still bounded by ``dist_timeout_s``).  The abandoned collective leaves the process
+  groups out of step, so :attr:`Comm.failed` is set and no further collective is issued:
+  the engine then refuses every call until the ranks are restarted (the process group
+  belongs to the launcher).  Device (NCCL) collectives are waited on by their stream, not
+  by the host: a failure reaches them at the next host collective (the step's vote).
 
 Both gloo and NCCL support ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` in the
 torch this project pins (checked: torch 2.13 gloo); if a backend lacks
@@ -38,7 +49,11 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import queue
+import threading
 import time
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 
 import torch
 import torch.distributed as dist
@@ -58,6 +73,16 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or \
 
 class CollectiveError(RuntimeError):
     """A collective failed or timed out (usually: another rank died or diverged)."""
+
+
+#: seconds between two looks at the store while waiting on a host collective (Note
+#: [failures in seconds])
+FAILURE_POLL_S = 0.5
+#: process groups with abandoned collectives, kept (not destroyed) until the process ends
+_ABANDONED: list = []
+#: what ends every rank-failure message: the way out
+RESTART = ("the ranks' collectives are out of step now: restart every rank (the process "
+           "group belongs to the launcher) and load_checkpoint to go on")
 
 
 def env_world_size() -> int:
@@ -146,12 +171,45 @@ def check_backends(backends: dict[str, str], device: torch.device, world_size: i
                     device, backends.get("cuda"), want)
 
 
+class _Waiters:
+    """A few daemon threads that block in ``work.wait()`` for :meth:`Comm.wait_watching`."""
+    _queue: "queue.SimpleQueue | None" = None
+    _lock = threading.Lock()
+    THREADS = 4
+
+    @classmethod
+    def submit(cls, work) -> Future:
+        with cls._lock:
+            if cls._queue is None:
+                cls._queue = queue.SimpleQueue()
+                for i in range(cls.THREADS):
+                    threading.Thread(target=cls._loop, name=f"infinity-comm-wait-{i}",
+                                     daemon=True).start()
+        fut: Future = Future()
+        cls._queue.put((work, fut))
+        return fut
+
+    @classmethod
+    def _loop(cls) -> None:
+        while True:
+            work, fut = cls._queue.get()
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                work.wait()
+            except BaseException as e:  # noqa: BLE001 - handed to the waiter
+                fut.set_exception(e)
+            else:
+                fut.set_result(None)
+
+
 class CommHandle:
     """An in-flight collective; ``wait()`` blocks, runs the completion action once, and
     raises :class:`CollectiveError` with context on failure."""
-    __slots__ = ("comm", "work", "what", "post", "t0", "done_", "link", "nbytes")
+    __slots__ = ("comm", "work", "what", "post", "t0", "done_", "link", "nbytes", "poll")
 
-    def __init__(self, comm: "Comm", work, what: str, post=None, link=None, nbytes=0):
+    def __init__(self, comm: "Comm", work, what: str, post=None, link=None, nbytes=0,
+                 poll=False):
         self.comm = comm
         self.work = work
         self.what = what
@@ -160,6 +218,7 @@ class CommHandle:
         self.done_ = False
         self.link = link
         self.nbytes = nbytes
+        self.poll = poll              # a host collective: watch for failed ranks meanwhile
 
     def done(self) -> bool:
         """Whether ``wait()`` would return at once (the collective completed or failed);
@@ -176,6 +235,8 @@ class CommHandle:
             return
         try:
             if self.work is not None:
+                if self.poll:
+                    self.comm.wait_watching(self.work)
                 self.work.wait()
         except Exception as e:
             self.done_ = True
@@ -217,6 +278,7 @@ class Comm:
             self.topo = Topology(self.rank, self.world_size, self.world_size)
         self.device = torch.device("cpu")
         self.compute_device = torch.device(device)
+        self.failed: list[tuple[int, str]] | None = None   # Note [failures in seconds]
         # between the ranks of one host: shared memory for the big host-tensor collectives
         self.shm = shm_transport.create(self, transport)
         st = self._store()
@@ -228,12 +290,13 @@ class Comm:
 
     # ------------------------------------------------------------------ errors, accounting
     def error(self, what: str, e: BaseException) -> CollectiveError:
-        first = self.reported_failures()
+        first = self.failed or self.reported_failures()
         if first:
             why = "; ".join(f"rank {r} failed first: {msg}" for r, msg in first)
             return CollectiveError(
                 f"rank {self.rank} of {self.world_size} ({self.backend}): {what} failed: {e}. "
-                f"{why}. This rank's window was dropped too: no rank applied the update")
+                f"{why}. This rank's window was dropped too: no rank applied the update; "
+                f"{RESTART}")
         return CollectiveError(
             f"rank {self.rank} of {self.world_size} ({self.backend}): {what} failed: {e}. "
             f"Another rank probably raised, died or stopped calling collectives (each waits "
@@ -278,6 +341,36 @@ class Comm:
                 continue
         return out
 
+    def wait_watching(self, work) -> None:
+        """Until ``work`` completed (its ``wait()`` then returns or raises at once), asking
+        the store every :data:`FAILURE_POLL_S` whether another rank failed; if one did,
+        abort (Note [failures in seconds]) and raise.  The blocking ``wait()`` runs on one of
+        a few daemon threads (``is_completed()`` is not reliable for every gloo work: some
+        complete only when waited on), so an abandoned wait never holds the process."""
+        try:
+            if work.is_completed():
+                return
+        except Exception:  # noqa: BLE001 - a backend without the query: wait below
+            pass
+        fut = _Waiters.submit(work)
+        while True:
+            try:
+                fut.result(timeout=FAILURE_POLL_S)     # (re-raises the work's error)
+                return
+            except FutureTimeout:
+                failed = self.reported_failures()
+                if failed:
+                    self.abort(failed)
+                    raise RuntimeError("abandoned: another rank reported a failure while "
+                                       "this rank waited") from None
+
+    def abort(self, failed) -> None:
+        """Another rank failed: stop every collective of this one (Note [failures in
+        seconds]); the shared-memory channels refuse further work."""
+        self.failed = list(failed)
+        if self.shm is not None:
+            self.shm.abort(f"rank {failed[0][0]} failed: {failed[0][1]}")
+
     def account(self, link: str | None, nbytes: int, t0: float) -> None:
         if link is None:
             return
@@ -309,13 +402,21 @@ class Comm:
         sent, inter = self.topo.sent_all_gather(chunk_bytes, self.group_ranks(group))
         self.count_sent(kind, times * sent, times * inter)
 
-    def _run(self, fn, what: str, async_op: bool, post=None, link=None, nbytes=0):
-        t0 = time.perf_counter()       # (a blocking call has finished when fn returns)
+    def _run(self, fn, what: str, async_op: bool, post=None, link=None, nbytes=0,
+             tensors=()):
+        """``fn()`` issues the collective asynchronously (its work object, or None when it
+        completed); ``async_op=False`` waits for it here.  Host collectives (no CUDA
+        tensor) are waited on watching for failed ranks (Note [failures in seconds])."""
+        if self.failed:
+            raise self.error(what, RuntimeError("not issued: an earlier collective was "
+                                                "abandoned"))
+        t0 = time.perf_counter()
         try:
             work = fn()
         except Exception as e:
             raise self.error(what, e) from e
-        h = CommHandle(self, work, what, post, link, nbytes)
+        h = CommHandle(self, work, what, post, link, nbytes,
+                       poll=not any(t.is_cuda for t in tensors))
         h.t0 = t0
         if not async_op:
             h.wait()
@@ -346,9 +447,10 @@ class Comm:
         ch = self._shm(group, out, shard)
         if ch is not None:
             return self._run(lambda: ch.submit(lambda: ch.all_gather(out, shard)),
-                             what + " [shm]", async_op, link="allgather", nbytes=nbytes)
-        return self._run(lambda: _all_gather(out, shard, group=pg, async_op=async_op),
-                         what, async_op, link="allgather", nbytes=nbytes)
+                             what + " [shm]", async_op, link="allgather", nbytes=nbytes,
+                             tensors=(out,))
+        return self._run(lambda: _all_gather(out, shard, group=pg, async_op=True),
+                         what, async_op, link="allgather", nbytes=nbytes, tensors=(out,))
 
     def reduce_scatter_sum(self, out: torch.Tensor, full: torch.Tensor, *, group: str = "grad",
                            async_op: bool = False, post=None, name: str = "") -> CommHandle | None:
@@ -364,20 +466,21 @@ class Comm:
         if ch is not None:
             return self._run(lambda: ch.submit(lambda: ch.reduce_scatter(out, full)),
                              what + " [shm]", async_op, post, link="reduce_scatter",
-                             nbytes=nbytes)
+                             nbytes=nbytes, tensors=(out,))
         if _reduce_scatter is not None:
             fn = lambda: _reduce_scatter(out, full, op=dist.ReduceOp.SUM, group=pg,
-                                         async_op=async_op)
-            return self._run(fn, what, async_op, post, link="reduce_scatter", nbytes=nbytes)
+                                         async_op=True)
+            return self._run(fn, what, async_op, post, link="reduce_scatter", nbytes=nbytes,
+                             tensors=(out,))
         lo = self.rank * out.numel()
 
         def post_slice():
             out.copy_(full[lo:lo + out.numel()])
             if post is not None:
                 post()
-        fn = lambda: dist.all_reduce(full, op=dist.ReduceOp.SUM, group=pg, async_op=async_op)
+        fn = lambda: dist.all_reduce(full, op=dist.ReduceOp.SUM, group=pg, async_op=True)
         return self._run(fn, what + " [all_reduce fallback]", async_op, post_slice,
-                         link="reduce_scatter", nbytes=nbytes)
+                         link="reduce_scatter", nbytes=nbytes, tensors=(full,))
 
     def all_reduce_sum(self, t: torch.Tensor, *, group: str = "grad", async_op: bool = False,
                        post=None, name: str = "") -> CommHandle | None:
@@ -390,10 +493,12 @@ class Comm:
         ch = self._shm(group, t)
         if ch is not None:
             return self._run(lambda: ch.submit(lambda: ch.all_reduce(t)), what + " [shm]",
-                             async_op, post, link="reduce_scatter", nbytes=nbytes)
+                             async_op, post, link="reduce_scatter", nbytes=nbytes,
+                             tensors=(t,))
         return self._run(lambda: dist.all_reduce(t, op=dist.ReduceOp.SUM, group=pg,
-                                                 async_op=async_op),
-                         what, async_op, post, link="reduce_scatter", nbytes=nbytes)
+                                                 async_op=True),
+                         what, async_op, post, link="reduce_scatter", nbytes=nbytes,
+                         tensors=(t,))
 
     def broadcast(self, t: torch.Tensor, src: int, *, group: str = "param",
                   async_op: bool = False, name: str = "") -> CommHandle | None:
@@ -405,8 +510,8 @@ class Comm:
         what = f"broadcast of {name or 'tensor'} from rank {src} ({nbytes} bytes, group {group!r})"
         if self.rank == src:
             self._count_chunks("allgather", nbytes, group)
-        return self._run(lambda: dist.broadcast(t, src, group=pg, async_op=async_op),
-                         what, async_op, link="allgather", nbytes=nbytes)
+        return self._run(lambda: dist.broadcast(t, src, group=pg, async_op=True),
+                         what, async_op, link="allgather", nbytes=nbytes, tensors=(t,))
 
     def reduce_sum(self, t: torch.Tensor, dst: int, *, group: str = "grad",
                    async_op: bool = False, post=None, name: str = "") -> CommHandle | None:
@@ -420,8 +525,9 @@ class Comm:
             inter = nbytes if self.topo.node_of(dst) != self.topo.node_of(self.rank) else 0
             self.count_sent("grad_comm", nbytes, inter)
         return self._run(lambda: dist.reduce(t, dst, op=dist.ReduceOp.SUM, group=pg,
-                                             async_op=async_op),
-                         what, async_op, post, link="reduce_scatter", nbytes=nbytes)
+                                             async_op=True),
+                         what, async_op, post, link="reduce_scatter", nbytes=nbytes,
+                         tensors=(t,))
 
     def all_to_all_into(self, out: torch.Tensor, inp: torch.Tensor, *, group: str,
                         name: str = "") -> None:
@@ -436,8 +542,8 @@ class Comm:
         nbytes = inp.numel() * inp.element_size()
         what = f"all_to_all of {name or 'tensor'} ({nbytes} bytes, group {group!r})"
         self._count_chunks("grad_comm", nbytes // n, group)
-        self._run(lambda: dist.all_to_all_single(out, inp, group=pg), what, False,
-                  link="reduce_scatter", nbytes=nbytes)
+        self._run(lambda: dist.all_to_all_single(out, inp, group=pg, async_op=True), what,
+                  False, link="reduce_scatter", nbytes=nbytes, tensors=(out,))
 
     def all_reduce_scalar(self, x: float, *, name: str = "scalar") -> float:
         t = torch.tensor([float(x)], dtype=torch.float64, device=self.device)
@@ -451,6 +557,13 @@ class Comm:
     def close(self) -> None:
         if self.shm is not None:
             self.shm.close()
+        if self.failed:
+            # collectives were abandoned on these groups (Note [failures in seconds]):
+            # destroying them would wait for the peers (up to dist_timeout_s); they are
+            # left to the process's end
+            _ABANDONED.extend(pg for k, pg in self.groups.items() if k != "default" and pg)
+            self.groups = {k: None for k in self.groups}
+            return
         for k in [k for k in self.groups if k != "default"]:
             pg = self.groups.get(k)
             if pg is not None:

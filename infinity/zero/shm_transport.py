@@ -393,6 +393,15 @@ class ShmTransport:
                     why, self.backend)
         return False
 
+    def abort(self, why: str) -> None:
+        """Another rank failed (Note [failures in seconds] in infinity/zero/comm.py): every
+        channel refuses further work; the slots stay mapped (a worker may still be inside
+        a barrier, which the process group's timeout ends)."""
+        for ch in self.channels.values():
+            if ch.broken is None:
+                ch.broken = RuntimeError(why)
+            ch.close()
+
     def close(self) -> None:
         for ch in self.channels.values():
             ch.close()

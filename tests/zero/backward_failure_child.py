@@ -7,6 +7,7 @@ each rank compares its shards with the snapshot locally and writes the verdict.
 import json
 import os
 import sys
+import time
 
 import torch
 from torch import nn
@@ -45,11 +46,42 @@ def main():
         xs, ys = x[rank * 4:(rank + 1) * 4], y[rank * 4:(rank + 1) * 4]
         if i == 2:
             Boom.armed = rank == spec["fail_rank"]
+            t0 = time.monotonic()
             result.update(attempt_step(eng, xs, ys))
+            result["seconds"] = time.monotonic() - t0
+            Boom.armed = False
+            if spec.get("check_after"):
+                after(eng, xs, ys, rank, spec, result)
             break
         eng.backward(nn.functional.mse_loss(eng(xs), ys))
         eng.step()
     report_and_exit(result, sys.argv[2])
+
+
+def after(eng, xs, ys, rank, spec, result):
+    """Note [failures in seconds]: every later call refuses naming the failed rank and the
+    way out; stats() says so; close() still works.  The failing rank stays alive until the
+    other rank has written its verdict (so the other's error came from the store, not from
+    this process exiting)."""
+    calls = []
+    for name, call in (("forward", lambda: eng(xs)), ("step", eng.step),
+                       ("backward", lambda: eng.backward(nn.functional.mse_loss(eng(xs), ys)))):
+        try:
+            call()
+            calls.append((name, None))
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            calls.append((name, f"{type(e).__name__}: {e}"))
+    st = eng.stats()
+    result.update(calls=calls, phase=st["phase"], failure=st["failure"])
+    if rank == spec["fail_rank"]:
+        other = os.path.join(os.path.dirname(sys.argv[2]), "rank0.json")
+        deadline = time.monotonic() + 90
+        while not os.path.exists(other) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    t0 = time.monotonic()
+    eng.close()
+    result["closed"] = True
+    result["close_seconds"] = time.monotonic() - t0
 
 
 if __name__ == "__main__":

@@ -60,3 +60,34 @@ def test_exception_in_one_ranks_backward_fails_every_rank_and_moves_no_weights(t
     assert "injected backward failure" in res[1].result["raised"]
     assert "CollectiveError" in res[0].result["raised"] and "rank 1 failed first" in \
         res[0].result["raised"], res[0].result
+
+
+import pytest  # noqa: E402
+
+
+@pytest.mark.parametrize("transport", ["auto", "process_group"])
+def test_a_failed_rank_fails_the_others_in_seconds_and_every_engine_says_restart(tmp_path,
+                                                                                transport):
+    """Note [failures in seconds]: rank 1's backward raises with dist_timeout_s 600 and rank 1
+    stays alive; rank 0 learns it from the store while it waits (not after the timeout,
+    not from rank 1 exiting) and raises a CollectiveError naming rank 1.  Afterwards every
+    call on both engines refuses, naming the failed rank and the way out (restart the ranks,
+    load_checkpoint); stats() says failed; close() works; no weights moved."""
+    cfg = {"zero_stage": 3, "dist_timeout_s": 600, "intra_node_transport": transport,
+           "offload": {"params": "cpu", "optimizer": "cpu",
+                       "nvme_paths": [str(tmp_path / "swap")]}}
+    res = run_ranks("backward_failure_child.py", {"config": cfg, "fail_rank": 1,
+                                                  "check_after": True}, tmp_path,
+                    timeout=HARNESS_TIMEOUT)
+    for r in res:
+        assert r.result is not None, r
+        assert r.result["raised"] and r.result["unchanged"], r.result
+        assert r.result["phase"] == "failed" and "rank 1 failed" in r.result["failure"], r.result
+        for name, err in r.result["calls"]:
+            assert err is not None and "rank 1 failed" in err and "restart every rank" in err \
+                and "load_checkpoint" in err, (r.rank, name, err)
+        assert r.result["closed"] and r.result["close_seconds"] < 10, r.result   # no wait on peers
+    assert "injected backward failure" in res[1].result["raised"]
+    assert "CollectiveError" in res[0].result["raised"] and "rank 1 failed first" in \
+        res[0].result["raised"], res[0].result
+    assert res[0].result["seconds"] < 30, res[0].result      # the poll, not the 600 s timeout
