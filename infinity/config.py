@@ -25,7 +25,8 @@ from infinity.config_sections import (  # noqa: F401 (re-exported)
     SCHEDULER_TYPES, STATE_DTYPES, ZERO_STAGES, AioConfig, ConfigError, LossScaleConfig, OffloadConfig,
     OptimizerConfig, PrefetchConfig, SchedulerConfig, TilingConfig, _check_unknown, _choice,
     _float, _fmt, _int, _section, MAX_ACCUMULATION_STEPS, MAX_AIO_BLOCK, NONFINITE_POLICIES,
-    INTRA_NODE_TRANSPORTS,
+    INTRA_NODE_TRANSPORTS, MAX_DIST_TIMEOUT_S, MAX_GB, MAX_HPZ_PARTITION, MAX_PREFETCH_DEPTH,
+    MAX_STEPS,
     max_aio_threads, ZeroPPConfig)
 
 __all__ = [
@@ -93,7 +94,8 @@ class InfinityConfig:
         self.gradient_accumulation_dtype = _choice(
             "gradient_accumulation_dtype", self.gradient_accumulation_dtype, GRAD_ACCUM_DTYPES)
         self.dist_timeout_s = _float("dist_timeout_s", self.dist_timeout_s,
-                                     lo=0.0, lo_open=True)
+                                     lo=0.0, lo_open=True, hi=MAX_DIST_TIMEOUT_S,
+                                     what=f"> 0 and <= {MAX_DIST_TIMEOUT_S} (seconds; one week)")
         self.intra_node_transport = _choice("intra_node_transport", self.intra_node_transport,
                                             INTRA_NODE_TRANSPORTS)
         if self.offload.params != "none" and self.zero_stage != 3:
@@ -241,6 +243,9 @@ def _yaml_loader():
 
 
 def _read_file(path: str) -> Any:
+    if "\x00" in path:
+        raise ConfigError(f"config file {path!r}: the path contains a NUL byte, which no file "
+                          f"system path can hold; pass the file's name without it")
     ext = os.path.splitext(path)[1].lower()
     if ext not in (".json", ".yaml", ".yml"):
         raise ConfigError(f"config file {path!r}: unsupported extension {ext!r}; "

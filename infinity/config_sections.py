@@ -25,6 +25,14 @@ GRAD_ACCUM_DTYPES = ("fp32", "bf16")
 STATE_DTYPES = ("fp32", "bf16")
 GB = 10**9
 
+# Upper bounds of the counts and sizes (a value past them is a typo or a unit mix-up, not a
+# configuration: ``prefetch.depth: 1e9`` would be accepted and then mean nothing sane).
+MAX_PREFETCH_DEPTH = 1024        # parameter groups fetched ahead of compute
+MAX_STEPS = 10**9                # scheduler.warmup_steps / total_steps, fp16.growth_interval
+MAX_HPZ_PARTITION = 1 << 16      # ranks in one hpZ block
+MAX_DIST_TIMEOUT_S = 7 * 86400   # one week
+MAX_GB = 10**6                   # any *_gb size: one petabyte
+
 
 class ConfigError(ValueError):
     """A configuration value is missing, unknown, of the wrong type or out of range."""
@@ -99,10 +107,31 @@ def _float(key: str, value: Any, *, lo: float | None = None, lo_open: bool = Fal
 
 
 def _opt_positive_float(key: str, value: Any) -> float | None:
+    """A size in 10^9 bytes: > 0 and <= :data:`MAX_GB`, or None (automatic)."""
     if value is None:
         return None
-    return _float(key, value, lo=0.0, lo_open=True,
-                  what="> 0 (or null to size it automatically)")
+    return _float(key, value, lo=0.0, lo_open=True, hi=MAX_GB,
+                  what=f"> 0 and <= {MAX_GB} (one petabyte; or null to size it automatically)")
+
+
+def _path_list(key: str, value: Any) -> list[str]:
+    """Directories (``offload.nvme_paths``): non-empty, no NUL byte, no directory twice
+    (compared after ``~`` expansion and normalisation: "a", "./a/" and the absolute path of
+    "a" are one directory)."""
+    paths = _str_list(key, value, allow_str=True, allow_empty=False)
+    seen: dict[str, int] = {}
+    for i, v in enumerate(paths):
+        if "\x00" in v:
+            raise ConfigError(f"{key}[{i}]: the path {v!r} contains a NUL byte, which no file "
+                              f"system path can hold; write the directory's name without it")
+        norm = os.path.normpath(os.path.abspath(os.path.expanduser(v)))
+        if norm in seen:
+            j = seen[norm]
+            raise ConfigError(f"{key}[{i}]: {_fmt(v)} is the same directory as {key}[{j}] "
+                              f"({_fmt(paths[j])}, both {norm}); list each directory once (several "
+                              f"entries stripe the swap over several drives)")
+        seen[norm] = i
+    return paths
 
 
 def _str_list(key: str, value: Any, *, allow_str: bool, allow_empty: bool) -> list[str]:
@@ -167,8 +196,7 @@ class OffloadConfig:
         p = "offload."
         self.params = _choice(p + "params", self.params, OFFLOAD_HOMES)
         self.optimizer = _choice(p + "optimizer", self.optimizer, OFFLOAD_HOMES)
-        self.nvme_paths = _str_list(p + "nvme_paths", self.nvme_paths,
-                                    allow_str=True, allow_empty=False)
+        self.nvme_paths = _path_list(p + "nvme_paths", self.nvme_paths)
         self.host_memory_gb = _opt_positive_float(p + "host_memory_gb", self.host_memory_gb)
         self.device_memory_gb = _opt_positive_float(p + "device_memory_gb",
                                                     self.device_memory_gb)
@@ -216,9 +244,10 @@ class ZeroPPConfig:
             if not isinstance(v, bool):
                 raise ConfigError(f"{p}{k}: expected true or false, got {_fmt(v)}")
         self.hpz_partition_size = _int(p + "hpz_partition_size", self.hpz_partition_size,
-                                       lo=1, what=">= 1 (1 turns hpZ off; N: groups of N "
-                                       "consecutive ranks, typically the ranks per node)",
-                                       example=1)
+                                       lo=1, hi=MAX_HPZ_PARTITION,
+                                       what=f">= 1 and <= {MAX_HPZ_PARTITION} (1 turns hpZ "
+                                       f"off; N: groups of N consecutive ranks, typically the "
+                                       f"ranks per node)", example=1)
 
     @property
     def enabled(self) -> bool:
@@ -240,10 +269,12 @@ class PrefetchConfig:
         self.validate()
 
     def validate(self) -> None:
-        self.depth = _int("prefetch.depth", self.depth, lo=0, example=PrefetchConfig.depth)
+        self.depth = _int("prefetch.depth", self.depth, lo=0, hi=MAX_PREFETCH_DEPTH,
+                          what=f">= 0 and <= {MAX_PREFETCH_DEPTH} (groups fetched ahead of "
+                          f"compute; 0: on demand only)", example=PrefetchConfig.depth)
         if self.reuse_gb is not None:
-            self.reuse_gb = _float("prefetch.reuse_gb", self.reuse_gb, lo=0.0,
-                                   what=">= 0 (0: off; null: automatic)")
+            self.reuse_gb = _float("prefetch.reuse_gb", self.reuse_gb, lo=0.0, hi=MAX_GB,
+                                   what=f">= 0 and <= {MAX_GB} (0: off; null: automatic)")
 
 
 @dataclass
@@ -395,9 +426,11 @@ class SchedulerConfig:
     def validate(self) -> None:
         p = "scheduler."
         self.type = _choice(p + "type", self.type, SCHEDULER_TYPES)
-        self.warmup_steps = _int(p + "warmup_steps", self.warmup_steps, lo=0)
+        self.warmup_steps = _int(p + "warmup_steps", self.warmup_steps, lo=0, hi=MAX_STEPS,
+                                 what=f">= 0 and <= {MAX_STEPS} (optimizer updates)")
         if self.total_steps is not None:
-            self.total_steps = _int(p + "total_steps", self.total_steps, lo=1)
+            self.total_steps = _int(p + "total_steps", self.total_steps, lo=1, hi=MAX_STEPS,
+                                    what=f">= 1 and <= {MAX_STEPS} (optimizer updates)")
         self.min_lr = _float(p + "min_lr", self.min_lr, lo=0.0)
         if self.type in ("linear", "cosine"):
             if self.total_steps is None:
@@ -434,7 +467,8 @@ class LossScaleConfig:
         p = "fp16."
         self.initial_scale = _float(p + "initial_scale", self.initial_scale,
                                     lo=0.0, lo_open=True)
-        self.growth_interval = _int(p + "growth_interval", self.growth_interval, lo=1)
+        self.growth_interval = _int(p + "growth_interval", self.growth_interval, lo=1,
+                                    hi=MAX_STEPS, what=f">= 1 and <= {MAX_STEPS} (updates)")
         self.backoff_factor = _float(p + "backoff_factor", self.backoff_factor,
                                      lo=0.0, lo_open=True, hi=1.0, hi_open=True)
         self.growth_factor = _float(p + "growth_factor", self.growth_factor,

@@ -14,7 +14,7 @@ import torch
 
 from . import manifest as mf
 from .errors import CheckpointError
-from .fsutil import ensure_checkpoint_root, remove_tree
+from .fsutil import check_path, ensure_checkpoint_root, remove_tree
 from .reader import CheckpointReader
 from .safetensors_stream import HASH_BLOCK_BYTES
 from .writer import (DEFAULT_HEADER_RESERVE, DEFAULT_SHARD_BYTES, RankShardWriter, begin,
@@ -196,9 +196,12 @@ def _snapshot_meta(obj):
     if not isinstance(meta, dict):
         raise CheckpointError(f"checkpoint_meta() must return a dict, got {type(meta).__name__}")
     try:
-        return json.loads(json.dumps(meta))
-    except (TypeError, ValueError) as e:
-        raise CheckpointError(f"checkpoint_meta() is not JSON-serialisable: {e}") from e
+        meta = json.loads(json.dumps(meta))
+    except (TypeError, ValueError, RecursionError) as e:
+        raise CheckpointError(f"checkpoint_meta() is not JSON-serialisable: "
+                              f"{type(e).__name__}: {e}") from e
+    mf.check_depth(meta, "checkpoint_meta()", "the meta")
+    return meta
 
 
 def _items(obj):
@@ -245,10 +248,12 @@ def save_checkpoint(obj, dir, tag=None, *, step=None, shard_bytes=DEFAULT_SHARD_
     if extra_meta:
         try:
             meta.update(json.loads(json.dumps(dict(extra_meta))))
-        except (TypeError, ValueError) as e:
-            raise CheckpointError(f"extra_meta is not JSON-serialisable: {e}") from e
+        except (TypeError, ValueError, RecursionError) as e:
+            raise CheckpointError(f"extra_meta is not JSON-serialisable: "
+                                  f"{type(e).__name__}: {e}") from e
+        mf.check_depth(meta, "extra_meta", "the meta")
     tag = mf.check_tag(tag if tag is not None else default_tag(meta, step))
-    root = os.path.abspath(os.fspath(dir))
+    root = os.path.abspath(check_path(dir, "checkpoint directory"))
     writer_kw = dict(shard_bytes=shard_bytes, header_reserve=header_reserve,
                      hash_block_bytes=hash_block_bytes, timeline=timeline, accounting=accounting)
 
@@ -318,10 +323,20 @@ def load_checkpoint(obj, dir, tag=None, *, strict=True):
     """Verify ``dir/<tag>`` (``latest`` when None) completely, check it matches
     ``obj.checkpoint_expected()``, then call ``obj.load_checkpoint_tensors(reader)``
     and ``obj.load_checkpoint_meta(meta)``. Nothing in ``obj`` is touched before
-    every checksum passed. Returns the meta dict."""
+    every checksum passed. Returns the meta dict.
+
+    Two optional methods beyond the protocol (the engine has both), also called before
+    anything is touched: ``check_checkpoint(reader)`` (semantic checks of the manifest and
+    meta, before any byte is hashed) and ``checkpoint_value_checks()`` (``{name:
+    ValueCheck}``: values checked while :meth:`CheckpointReader.verify` hashes them, see
+    :mod:`infinity.checkpoint.values`)."""
     wait_pending(raise_errors=False)
+    check = getattr(obj, "check_checkpoint", None)
+    values = getattr(obj, "checkpoint_value_checks", None)
     with CheckpointReader(dir, tag) as r:
-        r.verify()
+        if check is not None:
+            check(r)
+        r.verify(value_checks=values() if values is not None else None)
         r.check_compatible(obj.checkpoint_expected(), strict=strict)
         obj.load_checkpoint_tensors(r)
         obj.load_checkpoint_meta(r.meta)

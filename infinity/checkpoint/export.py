@@ -21,7 +21,7 @@ import logging
 import os
 
 from .errors import CheckpointError
-from .fsutil import atomic_write_text
+from .fsutil import atomic_write_text, check_path
 from .hf_shards import INDEX_NAME, Entry, write_hf_shards
 from .reader import CheckpointReader
 from infinity.fsmode import makedirs
@@ -111,6 +111,7 @@ def export_model(ckpt_dir, out_dir, tag=None, *, max_shard_bytes=DEFAULT_MAX_SHA
             shape, dt = r.info(n)
             odt = dtype if (dtype is not None and dt.is_floating_point) else dt
             sources.append((n, [Entry(n, odt, tuple(shape))]))
+        out_dir = check_path(out_dir, "export target")
         if os.path.exists(out_dir) and not os.path.isdir(out_dir):
             raise CheckpointError(f"export target {out_dir} exists and is not a directory")
         makedirs(out_dir)

@@ -43,6 +43,22 @@ def make_private_dir(path, *, exist_ok=False):
     os.chmod(path, DIR_MODE)
 
 
+def check_path(path, what):
+    """``path`` as a string; a :class:`CheckpointError` for what no file system path can be
+    (a NUL byte; not a path at all) instead of the bare ValueError/TypeError of ``os``."""
+    try:
+        p = os.fspath(path)
+    except TypeError:
+        raise CheckpointError(f"{what}: expected a path (str or os.PathLike), got "
+                              f"{type(path).__name__}") from None
+    if isinstance(p, bytes):
+        p = os.fsdecode(p)
+    if "\x00" in p:
+        raise CheckpointError(f"{what} {p!r} contains a NUL byte, which no file system path "
+                              f"can hold; pass the directory's name without it")
+    return p
+
+
 def ensure_checkpoint_root(path):
     """Create the checkpoint root (and parents) if missing; it must be a writable dir."""
     if os.path.exists(path) and not os.path.isdir(path):

@@ -24,7 +24,11 @@ rank wrote it; a reader at another world size picks any flat range it wants
 
 Everything read back is treated as untrusted: :func:`validate` rejects absolute
 paths, ``..``, path separators, unknown dtypes, negative/non-int shapes, ranges that
-are inconsistent with shape/dtype or outside the file, and overlapping/gapped pieces.
+are inconsistent with shape/dtype or outside the file, overlapping/gapped pieces, a
+``ranks`` list that does not hold exactly the ranks ``0 .. world_size - 1`` with the files
+each wrote, and JSON nested deeper than :data:`MAX_DEPTH` levels (the free-form ``meta``
+included; :func:`parse` also turns a document too deep for the JSON parser into a
+:class:`CheckpointError`).
 """
 import hashlib
 import json
@@ -39,8 +43,11 @@ MANIFEST_NAME = "manifest.json"
 LATEST_NAME = "latest"
 
 _FILE_RE = re.compile(r"^rank[0-9]{1,6}-[0-9]{5,9}\.safetensors$")
+_FILE_RE_RANK = re.compile(r"^rank([0-9]+)-")
 _TAG_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+=-]{0,199}$")
 _MAX_DIMS = 64
+#: deepest nesting of JSON containers a manifest may hold (the engine's own meta: < 10)
+MAX_DEPTH = 64
 
 
 def check_tag(tag, where=""):
@@ -73,15 +80,50 @@ def parse(text, path):
     except ValueError as e:
         raise CheckpointError(f"{path}: manifest is not valid JSON ({e}); the checkpoint is "
                               f"corrupt, load another tag") from None
+    except RecursionError:
+        raise CheckpointError(f"{path}: manifest nests JSON too deeply to parse (at most "
+                              f"{MAX_DEPTH} levels are allowed); the checkpoint is corrupt or "
+                              f"was not written by infinity, load another tag") from None
     if not isinstance(m, dict):
         raise CheckpointError(f"{path}: manifest is not a JSON object")
+    # extra top-level keys are walked here; 'meta' by validate(), 'files' and 'tensors' field
+    # by field by validate() (a deep extra key inside them is never read)
+    for k, v in m.items():
+        if k not in ("files", "tensors", "meta"):
+            check_depth(v, path, repr(k))
     want = m.get("checksum")
     body = {k: v for k, v in m.items() if k != "checksum"}
-    if want != hashlib.sha256(canonical(body)).hexdigest():
+    try:
+        digest = hashlib.sha256(canonical(body)).hexdigest()
+    except RecursionError:
+        raise CheckpointError(f"{path}: manifest nests JSON too deeply (at most {MAX_DEPTH} "
+                              f"levels are allowed); the checkpoint is corrupt or was not "
+                              f"written by infinity, load another tag") from None
+    if want != digest:
         raise CheckpointError(f"{path}: manifest checksum mismatch; the manifest is corrupt or "
                               f"was edited, load another tag")
     validate(m, path)
     return m
+
+
+def check_depth(obj, path, what="manifest", limit=MAX_DEPTH):
+    """Refuse JSON containers nested deeper than ``limit`` (walked without recursion, so a
+    hostile document cannot exhaust the stack here or in whatever reads it later)."""
+    stack = [(obj, 1)]
+    while stack:
+        o, d = stack.pop()
+        if isinstance(o, dict):
+            children = o.values()
+        elif isinstance(o, list):
+            children = o
+        else:
+            continue
+        if d > limit:
+            raise CheckpointError(f"{path}: {what} nests JSON objects/lists more than {limit} "
+                                  f"levels deep; the checkpoint is corrupt or was not written "
+                                  f"by infinity (a meta passed to save_checkpoint must stay "
+                                  f"within {limit} levels)")
+        stack.extend((c, d + 1) for c in children if isinstance(c, (dict, list)))
 
 
 def _int(v, what, path, lo=0):
@@ -108,6 +150,7 @@ def validate(m, path):
     world = _int(m.get("world_size"), "world_size", path, 1)
     if not isinstance(m.get("meta"), dict):
         raise CheckpointError(f"{path}: 'meta' must be a JSON object")
+    check_depth(m["meta"], path, "'meta'")
     files = m.get("files")
     if not isinstance(files, dict):
         raise CheckpointError(f"{path}: 'files' must be an object")
@@ -117,7 +160,11 @@ def validate(m, path):
             raise CheckpointError(f"{path}: file entry {fname!r} must be an object")
         r = _int(fi.get("rank"), f"files[{fname!r}].rank", path)
         if r >= world:
-            raise CheckpointError(f"{path}: file {fname!r} has rank {r} >= world_size {world}")
+            raise CheckpointError(f"{path}: file {fname!r} has rank {r} >= world_size {world}; "
+                                  f"the manifest's world_size does not match its shard files")
+        if r != int(_FILE_RE_RANK.match(fname).group(1)):
+            raise CheckpointError(f"{path}: file {fname!r} is recorded as written by rank {r}, "
+                                  f"its name says another rank")
         size = _int(fi.get("size"), f"files[{fname!r}].size", path)
         ds = _int(fi.get("data_start"), f"files[{fname!r}].data_start", path, 8)
         if ds > size:
@@ -131,6 +178,7 @@ def validate(m, path):
         for v in [fi.get("header_sha256")] + blocks:
             if not isinstance(v, str) or not re.fullmatch(r"[0-9a-f]{64}", v):
                 raise CheckpointError(f"{path}: file {fname!r}: {v!r} is not a sha256 hex digest")
+    _validate_ranks(m.get("ranks"), files, world, path)
     tensors = m.get("tensors")
     if not isinstance(tensors, dict):
         raise CheckpointError(f"{path}: 'tensors' must be an object")
@@ -186,3 +234,28 @@ def validate(m, path):
             if b1 < e0:
                 raise CheckpointError(f"{path}: tensors {n0!r} and {n1!r} overlap in file {f!r}")
     return m
+
+
+def _validate_ranks(ranks, files, world, path):
+    """``ranks``: one entry per rank ``0 .. world_size - 1`` in order, each listing exactly
+    the files that rank wrote (a rank may have written none); every file once."""
+    if not isinstance(ranks, list) or len(ranks) != world:
+        n = len(ranks) if isinstance(ranks, list) else type(ranks).__name__
+        raise CheckpointError(f"{path}: 'ranks' must list the {world} ranks of world_size {world}, "
+                              f"got {n}; the manifest's world_size does not match the ranks that "
+                              f"wrote it: the checkpoint is corrupt, load another tag")
+    listed = set()
+    for i, ent in enumerate(ranks):
+        if not isinstance(ent, dict) or ent.get("rank") != i or type(ent.get("rank")) is not int \
+                or not isinstance(ent.get("files"), list):
+            raise CheckpointError(f"{path}: 'ranks'[{i}] must be {{\"rank\": {i}, \"files\": "
+                                  f"[...]}}, got {str(ent)[:200]}")
+        for f in ent["files"]:
+            if not isinstance(f, str) or f not in files or files[f].get("rank") != i or f in listed:
+                raise CheckpointError(f"{path}: 'ranks'[{i}] lists {f!r}, which is not a file of "
+                                      f"rank {i} in 'files' (or is listed twice)")
+            listed.add(f)
+    unlisted = sorted(set(files) - listed)
+    if unlisted:
+        raise CheckpointError(f"{path}: files {unlisted[:5]} are not listed under 'ranks'; the "
+                              f"checkpoint is corrupt, load another tag")

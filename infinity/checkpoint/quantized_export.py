@@ -22,6 +22,7 @@ from .calib_pages import CalibrationPages
 from .compressed import (LinearPlan, QuantOptions, output_dtype, plan_linears,
                          quantization_config, set_quantization_config, write_quantized)
 from .errors import CheckpointError
+from .fsutil import check_path
 from .export import DEFAULT_MAX_SHARD_BYTES, model_names, write_model_config
 from .lkd import LKDOptions, distil_block, quantized_mse, round_to_nearest
 from .reader import CheckpointReader
@@ -61,6 +62,7 @@ def export_quantized(ckpt_dir, out_dir, tag=None, *, options: QuantOptions,
                                   f"checkpoint (were its tensors saved under other names?)")
         src_dtype = next((r.info(n)[1] for n in plan.layers), torch.float32)
         dtype16 = output_dtype(src_dtype, options)
+        out_dir = check_path(out_dir, "export target")
         if os.path.exists(out_dir) and not os.path.isdir(out_dir):
             raise CheckpointError(f"export target {out_dir} exists and is not a directory")
         makedirs(out_dir)

@@ -15,6 +15,7 @@ import torch
 from . import dtypes
 from . import manifest as mf
 from .errors import CheckpointError
+from .fsutil import check_path
 from .safetensors_stream import read_header
 
 log = logging.getLogger("infinity.checkpoint")
@@ -88,7 +89,7 @@ class CheckpointReader:
     """
 
     def __init__(self, root, tag=None):
-        self.root = os.path.abspath(root)
+        self.root = os.path.abspath(check_path(root, "checkpoint directory"))
         self.tag, self.path = resolve_tag(self.root, tag)
         mpath = os.path.join(self.path, mf.MANIFEST_NAME)
         try:
@@ -107,6 +108,7 @@ class CheckpointReader:
         self.world_size = self.manifest["world_size"]
         self._tensors = self.manifest["tensors"]
         self._fds = {}
+        self._scanner = None
         self.verified = False
 
     # -- lifecycle ---------------------------------------------------------------
@@ -140,7 +142,7 @@ class CheckpointReader:
         return fd
 
     # -- verification ------------------------------------------------------------
-    def verify(self, hash_files=None):
+    def verify(self, hash_files=None, value_checks=None):
         """Check every file exists (regular, not a symlink), has the recorded size,
         header and data SHA-256, and a safetensors header that agrees with the
         manifest. Raises CheckpointError naming the first bad file.
@@ -148,7 +150,14 @@ class CheckpointReader:
         ``hash_files``: only these files' SHA-256 digests are checked (default: all;
         existence, sizes and headers are always checked for every file). A multi-rank
         load hashes a share per rank and makes the ranks agree on the outcome; then
-        :attr:`verified` stays False on each rank."""
+        :attr:`verified` stays False on each rank.
+
+        ``value_checks``: ``{tensor name: ValueCheck}`` (:mod:`.values`), checked in the
+        bytes read for hashing (so only in the hashed files): e.g. no NaN/inf in a master
+        weight, no negative second moment. A failure raises CheckpointError naming the
+        file, the tensor and the first bad element."""
+        from .values import ValueScanner
+        self._scanner = ValueScanner(self.manifest, value_checks or {}, self._file_path)
         files = self.manifest["files"]
         names = sorted(files)
         for fname in names:  # open every fd up front (not thread safe to create lazily)
@@ -221,17 +230,31 @@ class CheckpointReader:
         p = self._file_path(fname)
         fd = self._fds[fname]
         h = hashlib.sha256()
+        scanner, bad_value = self._scanner, None
+        buf = bytearray(min(_HASH_CHUNK, hi - lo))
+        mv = memoryview(buf)
         pos = lo
         while pos < hi:
             n = min(_HASH_CHUNK, hi - pos)
-            buf = os.pread(fd, n, pos)
-            if len(buf) != n:
-                raise CheckpointError(f"checkpoint file {p}: short read at {pos}; the file is truncated")
-            h.update(buf)
+            got = 0
+            while got < n:
+                k = os.preadv(fd, [mv[got:n]], pos + got)
+                if k <= 0:
+                    raise CheckpointError(f"checkpoint file {p}: short read at {pos + got}; the "
+                                          f"file is truncated")
+                got += k
+            h.update(mv[:n])
+            if scanner and bad_value is None:  # values checked in the bytes just hashed
+                try:
+                    scanner.scan(fname, fd, pos, mv[:n])
+                except CheckpointError as e:    # reported after the digest (which wins)
+                    bad_value = e
             pos += n
         if h.hexdigest() != want:
             raise CheckpointError(f"checkpoint file {p} is corrupt (SHA-256 mismatch in its "
                                   f"{what}); load another tag")
+        if bad_value is not None:
+            raise bad_value
 
     # -- queries -----------------------------------------------------------------
     def names(self):

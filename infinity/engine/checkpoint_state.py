@@ -46,10 +46,11 @@ from infinity.checkpoint.errors import CheckpointError
 from infinity.checkpoint.reader import CheckpointReader
 from infinity.checkpoint.rng import parse_rng_state, rng_state_to_json
 from infinity.checkpoint.writer import Piece
+from infinity.engine.checkpoint_checks import (OPTIM_STATES, check_engine_checkpoint, check_meta,
+                                               saved_accumulation, value_checks)
 
 log = logging.getLogger("infinity.checkpoint")
 
-OPTIM_STATES = ("exp_avg", "exp_avg_sq")
 _STATE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 
 
@@ -58,43 +59,6 @@ def _jsonable(x):
         return json.loads(json.dumps(x))
     except (TypeError, ValueError):
         return None
-
-
-def _check_meta(meta, where):
-    """Reject meta the engine cannot restore, so a load fails before it changes anything
-    (meta is applied after the tensors; a bad value there would leave a half-loaded engine)."""
-    def bad(key, why):
-        return CheckpointError(f"checkpoint {where}: meta[{key!r}] {why}; the checkpoint was not "
-                               f"written by this engine or is damaged: load another tag")
-
-    for key in ("step", "boundaries", "micro_step"):
-        v = meta.get(key)
-        if key == "step" or v is not None:
-            if type(v) is not int or v < 0:
-                raise bad(key, f"must be an integer >= 0, got {v!r}")
-    ls = meta.get("loss_scaler")
-    if ls is not None:
-        if not isinstance(ls, dict):
-            raise bad("loss_scaler", f"must be an object, got {type(ls).__name__}")
-        sc = ls.get("scale", 1.0)
-        if isinstance(sc, bool) or not isinstance(sc, (int, float)) or not (0 < sc < float("inf")):
-            raise bad("loss_scaler", f"has scale {sc!r}; expected a finite number > 0")
-        for k in ("clean_steps", "skipped_steps"):
-            if k in ls and (type(ls[k]) is not int or ls[k] < 0):
-                raise bad("loss_scaler", f"has {k} {ls[k]!r}; expected an integer >= 0")
-    for key in ("torch_scheduler", "rng"):
-        v = meta.get(key)
-        if v is not None and not isinstance(v, dict):
-            raise bad(key, f"must be an object or null, got {type(v).__name__}")
-    rr = meta.get("rng_ranks")
-    if rr is not None and (not isinstance(rr, list) or not all(isinstance(x, dict) for x in rr)):
-        raise bad("rng_ranks", "must be a list of objects (one RNG state per rank) or null")
-    for i, st in enumerate([meta.get("rng")] + list(rr or [])):
-        if st is not None:   # every RNG state is tried on scratch generators (nothing changes)
-            try:
-                parse_rng_state(st)
-            except CheckpointError as e:
-                raise bad("rng" if i == 0 else f"rng_ranks[{i - 1}]", str(e)) from None
 
 
 class EngineCheckpoint:
@@ -288,10 +252,23 @@ class EngineCheckpoint:
             exp[name] = (tuple(b.shape), None)
         return exp
 
+    def _trainable_names(self):
+        return [s.name for _, _, s in self._trainable_slots()]
+
+    def check_checkpoint(self, reader):
+        """Meta and manifest consistency (:mod:`infinity.engine.checkpoint_checks`): cheap,
+        before a byte is hashed."""
+        check_engine_checkpoint(reader, self._trainable_names(), gas=self.e.gas)
+
+    def checkpoint_value_checks(self):
+        """Masters and Adam moments checked while ``verify()`` hashes them (finite;
+        ``exp_avg_sq`` >= 0)."""
+        return value_checks(self._trainable_names())
+
     def load_checkpoint_tensors(self, reader):
         """Each rank reads its own ranges of every tensor, whatever world size wrote them."""
         self._check_idle("load_checkpoint")
-        _check_meta(reader.meta, reader.path)  # before anything is written into the engine
+        self.check_checkpoint(reader)   # before anything is written into the engine
         self._release_cached()
         self.e.mm.wait_host_reads()     # no copy still reads a home about to be written
         own = [(g, key, s, r) for g, key, s in self._trainable_slots()
@@ -422,7 +399,7 @@ class EngineCheckpoint:
 
     def load_checkpoint_meta(self, meta):
         e, opt = self.e, self.opt
-        _check_meta(meta, "meta")      # validated before the tensors too; cheap to repeat
+        check_meta(meta, "meta", gas=e.gas)   # validated before the tensors too; cheap
         rng = meta.get("rng")
         ranks = meta.get("rng_ranks")
         if ranks and self.rank < len(ranks):  # this rank's own stream when it was saved
@@ -431,9 +408,17 @@ class EngineCheckpoint:
         try:
             opt.step_count = int(meta["step"])
             opt.boundaries = int(meta.get("boundaries", meta["step"]))
-            e.micro_steps = int(meta.get("micro_step", opt.boundaries * e.gas))
+            # the position inside the accumulation window (check_meta: < the saved window)
+            saved = saved_accumulation(meta, "meta", e.gas)
+            pos = int(meta.get("micro_step", opt.boundaries * saved)) - opt.boundaries * saved
         except (KeyError, TypeError, ValueError) as err:
             raise CheckpointError(f"checkpoint meta lacks valid step counters: {err}") from None
+        if pos and saved != e.gas:
+            log.warning("checkpoint saved %d micro-batch(es) into a window of %d; this engine "
+                        "accumulates %d: the window restarts at its boundary (the partial "
+                        "window's gradients are never saved)", pos, saved, e.gas)
+            pos = 0
+        e.micro_steps = opt.boundaries * e.gas + pos
         if meta.get("loss_scaler"):
             opt.scaler.load_state_dict(meta["loss_scaler"])
         if opt.torch_sched is not None and meta.get("torch_scheduler") is not None:
@@ -498,9 +483,10 @@ def _load_collective(ec, directory, tag=None, *, strict=True):
     try:
         r = CheckpointReader(directory, tag)
         fp = int(r.manifest["checksum"][:15], 16)   # which checkpoint this rank resolved
-        r.verify(hash_files=hash_share(r.manifest["files"], ec.rank, ec.world))
+        ec.check_checkpoint(r)        # meta and manifest first: cheap
+        r.verify(hash_files=hash_share(r.manifest["files"], ec.rank, ec.world),
+                 value_checks=ec.checkpoint_value_checks())
         r.check_compatible(ec.checkpoint_expected(), strict=strict)
-        _check_meta(r.meta, r.path)
         ec._check_idle("load_checkpoint")
     except Exception as e:  # noqa: BLE001 - reported on every rank below
         err = e

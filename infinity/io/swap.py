@@ -68,6 +68,11 @@ def _norm_paths(paths):
         raise ValueError(f"paths must be a path or a list of paths, got {paths!r}") from None
     if not out:
         raise ValueError("SwapSpace needs at least one path")
+    for p in out:
+        if "\x00" in p:
+            raise AioError(errno.EINVAL, f"swap path {p!r} contains a NUL byte", p,
+                           hint="no file system path can hold one: fix the offload.nvme_paths "
+                                "entry / --path")
     seen, uniq = set(), []
     for p in out:
         if p not in seen:

@@ -23,6 +23,10 @@ PREFIX = "infinity-rank"
 
 def ensure_user_dir(path):
     """Creates `path` if missing; returns True if we created it. AioError if unusable."""
+    if "\x00" in os.fspath(path):
+        raise AioError(errno.EINVAL, f"swap path {os.fspath(path)!r} contains a NUL byte",
+                       os.fspath(path), hint="no file system path can hold one: fix the "
+                       "offload.nvme_paths entry / --path")
     created = False
     if not os.path.exists(path):
         try:

@@ -76,3 +76,58 @@ def dict_state():
 @pytest.fixture
 def tensors():
     return make_tensors()
+
+
+def rewrite_tensor(tag_dir, name, values):
+    """Overwrite tensor ``name`` of checkpoint ``tag_dir`` in place with ``values`` (a
+    tensor of its numel, or a function of its current values), then **re-seal** it: new
+    data-block digests and manifest checksum, so only a semantic check can catch it."""
+    import hashlib
+    import json
+    from pathlib import Path
+
+    from infinity.checkpoint import CheckpointReader
+    from infinity.checkpoint import manifest as mf
+    tag_dir = Path(tag_dir)
+    mpath = tag_dir / "manifest.json"
+    m = json.loads(mpath.read_text())
+    with CheckpointReader(tag_dir.parent, tag_dir.name) as r:
+        old = r.read(name)
+    new = values(old.clone()) if callable(values) else values
+    new = new.to(old.dtype).contiguous().reshape(-1)
+    raw = new.view(torch.uint8).numpy().tobytes()
+    isz = new.element_size()
+    touched = set()
+    for p in m["tensors"][name]["pieces"]:
+        with open(tag_dir / p["file"], "r+b") as f:
+            f.seek(p["offsets"][0])
+            f.write(raw[p["start"] * isz:(p["start"] + p["numel"]) * isz])
+        touched.add(p["file"])
+    for fname in touched:
+        fi = m["files"][fname]
+        data = (tag_dir / fname).read_bytes()
+        ds, hb, size = fi["data_start"], fi["hash_block_bytes"], fi["size"]
+        fi["data_sha256_blocks"] = [hashlib.sha256(data[lo:min(size, lo + hb)]).hexdigest()
+                                    for lo in range(ds, size, hb)]
+    mpath.write_text(mf.seal(m))
+
+
+def edit_manifest(tag_dir, fn):
+    """Apply ``fn(manifest dict)`` and re-seal the manifest (its checksum passes)."""
+    import json
+    from pathlib import Path
+
+    from infinity.checkpoint import manifest as mf
+    mpath = Path(tag_dir) / "manifest.json"
+    m = json.loads(mpath.read_text())
+    fn(m)
+    mpath.write_text(mf.seal(m))
+
+
+@pytest.fixture
+def reseal():
+    """``reseal.tensor(tag_dir, name, values)`` / ``reseal.manifest(tag_dir, fn)``."""
+    class _R:
+        tensor = staticmethod(rewrite_tensor)
+        manifest = staticmethod(edit_manifest)
+    return _R

@@ -249,3 +249,17 @@ def test_a_rank_checking_liveness_does_not_make_another_rank_fail(posix_engine, 
             sw.write(sw.allocate(4096), aligned_empty(4096)).wait()
     finally:
         t.join()
+
+
+def test_nul_byte_in_a_swap_path_is_an_aio_error(posix_engine, tmp_path):
+    import errno
+
+    from infinity.io.swap_dir import ensure_user_dir
+    bad = str(tmp_path / "sw\x00ap")
+    for make in (lambda: SwapSpace([str(tmp_path / "ok"), bad], posix_engine),
+                 lambda: ensure_user_dir(bad)):
+        with pytest.raises(AioError) as ei:
+            make()
+        assert ei.value.errno == errno.EINVAL and "NUL byte" in str(ei.value)
+        assert "offload.nvme_paths" in str(ei.value)          # what to do
+    assert not (tmp_path / "ok").exists()                      # nothing was created
