@@ -31,19 +31,31 @@ SIZES = {
 }
 
 
+def dims(size: str) -> dict:
+    """The shape of ``size``: a name of :data:`SIZES`, or ``NAME@L`` for that shape with
+    ``L`` layers (the NVMe run sizes the model to the disk this way)."""
+    base, _, layers = size.partition("@")
+    if base not in SIZES:
+        raise ValueError(f"unknown size {size!r}; known: {', '.join(SIZES)} (optionally @LAYERS)")
+    d = dict(SIZES[base])
+    if layers:
+        if not layers.isdigit() or int(layers) < 1:
+            raise ValueError(f"size {size!r}: the layer count after '@' must be an integer >= 1")
+        d["num_hidden_layers"] = int(layers)
+    return d
+
+
 def llama_config(size: str, seq: int):
     from transformers import LlamaConfig
 
-    if size not in SIZES:
-        raise ValueError(f"unknown size {size!r}; known: {', '.join(SIZES)}")
-    return LlamaConfig(**SIZES[size], max_position_embeddings=max(seq, 2048),
+    return LlamaConfig(**dims(size), max_position_embeddings=max(seq, 2048),
                        tie_word_embeddings=False, rms_norm_eps=1e-5, rope_theta=500000.0,
                        attention_bias=False, mlp_bias=False)
 
 
 def count_params(size: str) -> int:
     """Parameters of ``build_model(size)`` without building it."""
-    s = SIZES[size]
+    s = dims(size)
     h, f, L, V = s["hidden_size"], s["intermediate_size"], s["num_hidden_layers"], s["vocab_size"]
     kv = h // s["num_attention_heads"] * s["num_key_value_heads"]
     per_layer = 2 * h * h + 2 * h * kv + 3 * h * f + 2 * h
@@ -53,7 +65,7 @@ def count_params(size: str) -> int:
 def model_flops_per_token(size: str, seq: int) -> float:
     """MFU's model FLOPs per token (../shared/DESIGN.md §3.5): 6 N + 12 * layers * d_model * seq
     (attention, as PaLM counts it); recompute not counted."""
-    s = SIZES[size]
+    s = dims(size)
     return 6 * count_params(size) + 12 * s["num_hidden_layers"] * s["hidden_size"] * seq
 
 

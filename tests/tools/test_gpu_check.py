@@ -54,3 +54,20 @@ def test_gpu_check_dry_mode_runs_every_core_step(tmp_path):
         assert set(t) == {"value", "bound", "met"}
     # nothing left behind: the build and the swap lived in a temporary directory
     assert not [n for n in os.listdir(tmp_path) if n.startswith("infinity-gpu-check")]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device: the real run, not the dry one")
+def test_gpu_check_dry_mode_runs_the_nvme_part(tmp_path):
+    """--part nvme: the model sized to the free disk with NVMe homes, trained, its NVMe bytes
+    per parameter and step measured against the disk bound of this run."""
+    out = tmp_path / "out"
+    env = dict(os.environ, PYTHON=sys.executable, TMPDIR=str(tmp_path))
+    p = subprocess.run(["bash", SCRIPT, str(out), "--part", "nvme"], capture_output=True,
+                       text=True, timeout=900, env=env, cwd=ROOT)
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-2000:]
+    s = json.loads((out / "summary.json").read_text())
+    r = s["steps"]["infinity_nvme"]["result"]
+    assert s["steps"]["infinity_nvme"]["status"] == "ok" and r["homes"] == ["nvme", "nvme"]
+    assert r["sizing"]["nvme_bytes_planned"] <= 0.8 * r["sizing"]["free_disk_bytes"]
+    assert r["nvme_bytes_per_param_per_step"] > 0 and r["disk_bound_s"] > 0
