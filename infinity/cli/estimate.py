@@ -12,6 +12,9 @@ import re
 
 from infinity.cli.main import CLIError
 
+#: exit status when nothing fits (the output still says what came closest); docs/estimator.md
+NO_FIT = 1
+
 _SUFFIX = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
 
 
@@ -85,11 +88,16 @@ def register(sub):
     m.add_argument("--model-factory", metavar="MODULE:FUNCTION",
                    help="build the model with this function on the meta device and count it "
                         "(also 'path/to/file.py:function')")
-    h = p.add_argument_group("machine (defaults: this machine)")
+    h = p.add_argument_group(
+        "machine (defaults: this machine; describing GPUs with --gpus N also needs --host-mem "
+        "and --nvme-gb)")
     h.add_argument("--gpus", type=int, help="GPUs per node (default: detected; 0 = CPU only)")
-    h.add_argument("--gpu-mem", type=float, default=80.0, help="GB per GPU (default 80)")
-    h.add_argument("--host-mem", type=float, help="RAM per node in GB (default: this machine)")
-    h.add_argument("--nvme-gb", type=float, help="NVMe GB per node for swap (default: free space at --nvme-path)")
+    h.add_argument("--gpu-mem", type=float, help="GB per GPU (default 80)")
+    h.add_argument("--host-mem", type=float,
+                   help="RAM per node in GB (default: this machine's, only when --gpus is not given)")
+    h.add_argument("--nvme-gb", type=float,
+                   help="NVMe GB per node for swap (default: free space at --nvme-path, only when "
+                        "--gpus is not given)")
     h.add_argument("--nvme-path", default="./infinity-swap", help="where to measure free space (default ./infinity-swap)")
     h.add_argument("--nvme-drives", type=int, default=1, help="NVMe drives per node (default 1)")
     h.add_argument("--nvme-gbps", type=float, help="aggregate NVMe read GB/s per node (default 3 per drive)")
@@ -151,12 +159,25 @@ def register(sub):
 
 
 def _machine(args):
-    from infinity.estimate.machine import (Machine, detect_free_disk_gb, detect_gpus,
-                                           detect_host_mem_gb)
+    """The Machine to plan for, each value's source recorded (described / detected / default).
+    A machine described by its GPUs (--gpus N, N >= 1) must describe its RAM and disk too:
+    this machine's are used only when no GPU is described."""
+    from infinity.estimate.machine import (DEFAULT_GPU_MEM_GB, Machine, detect_free_disk_gb,
+                                           detect_gpus, detect_host_mem_gb)
     from infinity.profile.summary import load_ceilings
 
+    if args.gpus is not None and args.gpus >= 1:
+        missing = [f for f, v in (("--host-mem GB", args.host_mem), ("--nvme-gb GB", args.nvme_gb))
+                   if v is None]
+        if missing:
+            raise CLIError(f"--gpus {args.gpus} describes another machine: add {' and '.join(missing)} "
+                           "(its RAM and NVMe per node); this machine's are used only without --gpus")
+    src = {"gpus": "detected" if args.gpus is None else "described",
+           "gpu_mem_gb": "default" if args.gpu_mem is None else "described",
+           "host_mem_gb": "detected" if args.host_mem is None else "described",
+           "nvme_gb": "detected" if args.nvme_gb is None else "described"}
     kw = {"gpus": detect_gpus() if args.gpus is None else args.gpus,
-          "gpu_mem_gb": args.gpu_mem,
+          "gpu_mem_gb": DEFAULT_GPU_MEM_GB if args.gpu_mem is None else args.gpu_mem,
           "host_mem_gb": round(detect_host_mem_gb(), 1) if args.host_mem is None else args.host_mem,
           "nvme_gb": (round(detect_free_disk_gb(os.path.expanduser(args.nvme_path)), 1)
                       if args.nvme_gb is None else args.nvme_gb),
@@ -168,8 +189,10 @@ def _machine(args):
             raise CLIError(str(e)) from e
         if "nvme_read" in ceil:
             kw["nvme_gbps"] = ceil["nvme_read"]
+            src["nvme_gbps"] = "measured: --bench-io"
         if "nvme_write" in ceil:
             kw["nvme_write_gbps"] = ceil["nvme_write"]
+            src["nvme_write_gbps"] = "measured: --bench-io"
     for arg, field in (("nvme_gbps", "nvme_gbps"), ("nvme_write_gbps", "nvme_write_gbps"),
                        ("pcie_gbps", "pcie_gbps"), ("tflops", "tflops"),
                        ("interconnect_gbps", "interconnect_gbps"), ("cpu_adam_gps", "cpu_adam_gparams"),
@@ -177,7 +200,12 @@ def _machine(args):
         v = getattr(args, arg)
         if v is not None:
             kw[field] = v
-    return Machine(**kw)
+            src[field] = "described"
+        else:
+            src.setdefault(field, "default")
+    if "nvme_write_gbps" not in kw and "nvme_gbps" in kw:
+        src["nvme_write_gbps"] = "= read"
+    return Machine(**kw, sources=src)
 
 
 def run(args):
@@ -216,7 +244,7 @@ def run(args):
         print(json.dumps(est.as_dict()))
     else:
         print(est.text(details=args.explain and not args.brief), end="")
-    return 0
+    return 0 if est.best is not None else NO_FIT
 
 
 def _activation_offload(args):
@@ -255,7 +283,9 @@ def run_plan(args):
     """`infinity estimate --plan`: the fastest configuration that fits (infinity.estimate.planner)."""
     from infinity.config import ConfigError
     from infinity.estimate import EstimateError
+    from infinity.estimate.machine import machine_lines
     from infinity.estimate.planner import make_plan
+    from infinity.estimate.report import binding_limit
 
     if args.only or args.activation_offload or args.prefetch_depth is not None or \
             args.grad_accum_dtype or args.explain:
@@ -269,8 +299,35 @@ def run_plan(args):
                          allow_lossy=args.allow_lossy)
     except (EstimateError, ConfigError) as e:
         raise CLIError(str(e)) from e
+    limit = None
+    if plan.best is None and plan.closest is not None:
+        c = plan.closest
+        limit = binding_limit(c.estimate.totals, c.variant, plan.machine, c.knobs)
     if args.json:
-        print(json.dumps(plan.as_dict()))
+        d = {"machine": plan.machine.as_dict(), **plan.as_dict()}
+        if limit is not None:
+            d["closest"]["binding_limit"] = limit
+        print(json.dumps(d))
     else:
-        print(plan.text(), end="")
-    return 0
+        print("\n".join(machine_lines(plan.machine)) + "\n")
+        text = plan.text()
+        if plan.best is None:
+            head, _, rest = text.partition("\n")
+            text = _no_fit_headline(plan, limit) + "\n" + rest
+        print(text, end="")
+    return 0 if plan.best is not None else NO_FIT
+
+
+def _no_fit_headline(plan, limit):
+    """"No plan fits ...", the binding limit of the closest plan first, then its other problems."""
+    out = (f"No plan fits: nothing of {plan.searched} fits {plan.machine.ranks} rank(s) at "
+           f"global batch {plan.global_batch}")
+    from infinity.estimate.report import exceeded_limits
+
+    c = plan.closest
+    if c is None:
+        return out
+    over = exceeded_limits(c.estimate.totals, c.variant, plan.machine, c.knobs) or list(c.problems)
+    return (out + f"; the closest plan is held back by {over[0]}"
+            + (" (also " + "; ".join(over[1:]) + ")" if over[1:] else "")
+            + f"; that plan: {c.describe()}")

@@ -19,7 +19,7 @@ import sys
 import types
 from dataclasses import dataclass, field
 
-from .machine import GB, Machine, detect_free_disk_gb, detect_gpus, detect_host_mem_gb
+from .machine import GB, Machine, detect_free_disk_gb, detect_gpus, detect_host_mem_gb, fmt_seconds
 from .memory_plan import (GRAD_SPILL_MODES, HOMES, HOST_RESERVE_BASE_GB,  # noqa: F401
                           HOST_RESERVE_PER_RANK_GB, SPILL_NOTE, TIER_NAMES, Knobs, MemoryPlan,
                           host_reserve_bytes, plan_memory, valid_configs)
@@ -114,7 +114,7 @@ class Estimate:
         ck = "with activation checkpointing" if v == "checkpointing" else "without activation checkpointing"
         grads = "; fp32 gradients on NVMe" if c.plan.grads_on_nvme else ""
         return (f"Yes: {_num(self.model.params)} parameters fit on {self._where()} with {c.name} "
-                f"({ck}{grads}); estimated {s.step_s:.4g} s per step, {s.tokens_per_s:.3g} tokens/s, "
+                f"({ck}{grads}); estimated {fmt_seconds(s.step_s)} s per step, {s.tokens_per_s:.3g} tokens/s, "
                 f"{bound_text(s.bound)} (lower bound: perfect overlap).")
 
     def verdict(self):
@@ -132,7 +132,7 @@ class Estimate:
                 s = c.steps[v]
                 out += (f" For comparison, {label} (grad_spill={w.knobs.grad_spill}) the best is "
                         f"{c.name}" + (" with activation checkpointing" if v == "checkpointing" else "")
-                        + f": {s.step_s:.4g} s per step.")
+                        + f": {fmt_seconds(s.step_s)} s per step.")
         return out
 
     def as_dict(self):

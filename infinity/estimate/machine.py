@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from .model_spec import EstimateError
 
@@ -43,6 +43,9 @@ class Machine:
     cpu_adam_gparams: float = DEFAULT_CPU_ADAM_GPARAMS
     gpu_reserve_gb: float | None = None  # None: DEFAULT_GPU_RESERVE_GB with GPUs, 0 without
     nodes: int = 1
+    #: where each value came from, by field name: "described" (a flag), "detected" (this
+    #: machine), "default" or "measured (...)"; printed with the machine (machine_lines)
+    sources: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self):
         for name in ("gpus", "nvme_drives", "nodes"):
@@ -87,6 +90,45 @@ class Machine:
 
     def as_dict(self):
         return asdict(self)
+
+
+def fmt_seconds(x):
+    """A duration in plain decimals, never in exponent notation: 10400, 1.234, 0.01234."""
+    x = float(x)
+    if x != x or x in (float("inf"), float("-inf")):
+        return str(x)
+    if abs(x) >= 1e4:
+        return f"{x:.0f}"
+    if x == 0 or abs(x) >= 1e-4:
+        return f"{x:.4g}"
+    return f"{x:.8f}".rstrip("0")
+
+
+def _gb_text(v):
+    return f"{v:,.1f}".rstrip("0").rstrip(".") if v != int(v) else f"{int(v):,}"
+
+
+def machine_lines(m):
+    """The machine an estimate is for, each value with where it came from (described /
+    detected / default): what ``infinity estimate`` prints first."""
+    src = m.sources or {}
+
+    def tag(*names):
+        got = [src[n] for n in names if n in src]
+        return f" ({'/'.join(dict.fromkeys(got))})" if got else ""
+
+    nodes = f"{m.nodes} nodes x " if m.nodes > 1 else ""
+    dev = (f"{m.gpus} GPU(s){tag('gpus')} x {_gb_text(m.gpu_mem_gb)} GB{tag('gpu_mem_gb')}" if m.gpus
+           else f"CPU only{tag('gpus')} (device tier = host memory)")
+    return [
+        f"machine: {nodes}{dev}, RAM {_gb_text(m.host_mem_gb)} GB{tag('host_mem_gb')}, "
+        f"NVMe {_gb_text(m.nvme_gb)} GB{tag('nvme_gb')} on {m.nvme_drives} drive(s)",
+        f"         NVMe {m.nvme_gbps:g} GB/s read{tag('nvme_gbps')}, {m.nvme_write_gbps:g} GB/s "
+        f"write{tag('nvme_write_gbps')}, PCIe {m.pcie_gbps:g} GB/s/GPU{tag('pcie_gbps')}, "
+        f"{m.tflops:g} TFLOPS/rank achieved{tag('tflops')}",
+        f"         collectives {m.interconnect_gbps:g} GB/s/GPU{tag('interconnect_gbps')}, "
+        f"CPU Adam {m.cpu_adam_gparams:g} G params/s/node{tag('cpu_adam_gparams')}",
+    ]
 
 
 def detect_host_mem_gb():

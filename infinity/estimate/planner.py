@@ -31,7 +31,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from .machine import GB
+from .machine import GB, fmt_seconds
 from .memory_plan import HOMES, host_reserve_bytes, valid_configs
 from .model_spec import EstimateError
 from .step_time import bound_text, phase_text
@@ -160,7 +160,7 @@ class Plan:
                     f"{self.machine.ranks} rank(s) at global batch {self.global_batch}{why}")
         b, s = self.best, self.best.step
         cb = self.compute_bound()
-        return (f"Plan: {b.describe()}: step {s.step_s:.4g} s, {100 * s.tokens_per_s / cb:.1f} % "
+        return (f"Plan: {b.describe()}: step {fmt_seconds(s.step_s)} s, {100 * s.tokens_per_s / cb:.1f} % "
                 f"of compute-bound ({cb:.4g} tokens/s), {s.tokens_per_s:.4g} tokens/s")
 
     def as_dict(self):
@@ -215,7 +215,7 @@ class Plan:
                      f" of {m.nvme_gb:,.2f} GB")
         s = b.step
         lines.append(f"  step = A x t(fwd+bwd) + t(optimizer) = {b.grad_accum} x "
-                     f"{s.fwd_bwd.seconds:.4g} s + {s.optimizer.seconds:.4g} s = {s.step_s:.4g} s, "
+                     f"{fmt_seconds(s.fwd_bwd.seconds)} s + {fmt_seconds(s.optimizer.seconds)} s = {fmt_seconds(s.step_s)} s, "
                      f"{bound_text(s.bound)} (lower bound: perfect overlap)")
         for ph in (s.fwd_bwd, s.optimizer):
             lines.append(f"    {phase_text(ph)}")
@@ -226,7 +226,7 @@ class Plan:
         if self.alternatives:
             lines.append("  next best:")
             for a in self.alternatives:
-                lines.append(f"    {a.step.step_s:10.4g} s  {a.step.tokens_per_s:9.4g} tokens/s  "
+                lines.append(f"    {fmt_seconds(a.step.step_s):>10} s  {a.step.tokens_per_s:9.4g} tokens/s  "
                              f"{a.describe()}")
         lines.append("")
         lines.append(f"config (infinity JSON; the training loop feeds micro-batches of {b.micro_batch} "
@@ -397,7 +397,9 @@ def make_plan(spec, machine, knobs, *, global_batch=None, micro_batch=None, grad
             break
     closest = None
     if best is None and near:
-        closest = min(near, key=lambda ch: (len(ch.problems), -ch.micro_batch,
+        from .report import overshoot   # the closest: the smallest binding need / have
+        closest = min(near, key=lambda ch: (overshoot(ch.estimate.totals, ch.variant, machine,
+                                                      ch.knobs), len(ch.problems), -ch.micro_batch,
                                             _ACT_RANK[(ch.knobs.activation_home,
                                                        ch.knobs.activation_scope)]))
     model = dataclasses.replace(spec, batch=best.micro_batch if best else 1)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .machine import GB
+from .machine import GB, fmt_seconds, machine_lines
 from .memory_plan import TIER_NAMES
 from .step_time import BOUND_NAMES, phase_text
 
@@ -23,23 +23,65 @@ def _num(n):
 
 
 def format_header(est):
+    """The machine first (each value with its source), then the model and the settings."""
     s, m, k = est.model, est.machine, est.knobs
-    lines = [
+    lines = machine_lines(m) + [
         f"model: {_num(s.params)} parameters ({s.source}), L={s.layers} H={s.hidden}"
         + (f" V={s.vocab}" if s.vocab else "") + (f" heads={s.heads}" if s.heads else "")
         + f", S={s.seq} B={s.batch} per rank",
-        "machine: " + (f"{m.nodes} nodes x " if m.nodes > 1 else "")
-        + (f"{m.gpus} GPU x {m.gpu_mem_gb:g} GB" if m.gpus else "CPU only (device tier = host memory)")
-        + f", RAM {m.host_mem_gb:g} GB, NVMe {m.nvme_gb:g} GB on {m.nvme_drives} drive(s) "
-        f"({m.nvme_gbps:g} GB/s read, {m.nvme_write_gbps:g} GB/s write)",
-        f"         PCIe {m.pcie_gbps:g} GB/s/GPU, {m.tflops:g} TFLOPS/rank achieved, collectives "
-        f"{m.interconnect_gbps:g} GB/s/GPU, CPU Adam {m.cpu_adam_gparams:g} G params/s/node",
         f"infinity: precision {k.precision}, zero_stage {k.zero_stage}, prefetch depth {k.prefetch_depth}, "
         f"grad accumulation {k.grad_accum}, tile {k.tile_numel} x {k.pipeline_depth} slots, "
         f"Adam states {k.state_dtype}, largest group {_num(s.group_numel(k.grouping))} params "
         f"(grouping: {k.grouping})" + (f", host cap {k.host_cap_gb:g} GB" if k.host_cap_gb else ""),
     ]
     return lines
+
+
+def binding_limit(totals, variant, machine, knobs):
+    """The limit a configuration overshoots the most (need / have), as one phrase, e.g.
+    "device: needs 242.1 GB per GPU, has 78 GB usable"; None when it fits every limit.
+
+    ``totals``: a ConfigEstimate's totals, ``variant``: "checkpointing" or "none",
+    ``knobs``: the configuration's Knobs (its activation offload home counts on NVMe)."""
+    over = exceeded_limits(totals, variant, machine, knobs)
+    return over[0] if over else None
+
+
+def exceeded_limits(totals, variant, machine, knobs):
+    """Every limit the configuration exceeds (phrases as :func:`binding_limit`), the binding
+    one (largest need / have) first."""
+    return [t for _, t in sorted(_overshoots(totals, variant, machine, knobs), reverse=True)]
+
+
+def overshoot(totals, variant, machine, knobs):
+    """need / have of each exceeded limit, largest first (empty: fits every limit): the
+    planner's "closest" plan is the one with the smallest (compared in that order)."""
+    return tuple(sorted((r for r, _ in _overshoots(totals, variant, machine, knobs)), reverse=True))
+
+
+def _overshoots(totals, variant, machine, knobs):
+    v = variant
+    cands = []   # (need / have, phrase)
+    if not machine.cpu_only:
+        need, have = totals[f"device_{v}"], (machine.gpu_mem_gb - machine.gpu_reserve_gb) * GB
+        cands.append((need, have, f"device: needs {need / GB:,.1f} GB per GPU, has "
+                                  f"{have / GB:,.4g} GB usable ({machine.gpu_mem_gb:g} GB - "
+                                  f"{machine.gpu_reserve_gb:g} GB reserve)"))
+    host = totals[f"host_{v}"]
+    if machine.host_mem_gb:
+        have = machine.host_mem_gb * GB
+        cands.append((host, have, f"host: needs {host / GB:,.1f} GB per node, has "
+                                  f"{have / GB:,.4g} GB RAM"))
+    if knobs.host_cap_gb:
+        need, have = host - totals["host_reserve"], knobs.host_cap_gb * GB
+        cands.append((need, have, f"host: needs {need / GB:,.1f} GB per node (without the "
+                                  f"{totals['host_reserve'] / GB:.3g} GB reserve), has "
+                                  f"{knobs.host_cap_gb:g} GB (offload.host_memory_gb)"))
+    nvme = totals["nvme"] + (totals.get(f"activation_offload_{v}", 0)
+                             if knobs.activation_home == "nvme" else 0)
+    have = machine.nvme_gb * GB
+    cands.append((nvme, have, f"NVMe: needs {nvme / GB:,.1f} GB per node, has {have / GB:,.4g} GB"))
+    return [(need / have if have else float("inf"), text) for need, have, text in cands if need > have]
 
 
 def format_summary_table(est):
@@ -54,7 +96,7 @@ def format_summary_table(est):
         sc, sf = c.steps["checkpointing"], c.steps["none"]
         lines.append(f"{c.params_home:<7}{c.optimizer_home:<7}{_gb(t['device_checkpointing']):>13}"
                      f"{_gb(t['device_none']):>13}{_gb(t['pinned']):>10}{_gb(t['pageable']):>11}"
-                     f"{_gb(t['nvme']):>11}{fit:>10}{sc.step_s:>10.4g}{sf.step_s:>9.4g}  "
+                     f"{_gb(t['nvme']):>11}{fit:>10}{fmt_seconds(sc.step_s):>10}{fmt_seconds(sf.step_s):>9}  "
                      f"{BOUND_NAMES.get(sc.bound, sc.bound)}"
                      + ("  (grads on NVMe)" if c.plan.grads_on_nvme else ""))
     lines.append("GB = 10^9 bytes; device per GPU" + (" (*CPU-only: counted in host memory)" if cpu else "")
@@ -90,8 +132,9 @@ def format_config(est, c):
             lines.append(f"  does NOT fit {label}: " + "; ".join(c.problems[v]))
     s = c.steps["checkpointing"]
     A = est.knobs.grad_accum
-    lines.append(f"  step time (with checkpointing) = {A} x {s.fwd_bwd.seconds:.3g} s + "
-                 f"{s.optimizer.seconds:.3g} s = {s.step_s:.3g} s, {s.tokens_per_s:.3g} tokens/s")
+    lines.append(f"  step time (with checkpointing) = {A} x {fmt_seconds(s.fwd_bwd.seconds)} s + "
+                 f"{fmt_seconds(s.optimizer.seconds)} s = {fmt_seconds(s.step_s)} s, "
+                 f"{s.tokens_per_s:.3g} tokens/s")
     for ph in (s.fwd_bwd, s.optimizer):
         lines.append(f"    {phase_text(ph)}")
         for d in ph.derivation:
@@ -106,6 +149,11 @@ def format_estimate(est, details=False):
     """The header, the table and the verdict; ``details`` (``--explain``) adds each
     configuration's items, formulas and step-time derivation."""
     lines = format_header(est) + [""] + format_summary_table(est) + ["", "Verdict: " + est.verdict()]
+    if est.best is None and est.closest() is not None:
+        c, v = est.closest()
+        limit = binding_limit(c.totals, v, est.machine, est.knobs)
+        if limit:
+            lines += [f"Binding limit of the closest ({c.name}): {limit}"]
     if est.gpu_caveat():
         lines += [est.gpu_caveat()]
     if not details:

@@ -53,7 +53,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from .machine import GB
+from .machine import GB, fmt_seconds
 
 
 @dataclass
@@ -109,7 +109,7 @@ def phase_text(phase):
         what = ("Adam runs on the device with its states there; no transfers to time"
                 if phase.name == "optimizer" else "nothing to move or compute")
         return f"{phase.name}: 0 s ({what})"
-    return f"{phase.name}: {phase.seconds:.3g} s, {bound_text(phase.bound)}"
+    return f"{phase.name}: {fmt_seconds(phase.seconds)} s, {bound_text(phase.bound)}"
 
 
 def _phase(name, terms, derivation):
@@ -398,25 +398,25 @@ def estimate_step(spec, machine, knobs, plan, *, checkpointing):
     tokens = spec.seq * spec.batch
     flops = flops_per_token * spec.params * tokens
     t_comp = flops / (machine.tflops * 1e12)
-    d1 = [f"compute: {flops_per_token}*N*S*B = {flops:.3g} FLOP / {machine.tflops:g} TFLOPS = {t_comp:.3g} s"]
+    d1 = [f"compute: {flops_per_token}*N*S*B = {flops:.3g} FLOP / {machine.tflops:g} TFLOPS = {fmt_seconds(t_comp)} s"]
     t_nvme = mb["nvme_read"] / rd + mb["nvme_write"] / wr
     if t_nvme:
         txt = f"NVMe: read {_fmt_b(mb['nvme_read'])} ({_what(parts['mb'], 'nvme_read')}) / {machine.nvme_gbps:g} GB/s"
         if mb["nvme_write"]:
             txt += (f" + write {_fmt_b(mb['nvme_write'])} ({_what(parts['mb'], 'nvme_write')}) / "
                     f"{machine.nvme_write_gbps:g} GB/s")
-        d1.append(txt + f" = {t_nvme:.3g} s")
+        d1.append(txt + f" = {fmt_seconds(t_nvme)} s")
     t_pcie = max(mb["h2d"], mb["d2h"]) / pcie
     if t_pcie:
         d1.append(f"PCIe per GPU: max(H2D {_fmt_b(mb['h2d'])}, D2H {_fmt_b(mb['d2h'])}) / "
-                  f"{machine.pcie_gbps:g} GB/s = {t_pcie:.3g} s")
+                  f"{machine.pcie_gbps:g} GB/s = {fmt_seconds(t_pcie)} s")
     xb = machine.inter_node_gbps * GB
     t_coll = (mb["allgather"] + mb["reduce_scatter"] - mb["inter_node"]) / ic + mb["inter_node"] / xb
     if t_coll:
         d1.append(f"collectives per GPU: all-gather {_fmt_b(mb['allgather'])} + reduce "
                   f"{_fmt_b(mb['reduce_scatter'])}, of which {_fmt_b(mb['inter_node'])} to other "
                   f"nodes at {machine.inter_node_gbps:g} GB/s, the rest at "
-                  f"{machine.interconnect_gbps:g} GB/s = {t_coll:.3g} s")
+                  f"{machine.interconnect_gbps:g} GB/s = {fmt_seconds(t_coll)} s")
     fb = _phase("forward+backward (one micro-batch)",
                 {"compute": t_comp, "nvme": t_nvme, "pcie": t_pcie, "collectives": t_coll}, d1)
 
@@ -427,20 +427,20 @@ def estimate_step(spec, machine, knobs, plan, *, checkpointing):
         if opt["nvme_read"]:
             txt += f"read {_fmt_b(opt['nvme_read'])} ({_what(parts['opt'], 'nvme_read')}) / {machine.nvme_gbps:g} GB/s + "
         txt += (f"write {_fmt_b(opt['nvme_write'])} ({_what(parts['opt'], 'nvme_write')}) / "
-                f"{machine.nvme_write_gbps:g} GB/s = {t_onvme:.3g} s (same drives: times add)")
+                f"{machine.nvme_write_gbps:g} GB/s = {fmt_seconds(t_onvme)} s (same drives: times add)")
         d2.append(txt)
     t_adam = 0.0
     if plan.optimizer_home != "none":
         n_node = machine.ranks_per_node * -(-spec.params // machine.ranks)
         t_adam = n_node / (machine.cpu_adam_gparams * 1e9)
-        d2.append(f"CPU Adam: {n_node:.3g} params / {machine.cpu_adam_gparams:g} G params/s = {t_adam:.3g} s")
+        d2.append(f"CPU Adam: {n_node:.3g} params / {machine.cpu_adam_gparams:g} G params/s = {fmt_seconds(t_adam)} s")
     t_opcie = opt["h2d"] / pcie
     if t_opcie:
-        d2.append(f"PCIe: updated params H2D {_fmt_b(opt['h2d'])} / {machine.pcie_gbps:g} GB/s = {t_opcie:.3g} s")
+        d2.append(f"PCIe: updated params H2D {_fmt_b(opt['h2d'])} / {machine.pcie_gbps:g} GB/s = {fmt_seconds(t_opcie)} s")
     t_ocoll = (opt["allgather"] - opt["inter_node"]) / ic + opt["inter_node"] / xb
     if t_ocoll:
         d2.append(f"collectives: all-gather updated params {_fmt_b(opt['allgather'])} / "
-                  f"{machine.interconnect_gbps:g} GB/s = {t_ocoll:.3g} s")
+                  f"{machine.interconnect_gbps:g} GB/s = {fmt_seconds(t_ocoll)} s")
     op = _phase("optimizer", {"nvme": t_onvme, "cpu_adam": t_adam, "pcie": t_opcie,
                               "collectives": t_ocoll}, d2)
     step = A * fb.seconds + op.seconds

@@ -2,6 +2,7 @@
 
 Each check is a dict: name, ok (bool), detail, fix (what to do when not ok).
 """
+import errno
 import os
 import shutil
 
@@ -43,12 +44,22 @@ def _odirect_check(path):
     """Opens a temporary file with O_DIRECT where the swap files would go and round-trips a block."""
     base = path if os.path.isdir(path) else existing_ancestor(path)
     name = "O_DIRECT"
-    if not os.path.isdir(base) or not os.access(base, os.W_OK):
-        return _check(name, False, f"{base} is not a writable directory (needed for {path})",
-                      "create the swap directory or choose a writable --nvme-path")
+    if _read_only(base):
+        return _read_only_check(name, base, path)
+    if not os.path.isdir(base):
+        return _check(name, False, f"{base} is not a directory (needed for {path})",
+                      "choose a directory on a local NVMe drive as --nvme-path")
+    if not os.access(base, os.W_OK):
+        what = "the swap directory" if base == path else f"{base}, where {path} would be created,"
+        return _check(name, False, f"{what} exists but is not writable by this user "
+                      f"(uid {os.geteuid()})",
+                      f"make it writable (`ls -ld {base}`, then chown/chmod) or choose a writable "
+                      "--nvme-path")
     try:
         f = _aio.File.open_tmpfile(base, True)
     except OSError as e:
+        if e.errno == errno.EROFS:
+            return _read_only_check(name, base, path)
         return _check(name, False, f"cannot create a file in {base}: {e.strerror}",
                       "choose a writable --nvme-path")
     try:
@@ -74,6 +85,23 @@ def _odirect_check(path):
                       "run `infinity bench-io --engine posix --nvme-path DIR` and check dmesg")
     finally:
         f.close()
+
+
+def _read_only(base):
+    """Whether ``base`` lies on a file system mounted read-only (EROFS on any write)."""
+    try:
+        return bool(os.statvfs(base).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
+
+
+def _read_only_check(name, base, path):
+    where = base if base == path else f"{base} (where {path} would be created)"
+    return _check(name, False, f"{where} is on a read-only file system (EROFS): nothing can be "
+                  "written there",
+                  f"check the mount with `findmnt -T {base}` (OPTIONS shows ro): remount it "
+                  f"read-write (`mount -o remount,rw` on its TARGET) or choose a --nvme-path on a "
+                  "writable drive")
 
 
 def _free_space_check(path, need=None, need_what=""):

@@ -73,7 +73,7 @@ def test_cli_json_parses(capsys):
     from types import SimpleNamespace as NS
     from infinity.estimate import Estimate
     assert Estimate.gpu_caveat(NS(machine=NS(gpus=0))) is None      # CPU only: no caveat
-    assert main(args + ["--grad-spill", "off"]) == 0
+    assert main(args + ["--grad-spill", "off"]) == 1       # nothing fits: exit 1, still the JSON
     d = json.loads(capsys.readouterr().out)
     assert d["best"] is None and d["what_if"]["best"]["params"] == "nvme"
 
@@ -86,7 +86,7 @@ def test_cli_text_and_errors(capsys, tmp_path):
                "--explain"])
     out = capsys.readouterr().out
     assert rc == 0 and "== params=nvme, optimizer=nvme ==" in out and "Verdict:" in out
-    assert "(2 GB/s read, 1 GB/s write)" in out
+    assert "NVMe 2 GB/s read (measured: --bench-io), 1 GB/s write (measured: --bench-io)" in out
     assert main(["estimate", "--layers", "2"]) == 2
     assert "describe the model" in capsys.readouterr().err
     assert main(["estimate", "--params", "12Q", "--layers", "2", "--hidden", "8"]) == 2
@@ -167,7 +167,7 @@ def test_brief_no_verdict_names_the_closest_configuration_and_its_problems(capsy
     that only --explain prints."""
     args = ["estimate", "--params", "70B", "--layers", "80", "--hidden", "8192", "--gpus", "0",
             "--host-mem", "24", "--nvme-gb", "100"]
-    assert main(args) == 0
+    assert main(args) == 1                      # nothing fits: exit 1
     out = capsys.readouterr().out
     verdict = next(line for line in out.splitlines() if line.startswith("Verdict:"))
     assert verdict.startswith("Verdict: No:")
@@ -175,7 +175,7 @@ def test_brief_no_verdict_names_the_closest_configuration_and_its_problems(capsy
         in verdict and "> 100 GB" in verdict
     assert "see the problems listed" not in out and "--explain lists every configuration" in out
     # the problem quoted is the one --explain lists for that configuration
-    assert main(args + ["--explain"]) == 0
+    assert main(args + ["--explain"]) == 1
     full = capsys.readouterr().out
     block = full.split("== params=nvme, optimizer=nvme ==")[1]
     quoted = verdict.split("with activation checkpointing: ")[1].split(" (--explain")[0]

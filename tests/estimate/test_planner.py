@@ -95,7 +95,8 @@ def test_plan_config_round_trips_through_the_estimator():
 def test_reference_node_text_output(capsys):
     assert main(["estimate", *REF, "--seq", "2048", "--plan"]) == 0
     out = capsys.readouterr().out
-    first = out.splitlines()[0]
+    assert out.startswith("machine: ")                 # the machine planned for comes first
+    first = next(line for line in out.splitlines() if line.startswith("Plan: "))
     assert re.fullmatch(r"Plan: .*step [0-9.]+ s, [0-9.]+ % of compute-bound \([0-9.]+ "
                         r"tokens/s\), [0-9.]+ tokens/s", first), first
     assert "lossless" in first and "derivation:" in out
@@ -145,8 +146,9 @@ def test_pinned_batch_and_nothing_fits(capsys):
     assert p.best is None and p.closest is not None and p.headline().startswith("No plan fits")
     d = p.as_dict()
     assert d["plan"] is None and d["closest"]["problems"]
-    assert main(["estimate", *REF, "--nvme-gb", "4000", "--plan"]) == 0
-    assert capsys.readouterr().out.startswith("No plan fits")
+    assert main(["estimate", *REF, "--nvme-gb", "4000", "--plan"]) == 1
+    out = capsys.readouterr().out
+    assert out.startswith("machine:") and "\nNo plan fits" in out
 
 
 def test_cli_rejects_planner_flags_without_plan_and_lossy_states_without_allow(capsys):
