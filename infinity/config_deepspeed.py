@@ -229,9 +229,11 @@ def _ds_device(sec: Mapping, where: str) -> str:
     return dev.lower()
 
 
-def deepspeed_to_dict(ds: Any, *, approximate_schedules: bool = False
-                       ) -> tuple[dict, dict[str, str]]:
-    """Translate a DeepSpeed config dict; returns (infinity dict, {infinity key: DS key})."""
+def deepspeed_to_dict(ds: Any, *, approximate_schedules: bool = False,
+                      ignored_out: list | None = None) -> tuple[dict, dict[str, str]]:
+    """Translate a DeepSpeed config dict; returns (infinity dict, {infinity key: DS key}).
+    ``ignored_out`` (a list), when given, receives the DeepSpeed keys accepted but ignored
+    (logged at INFO here; ``InfinityTrainer`` shows them in its start-of-training summary)."""
     if not isinstance(ds, Mapping):
         raise ConfigError(f"DeepSpeed config: expected a mapping at the top level, got "
                           f"{type(ds).__name__}")
@@ -451,6 +453,8 @@ def deepspeed_to_dict(ds: Any, *, approximate_schedules: bool = False
         log.warning("DeepSpeed derives gradient_accumulation_steps from train_batch_size / "
                     "(train_micro_batch_size_per_gpu * world size); infinity does not know the "
                     "world size here, so it uses 1: set gradient_accumulation_steps explicitly")
+    if ignored_out is not None:
+        ignored_out.extend(ignored)
     if ignored:
         log.info("DeepSpeed keys accepted but ignored (tuning-only, or data loading which is "
                  "the caller's job): %s", ", ".join(ignored))

@@ -11,8 +11,9 @@ vLLM load as a weight-only INT8/INT4 model: every quantized ``nn.Linear`` ``M`` 
 and ``config.json`` carries ``quantization_config`` (:func:`quantization_config`):
 symmetric ``int`` weights, strategy ``group``; a Linear whose input size is not a multiple
 of the group size (compressed-tensors refuses ragged groups) is quantized per output
-channel instead (strategy ``channel``, named in a second config group: exact names win
-over the class target). Everything else (embeddings, norms, biases, the LM head unless
+channel instead (strategy ``channel``, named in a config group of its own listed first:
+exact names win over the class target, and listed first they are matched, so the load does
+not warn "Could not match"). Everything else (embeddings, norms, biases, the LM head unless
 asked) is written as is, cast to the 16-bit dtype when floating point.
 
 GPT-2-style ``Conv1D`` layers (``transformers.pytorch_utils.Conv1D``: ``y = x @ W + b``, the
@@ -137,13 +138,19 @@ def quantization_config(plan: LinearPlan, opts: QuantOptions) -> dict:
     """The ``quantization_config`` entry of ``config.json``."""
     channel = sorted(m for m, s, _ in plan.layers.values() if s == "channel")
     conv_group = sorted(m for m in plan.conv1d if m not in channel)
-    groups = {"group_0": {"targets": ["Linear"] + conv_group, "format": FORMAT,
-                          "weights": _weights_args(opts.bits, "group", opts.group_size),
-                          "input_activations": None, "output_activations": None}}
+    main = {"targets": ["Linear"] + conv_group, "format": FORMAT,
+            "weights": _weights_args(opts.bits, "group", opts.group_size),
+            "input_activations": None, "output_activations": None}
+    # the per-channel layers' exact names come first (group_0): compressed-tensors matches a
+    # module against the targets in config order and stops at the first match, so after
+    # the class target "Linear" their exact names would never be reached and it would warn
+    # "Could not match" for each of them (the scheme chosen is the same: exact names win)
+    groups = {"group_0": main}
     if channel:
-        groups["group_1"] = {"targets": channel, "format": FORMAT,
-                             "weights": _weights_args(opts.bits, "channel", None),
-                             "input_activations": None, "output_activations": None}
+        groups = {"group_0": {"targets": channel, "format": FORMAT,
+                              "weights": _weights_args(opts.bits, "channel", None),
+                              "input_activations": None, "output_activations": None},
+                  "group_1": main}
     out = {"quant_method": "compressed-tensors", "format": FORMAT,
            "quantization_status": "compressed", "config_groups": groups,
            "ignore": sorted(plan.ignore), "kv_cache_scheme": None,

@@ -65,6 +65,39 @@ def model_meta(model, *, tokenizer=None):
     return out
 
 
+def _umask() -> int:
+    """The process umask, read without changing it where /proc says (else set and restored)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    old = os.umask(0o022)
+    os.umask(old)
+    return old
+
+
+def public_file_modes(directory, names=None) -> None:
+    """Give the files of an output directory the mode ``save_pretrained`` gives its files:
+    0666 under the umask (0644 with the usual 022). ``names``: the files written (names or
+    paths; default every regular file directly in ``directory``). The weights and config are
+    written through 0600 temp files (atomic rename), the tokenizer by its library: without
+    this one directory would hold two modes."""
+    directory = os.fspath(directory)
+    if names is None:
+        names = os.listdir(directory)
+    mode = 0o666 & ~_umask()
+    for n in names:
+        path = os.path.join(directory, os.fspath(n))
+        try:
+            if os.path.isfile(path) and not os.path.islink(path):
+                os.chmod(path, mode)
+        except OSError as e:      # e.g. a file someone else owns: leave it as it is
+            log.debug("public_file_modes: %s left as it is: %s", path, e)
+
+
 def write_model_config(meta, out_dir):
     """``config.json`` (+ ``generation_config.json``) from a checkpoint's meta; returns the
     files written ([] when the checkpoint does not record its model)."""
@@ -127,6 +160,7 @@ def export_model(ckpt_dir, out_dir, tag=None, *, max_shard_bytes=DEFAULT_MAX_SHA
         if cfg_files and dtype is not None:
             _set_config_dtype(cfg_files[0], dtype)
         written += cfg_files
+        public_file_modes(out_dir, written)
         if not cfg_files:
             log.warning("%s does not record its model's config: %s gets the weights only (write "
                         "config.json beside them, e.g. model.config.save_pretrained(OUT))",

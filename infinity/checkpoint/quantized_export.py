@@ -23,7 +23,7 @@ from .compressed import (LinearPlan, QuantOptions, output_dtype, plan_linears,
                          quantization_config, set_quantization_config, write_quantized)
 from .errors import CheckpointError
 from .fsutil import check_path
-from .export import DEFAULT_MAX_SHARD_BYTES, model_names, write_model_config
+from .export import DEFAULT_MAX_SHARD_BYTES, model_names, public_file_modes, write_model_config
 from .lkd import LKDOptions, distil_block, quantized_mse, round_to_nearest
 from .reader import CheckpointReader
 
@@ -81,6 +81,7 @@ def export_quantized(ckpt_dir, out_dir, tag=None, *, options: QuantOptions,
         cfg_files = write_model_config(r.meta, out_dir)
         set_quantization_config(cfg_files[0], quantization_config(plan, options), dtype16)
         files += cfg_files
+        public_file_modes(out_dir, files)
         if meta_out is not None:
             meta_out.update(r.meta)
         if report is not None:

@@ -14,6 +14,8 @@ import json
 import logging
 import os
 import shutil
+
+from infinity.checkpoint.export import public_file_modes
 from infinity.fsmode import makedirs
 
 log = logging.getLogger("infinity.finetune")
@@ -75,6 +77,9 @@ def write_output(engine, directory, tokenizer, *, rank=0, world_size=1):
             module = getattr(engine, "module", None)
             _fix_config(tmp, type(module).__name__ if module is not None else None)
             tokenizer.save_pretrained(tmp)
+            # one mode for every file, as save_pretrained writes them (the weights and
+            # config come through 0600 temp files)
+            public_file_modes(tmp)
             old = None
             if os.path.isdir(directory):
                 old = f"{directory}.old-infinity"

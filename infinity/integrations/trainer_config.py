@@ -108,7 +108,8 @@ def check_optim(args) -> None:
 
 
 def resolve_trainer_config(infinity_config, args, *, num_training_steps: int | None = None,
-                           model=None) -> tuple[InfinityConfig, dict | None]:
+                           model=None, ignored: list | None = None
+                           ) -> tuple[InfinityConfig, dict | None]:
     """``(InfinityConfig, DeepSpeed scheduler section or None)`` for a Trainer run.
 
     ``infinity_config``: dict, JSON/YAML path, :class:`InfinityConfig`, or a DeepSpeed
@@ -116,7 +117,8 @@ def resolve_trainer_config(infinity_config, args, *, num_training_steps: int | N
     taken from ``args``; an explicit contradicting value raises :class:`ConfigError`
     naming both.  When a DeepSpeed config has a ``scheduler`` it is returned (``"auto"``
     filled later, with the step count) and used instead of the Trainer's
-    ``lr_scheduler_type``, as with DeepSpeed."""
+    ``lr_scheduler_type``, as with DeepSpeed.  ``ignored`` (a list), when given, receives
+    the DeepSpeed keys accepted but ignored."""
     check_optim(args)
     raw = infinity_config
     if isinstance(raw, (str, os.PathLike)):
@@ -131,7 +133,7 @@ def resolve_trainer_config(infinity_config, args, *, num_training_steps: int | N
             from infinity.config_deepspeed import deepspeed_to_dict, fill_auto
             ds_sched = raw.pop("scheduler", None)   # filled when the step count is known
             ds, _ = fill_auto(raw, args, num_training_steps=num_training_steps, model=model)
-            explicit, origin = deepspeed_to_dict(ds)
+            explicit, origin = deepspeed_to_dict(ds, ignored_out=ignored)
             source = "DeepSpeed config"
         else:
             explicit, origin = copy.deepcopy(raw), {}

@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 
 import torch
 
@@ -215,11 +216,26 @@ class InfinityTrainerMixin:
             return self.engine
         import infinity
         from infinity.integrations.trainer_config import resolve_trainer_config
+        ignored: list[str] = []
         cfg, self._ds_sched = resolve_trainer_config(self._infinity_source, self.args,
-                                                     model=self.model)
+                                                     model=self.model, ignored=ignored)
         log.info("InfinityTrainer: engine config %s", json.dumps(cfg.to_dict()))
         self.engine = infinity.initialize(self.model, cfg, lr_scheduler=self._box.attach)
+        self._announce_placement(ignored)
         return self.engine
+
+    def _announce_placement(self, ignored) -> None:
+        """The start-of-training summary (main process only): where params, optimizer
+        states and gradients live, the bytes per tier, the swap path, and the DeepSpeed keys
+        accepted but ignored.  Shown at the Trainer's default log level (``passive``: the
+        main process logs at WARNING), silenced by ``log_level="error"``/``"critical"``."""
+        if not self.is_world_process_zero():
+            return
+        if self.args.get_process_log_level() > logging.WARNING:
+            return
+        text = placement_summary(self.engine, ignored)
+        if text:   # printed: the "infinity" loggers have only a NullHandler unless configured
+            print(text, file=sys.stderr, flush=True)
 
     def create_optimizer(self, model=None):
         if self.optimizer is None:
@@ -396,6 +412,22 @@ class InfinityTrainerMixin:
         """Close the engine (idempotent): hooks removed, swap space freed."""
         if self.engine is not None:
             self.engine.close()
+
+
+def placement_summary(engine, ignored=()) -> str:
+    """A few lines saying what lives where (from ``engine.placement``), the swap path, and
+    the DeepSpeed keys accepted but ignored."""
+    plan = getattr(engine, "placement", None)
+    lines = []
+    if plan is not None:
+        lines.append(f"infinity placement: {plan.summary()}")
+    swap = getattr(engine, "swap", None)
+    paths = list(swap.paths) if swap is not None else []
+    lines.append("infinity swap: " + (", ".join(paths) if paths else "none (nothing on NVMe)"))
+    if ignored:
+        lines.append("infinity: DeepSpeed keys accepted but ignored (tuning-only, or data "
+                     "loading which is the Trainer's job): " + ", ".join(ignored))
+    return "\n".join(lines)
 
 
 class _AccProxy:

@@ -294,6 +294,19 @@ class PlacementPlan:
                 f"initialize: the device tier needs {_gb(self.device_total)} ({parts}) but "
                 f"offload.device_memory_gb is {_gb(self.device_cap)}; " + " or ".join(hints))
 
+    def summary(self) -> str:
+        """One line for a user: where each kind of state lives and the bytes per tier
+        (the full breakdown is :meth:`describe`)."""
+        where = {"device": "device", "none": "device", "cpu": "host memory", "nvme": "NVMe"}
+        grads = "NVMe" if self.grad_home == "nvme" else "host memory"
+
+        def cap(c):
+            return "" if c is None else f" (cap {_mb(c)})"
+        return (f"params on {where.get(self.param_home, self.param_home)}, optimizer states on "
+                f"{where.get(self.optimizer_home, self.optimizer_home)}, gradients in {grads}; "
+                f"host memory {_mb(self.host_total)}{cap(self.host_cap)}, NVMe "
+                f"{_mb(self.nvme_total)}, device {_mb(self.device_total)}{cap(self.device_cap)}")
+
     def describe(self) -> str:
         lines = [f"placement plan: precision {self.precision}, params home {self.param_home}, "
                  f"optimizer home {self.optimizer_home}, {len(self.groups)} groups "

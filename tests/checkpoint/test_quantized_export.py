@@ -79,14 +79,17 @@ def test_quantized_export_loads_decodes_exactly_and_generates(trained, tmp_path,
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(os.listdir(out))
     qcfg = json.loads((out / "config.json").read_text())["quantization_config"]
     assert qcfg["quant_method"] == "compressed-tensors" and qcfg["format"] == "pack-quantized"
-    w = qcfg["config_groups"]["group_0"]["weights"]
+    ragged = [f"model.layers.{i}.mlp.down_proj" for i in range(2)] if 96 % group else []
+    # the per-channel group (exact names) comes first: see infinity/checkpoint/compressed.py
+    main = qcfg["config_groups"]["group_1" if ragged else "group_0"]
+    assert main["targets"] == ["Linear"]
+    w = main["weights"]
     assert (w["num_bits"], w["strategy"], w["group_size"], w["symmetric"]) == \
         ({"int8": 8, "int4": 4}[scheme], "group", group, True)
     assert qcfg["ignore"] == ["lm_head"]
-    ragged = [f"model.layers.{i}.mlp.down_proj" for i in range(2)] if 96 % group else []
     if ragged:
-        assert qcfg["config_groups"]["group_1"]["targets"] == ragged
-        assert qcfg["config_groups"]["group_1"]["weights"]["strategy"] == "channel"
+        assert qcfg["config_groups"]["group_0"]["targets"] == ragged
+        assert qcfg["config_groups"]["group_0"]["weights"]["strategy"] == "channel"
     else:
         assert "group_1" not in qcfg["config_groups"]
 
