@@ -35,12 +35,20 @@ def register(sub):
                    help="write the fine-tuned model and its tokenizer here at the end (and on Ctrl-C) "
                         "as a Hugging Face directory: AutoModelForCausalLM.from_pretrained(DIR) and "
                         "AutoTokenizer.from_pretrained(DIR) load it")
-    p.add_argument("--save", metavar="DIR", help="checkpoint directory (saved at the end and on Ctrl-C)")
+    p.add_argument("--save", metavar="DIR",
+                   help="checkpoint directory (saved at the end and on Ctrl-C); when it holds "
+                        "checkpoints of the same run (model, data, training settings; --steps may "
+                        "grow), the run resumes from the latest, and another run is refused")
     p.add_argument("--save-every", type=nonneg_int, default=0, metavar="N",
                    help="also save every N steps")
     p.add_argument("--keep-last", type=nonneg_int, default=0, metavar="K",
                    help="keep only the K newest checkpoints (0: keep all)")
-    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --save DIR")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the latest checkpoint in --save DIR (the default; also "
+                        "accepts checkpoints written before runs were recorded)")
+    p.add_argument("--restart", action="store_true",
+                   help="start over at step 1: move the checkpoints in --save DIR into "
+                        "DIR/previous-<UTC time>/ first (nothing is deleted)")
     p.add_argument("--profile", metavar="DIR", help="write a timeline (Chrome trace, PNG, summary) to DIR")
     p.add_argument("--profile-skip", type=nonneg_int, default=1, metavar="N",
                    help="leave the first N steps of the run out of --profile as warm-up (default 1: "
@@ -68,7 +76,8 @@ def run(args):
                            batch_tokens=args.batch_tokens, seq_len=args.seq_len, lr=args.lr,
                            state_dtype=args.state_dtype,
                            save=args.save, output=args.output, save_every=args.save_every, keep_last=args.keep_last,
-                           resume=args.resume, profile=args.profile,
+                           resume=args.resume, restart=args.restart,
+                           command=_command_line(), profile=args.profile,
                            profile_skip=args.profile_skip, json_lines=args.json,
                            seed=args.seed, use_bench_io=not args.no_bench_io,
                            tokenizer=args.tokenizer, auto=args.auto,
@@ -82,6 +91,28 @@ def run(args):
     finally:
         _ignore_late_interrupts()
     return 0
+
+
+def _command_line(argv=None):
+    """The command that resumes this run: the same command line (without ``--restart``,
+    which would start over again); None when ``main(argv)`` was called from Python."""
+    import os
+    import shlex
+    import shutil
+    import sys
+
+    argv = list(sys.argv if argv is None else argv)
+    if "finetune" not in argv[1:]:
+        return None
+    prog = argv[0]
+    if prog.endswith(".py") or prog == "-m":
+        head = [sys.executable, "-m", "infinity"]
+    else:
+        name = os.path.basename(prog)
+        found = shutil.which(name)
+        same = found and os.path.realpath(found) == os.path.realpath(prog)
+        head = [name if same else prog]
+    return shlex.join(head + [a for a in argv[1:] if a != "--restart"])
 
 
 def _ignore_late_interrupts():

@@ -1,5 +1,5 @@
 """Checkpoints of a fine-tuning run: ``--save DIR``, ``--save-every N``,
-``--keep-last K``, ``--resume``.
+``--keep-last K``, resume by default, ``--restart``.
 
 Saving and loading go through ``engine.save_checkpoint(dir, tag)`` /
 ``engine.load_checkpoint(dir)`` (sharded, atomic, ``latest`` pointer: see
@@ -8,17 +8,23 @@ from is read from the tag ``latest`` names — and the data stream continues at
 that step (batches are a pure function of seed and index). Each checkpoint's meta
 records the model's config and the tokenizer's source
 (:func:`infinity.checkpoint.model_meta`), so ``infinity export`` writes a directory
-``from_pretrained`` loads.
+``from_pretrained`` loads. It also records which run wrote it (model, data, training keys:
+:mod:`infinity.finetune.identity`), so a later ``finetune`` with the same ``--save``
+resumes the same run and refuses another one (:func:`check_save_dir`); ``--restart``
+moves the old checkpoints into ``DIR/previous-<UTC time>/`` (:func:`move_aside`).
 """
 import logging
 import os
 import re
+import time
+from dataclasses import dataclass
 
 from infinity.checkpoint import delete_checkpoint
 
 log = logging.getLogger("infinity.finetune")
 
 TAG_RE = re.compile(r"^step-(\d{8})$")
+PREVIOUS_PREFIX = "previous-"
 
 
 class CheckpointUnavailable(RuntimeError):
@@ -103,5 +109,60 @@ class Checkpointer:
                 "(step-NNNNNNNN); load it with engine.load_checkpoint in Python instead")
         _require(engine, "load_checkpoint")(self.root)
         step = int(m.group(1))
-        log.info("resumed from %s (step %d)", os.path.join(self.root, tag), step)
+        # the run printed "resuming from step N" already (finetune.run._check_save_dir)
+        log.debug("resumed from %s (step %d)", os.path.join(self.root, tag), step)
         return step
+
+
+@dataclass
+class SaveDirState:
+    """What ``--save DIR`` holds before the run starts."""
+    tag: str = None          # the checkpoint ``latest`` names (None: nothing to resume)
+    step: int = 0
+    run: dict = None         # the identity recorded in its meta (None: an older checkpoint)
+    error: str = None        # why the latest checkpoint cannot be read
+
+
+def inspect_save_dir(root):
+    """Read ``root/latest``'s manifest (validated, no tensor read) without an engine."""
+    from infinity.checkpoint import CheckpointError, CheckpointReader
+
+    if not os.path.exists(os.path.join(root, "latest")):
+        return SaveDirState()
+    try:
+        with CheckpointReader(root) as r:
+            tag, meta = r.tag, r.meta
+    except CheckpointError as e:
+        return SaveDirState(tag="latest", error=str(e))
+    m = TAG_RE.match(tag or "")
+    if not m:
+        return SaveDirState(tag=tag, error=f"{root}/latest names {tag!r}, not a finetune "
+                                           "checkpoint (step-NNNNNNNN)")
+    from infinity.finetune.identity import META_KEY
+
+    run = meta.get(META_KEY) if isinstance(meta, dict) else None
+    return SaveDirState(tag=tag, step=int(m.group(1)), run=run if isinstance(run, dict) else None)
+
+
+def move_aside(root, now=None):
+    """Move everything in ``root`` except earlier ``previous-*`` folders into
+    ``root/previous-<UTC time>/`` (never deletes); returns that folder, or None when there
+    was nothing to move."""
+    try:
+        names = [n for n in os.listdir(root) if not n.startswith(PREVIOUS_PREFIX)]
+    except FileNotFoundError:
+        return None
+    if not names:
+        return None
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(now))
+    dest = os.path.join(root, PREVIOUS_PREFIX + stamp)
+    n = 1
+    while os.path.exists(dest):
+        n += 1
+        dest = os.path.join(root, f"{PREVIOUS_PREFIX}{stamp}-{n}")
+    os.mkdir(dest, 0o700)
+    # ``latest`` last: an interruption leaves it naming a moved tag, which the next run
+    # refuses (and ``--restart`` again finishes the move), never a silent fresh start
+    for name in sorted(names, key=lambda x: x == "latest"):
+        os.rename(os.path.join(root, name), os.path.join(dest, name))
+    return dest

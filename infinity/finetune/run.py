@@ -36,7 +36,9 @@ class FinetuneOptions:
     output: str = None              # write the fine-tuned model (HF directory) here at the end
     save_every: int = 0
     keep_last: int = 0
-    resume: bool = False
+    resume: bool = False            # resuming is the default; kept so old command lines work
+    restart: bool = False           # move --save's checkpoints into previous-<UTC>/, start at 1
+    command: str = None             # the command line, for "resume with" after a stop (CLI)
     profile: str = None
     profile_skip: int = 1           # warm-up steps left out of the profile (the first records the order)
     json_lines: bool = False
@@ -71,6 +73,11 @@ def _validate(opts):
         raise FinetuneError("--save-every/--keep-last need --save DIR")
     if opts.resume and not opts.save:
         raise FinetuneError("--resume needs --save DIR (the checkpoint directory to continue from)")
+    if opts.restart and not opts.save:
+        raise FinetuneError("--restart needs --save DIR (the checkpoint directory to start over in)")
+    if opts.restart and opts.resume:
+        raise FinetuneError("--restart and --resume contradict each other: --restart moves the "
+                            "checkpoints aside and starts at step 1, --resume continues from them")
     if opts.tokenizer not in ("auto", "byte"):
         raise FinetuneError(f"--tokenizer must be 'auto' or 'byte', got {opts.tokenizer!r}")
     if opts.lr is not None and not (opts.lr > 0):
@@ -141,6 +148,9 @@ def finetune(opts, *, reporter_streams=None):
 
             # before the model is built: Init shards it by rank
             own_pg = world > 1 and ensure_process_group(int(cfg.get("dist_timeout_s", 600)))
+            run_id = _run_identity(opts, cfg, auto, tok) if opts.save else None
+            resume_from = _check_save_dir(opts, run_id, rank, world, reporter) if opts.save \
+                else None
             model, desc = resolve_model(opts.model, init_config=cfg)
             check_vocab(model, tok)
             seq_len, batch = _shape(opts, model)
@@ -173,9 +183,11 @@ def finetune(opts, *, reporter_streams=None):
         f"{cfg['offload']['optimizer']}, swap {cfg['offload']['nvme_paths']}")
 
     from infinity.checkpoint import model_meta
+    from infinity.finetune.identity import META_KEY as RUN_META_KEY
 
     checkpointer = ck.Checkpointer(opts.save, keep_last=opts.keep_last, is_rank0=(rank == 0),
-                                   extra_meta=model_meta(model, tokenizer=tok.describe())) \
+                                   extra_meta=dict(model_meta(model, tokenizer=tok.describe()),
+                                                   **{RUN_META_KEY: run_id})) \
         if opts.save else None
     t_start = time.perf_counter()
     result = None
@@ -196,13 +208,15 @@ def finetune(opts, *, reporter_streams=None):
             try:
                 del model  # the engine owns the parameters now
                 start = 0
-                if opts.resume:
+                if resume_from is not None or opts.resume:
                     from infinity.checkpoint.errors import CheckpointError
 
                     try:
                         start = checkpointer.resume(engine)
                     except CheckpointError as e:  # corrupt/incomplete/incompatible checkpoint
-                        raise FinetuneError(f"--resume: {e}") from e
+                        raise FinetuneError(f"{_save_flag(opts)}: {e}; to start over: "
+                                           f"{_ways_out(opts.save)}") \
+                            from e
                     reporter.set_initial(start)
                     if start >= opts.steps:
                         reporter.info(f"checkpoint is at step {start} >= --steps {opts.steps}: "
@@ -252,6 +266,8 @@ def finetune(opts, *, reporter_streams=None):
                                                              "OUT`" if result.saved else ""))
             if opts.profile:
                 extra["profile"] = opts.profile
+            if result.stop_reason != "completed":
+                extra["resume"] = _resume_hint(opts, world)
             if auto is not None:
                 extra["auto"] = _auto_check(auto, reporter.records)
             reporter.summary(stop_reason=None if result.stop_reason == "completed"
@@ -310,6 +326,100 @@ class _WarmProfile:
         if self.session is not None:
             return self.session.__exit__(*exc)
         return False
+
+
+def _ways_out(save):
+    return (f"--restart (moves the old checkpoints into {save}/previous-<UTC time>/, deletes "
+            "nothing) or another --save DIR")
+
+
+def _save_flag(opts):
+    return "--resume" if opts.resume else f"--save {opts.save}"
+
+
+def _run_identity(opts, cfg, auto, tok):
+    """This run's identity (:mod:`infinity.finetune.identity`), from the model's config
+    (micro-batch and sequence length as :func:`_shape` will set them) before it is built."""
+    from types import SimpleNamespace
+
+    from infinity.finetune.auto import model_config_path
+    from infinity.finetune.identity import run_identity
+    from infinity.finetune.model import DEFAULT_MODEL, SHIPPED_MODELS, load_model_config
+
+    spec = opts.model or DEFAULT_MODEL
+    if spec not in SHIPPED_MODELS and not os.path.exists(spec):
+        from infinity.finetune.model import resolve_model
+
+        resolve_model(spec)  # raises its ModelError (what --model accepts), builds nothing
+    seq_len, batch = _shape(opts, SimpleNamespace(config=load_model_config(
+        model_config_path(opts.model))))
+    if auto is not None:
+        batch = auto.micro_batch
+    gas = int(cfg.get("gradient_accumulation_steps", 1) or 1)
+    try:
+        return run_identity(opts, cfg, micro_batch=batch, grad_accum=gas, seq_len=seq_len,
+                            tokenizer=tok.describe())
+    except OSError as e:
+        raise FinetuneError(f"cannot read the model or data to identify this run: {e}") from e
+
+
+def _check_save_dir(opts, run_id, rank, world, reporter):
+    """Resume by default. Returns the checkpoint tag to resume from (None: start at step 1);
+    raises :class:`FinetuneError` when ``--save`` holds another run's checkpoints."""
+    from infinity.finetune import checkpoints as ck
+    from infinity.finetune.identity import differences
+
+    save = opts.save
+    if opts.restart:
+        err = None
+        if rank == 0:
+            try:
+                dest = ck.move_aside(save)
+            except OSError as e:
+                err = e
+            else:
+                reporter.info(f"--restart: moved the earlier checkpoints into {dest}; starting at "
+                              "step 1" if dest else f"--restart: {save} holds no checkpoints; "
+                              "starting at step 1")
+        if world > 1:
+            import torch.distributed as dist
+
+            dist.barrier()  # the other ranks see the directory only after the move
+        if err is not None:
+            raise FinetuneError(f"--restart: cannot move the checkpoints in {save} aside: {err}")
+        return None
+    state = ck.inspect_save_dir(save)
+    if state.tag is None:
+        return None  # nothing saved yet (--resume warns about that when the engine is up)
+    if state.error:
+        raise FinetuneError(f"{_save_flag(opts)}: the latest checkpoint cannot be resumed: "
+                            f"{state.error}; to start over: {_ways_out(save)}")
+    if state.run is None and not opts.resume:
+        raise FinetuneError(f"--save {save} holds checkpoints (latest {state.tag}) that do not "
+                            "record which run wrote them (an older infinity): pass --resume to "
+                            f"continue from them; to start over: {_ways_out(save)}")
+    diffs = differences(state.run, run_id) if state.run is not None else []
+    if diffs:
+        raise FinetuneError(f"--save {save} holds checkpoints of a different run (latest "
+                            f"{state.tag}): " + "; ".join(diffs) + ". To start this run: "
+                            f"{_ways_out(save)}; to continue that one, use its settings")
+    if state.step < opts.steps:
+        same = "the same run" if state.run is not None else "--resume: the run is not recorded"
+        reporter.info(f"resuming from step {state.step} ({os.path.join(save, state.tag)}, "
+                      f"{same}); --restart starts over")
+    return state.tag
+
+
+def _resume_hint(opts, world):
+    """The summary's ``resume`` row after a stop: the command that continues the run."""
+    if not opts.save:
+        return "not resumable: no --save DIR (pass --save DIR to continue after a stop)"
+    if opts.command:
+        cmd = opts.command
+        if world > 1:
+            return f"run the same torchrun command again ({cmd})"
+        return cmd
+    return f"run finetune again with the same options and --save {opts.save}"
 
 
 def _auto_plan(opts, cfg, world):
