@@ -86,8 +86,12 @@ def build_model(size: str, seq: int, *, device="cpu", dtype=torch.bfloat16, seed
     finally:
         torch.set_default_dtype(prev)
     model.to(dtype)
-    if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if checkpointing:       # (transformers 5 renamed it; the old name warns as deprecated)
+        kw = {"use_reentrant": False}
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kw)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw)
     model.config.use_cache = False
     model.train()
     return model

@@ -157,7 +157,10 @@ def finetune(opts, *, reporter_streams=None):
             if auto is not None:
                 batch = auto.micro_batch
                 if auto.checkpointing:
-                    model.gradient_checkpointing_enable()
+                    # transformers 5 renamed it (the old name warns as deprecated)
+                    enable = getattr(model, "activation_checkpointing_enable", None) or \
+                        model.gradient_checkpointing_enable
+                    enable()
                     model.train()
             batcher = TokenBatcher(texts, tok, seq_len=seq_len, batch_size=batch, rank=rank,
                                    world_size=world, seed=opts.seed)
@@ -205,6 +208,8 @@ def finetune(opts, *, reporter_streams=None):
             except (OSError, ValueError, MemoryError) as e:
                 # swap path not writable, disk full, budgets too small: the message says what to do
                 raise FinetuneError(f"cannot set up the offload engine: {e}") from e
+            # the placement in one line, as the Trainer integration prints it
+            reporter.info(f"placement: {engine.placement.summary()}")
             try:
                 del model  # the engine owns the parameters now
                 start = 0
