@@ -69,10 +69,27 @@ def build_parser():
     return p
 
 
+class _CurrentStderr(logging.StreamHandler):
+    """Writes each record to ``sys.stderr`` as it is then, not as it was at set-up (a caller
+    that replaced and closed it meanwhile -- a test's capture, a redirect -- must not turn
+    every later log line into a "--- Logging error ---")."""
+
+    def __init__(self):
+        super().__init__(sys.stderr)
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value):
+        pass
+
+
 def setup_logging(verbosity):
     """Library logs go to stderr (stdout is reserved for results, e.g. --json)."""
     level = logging.INFO if verbosity <= 1 else logging.DEBUG
-    h = logging.StreamHandler(sys.stderr)
+    h = _CurrentStderr()
     h.setFormatter(logging.Formatter("[infinity] %(levelname)s %(message)s"))
     root = logging.getLogger("infinity")
     root.handlers[:] = [h]
