@@ -368,6 +368,8 @@ class InfinityTrainerMixin:
             pc.save_pretrained(output_dir)
         with open(os.path.join(output_dir, "training_args.json"), "w", encoding="utf-8") as f:
             f.write(self.args.to_json_string())
+        from infinity.checkpoint.export import public_file_modes
+        public_file_modes(output_dir)     # one mode for every file, as save_pretrained's
 
     # ------------------------------------------------------------------ resuming
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):

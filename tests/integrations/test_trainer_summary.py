@@ -64,3 +64,21 @@ def test_summary_silenced_by_log_level(tmp_path, capfd, level):
     printed = (out.err + out.out).splitlines()
     assert not [x for x in printed if x.startswith(("infinity placement:", "infinity swap:",
                                                     "infinity: DeepSpeed keys"))], printed
+
+
+def test_save_model_files_share_one_mode(tmp_path):
+    """save_model's weights (written 0600 then renamed), config, tokenizer and training
+    args all get the mode save_pretrained gives: 0666 under the umask."""
+    tr = InfinityTrainer(model=H.gpt2(), args=H.args(tmp_path / "out", max_steps=1),
+                         train_dataset=H.TokenData(), infinity_config=_ds(tmp_path / "swap"))
+    try:
+        tr.train()
+        tr.save_model(str(tmp_path / "saved"))
+    finally:
+        tr.close()
+    old = os.umask(0)
+    os.umask(old)
+    files = [f for f in (tmp_path / "saved").iterdir() if f.is_file()]
+    assert any(f.name.endswith(".safetensors") for f in files), files
+    modes = {f.name: f.stat().st_mode & 0o777 for f in files}
+    assert set(modes.values()) == {0o666 & ~old}, modes
