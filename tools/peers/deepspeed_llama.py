@@ -20,23 +20,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 import time
 import traceback
 
 TOOLS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, TOOLS)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from deepspeed_e2e import claim_stdout, single_process_env  # noqa: E402  (the MLP peer's)
 
 
 def log(msg):
     print(f"[deepspeed_llama] {msg}", file=sys.stderr, flush=True)
-
-
-def free_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def ds_config(args):
@@ -63,10 +58,7 @@ def run(args):
     import deepspeed
 
     import llama_bench as lb
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(free_port()))
-    for k, v in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
-        os.environ[k] = v
+    single_process_env()
     cuda = args.device == "cuda"
     deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
     dev = "cuda" if cuda else "cpu"
@@ -126,9 +118,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.offload == "nvme" and not args.nvme_path:
         ap.error("--offload nvme needs --nvme-path DIR")
-    real = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)   # DeepSpeed's prints (C++ too) to stderr: stdout is the JSON line
-    sys.stdout = sys.stderr
+    real = claim_stdout()   # DeepSpeed's prints (C++ too) to stderr: stdout is the JSON line
     try:
         res = run(args)
         rc = 0
