@@ -22,6 +22,7 @@ _LAZY = {
     "GatheredParameters": ("infinity.zero.gathered", "GatheredParameters"),
     "estimate": ("infinity.estimate", "estimate"),
     "NonFiniteGradientError": ("infinity.engine.phase", "NonFiniteGradientError"),
+    "NonFiniteUpdateError": ("infinity.optim.errors", "NonFiniteUpdateError"),
 }
 
 

@@ -75,8 +75,14 @@ struct Consts {
           lerp_small(a.lerp_small) {}
 };
 
+// Lanes whose |x| is not below lim (inf/NaN, or beyond the stored dtype's range).
+inline __m256 not_below(__m256 x, __m256 lim) {
+    const __m256 abs = _mm256_and_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)));
+    return _mm256_cmp_ps(abs, lim, _CMP_NLT_UQ);
+}
+
 template <int G, int S, int O>
-inline void step8(const AdamArgs& a, const Consts& c, size_t i) {
+inline void step8(const AdamArgs& a, const Consts& c, size_t i, __m256& bad) {
     float* pp = a.param + i;
     __m256 p = _mm256_loadu_ps(pp);
     __m256 g = _mm256_mul_ps(load_grad<G>(a.grad, i), c.grad_scale);
@@ -94,6 +100,9 @@ inline void step8(const AdamArgs& a, const Consts& c, size_t i) {
     store_state<S>(a.exp_avg, i, m);
     store_state<S>(a.exp_avg_sq, i, v);
     store_out<O>(a.param_out, i, p);
+    bad = _mm256_or_ps(bad, _mm256_or_ps(not_below(p, _mm256_set1_ps(param_limit<O>())),
+                                         _mm256_or_ps(not_below(m, _mm256_set1_ps(store_limit<S>())),
+                                                      not_below(v, _mm256_set1_ps(store_limit<S>())))));
 }
 
 inline size_t esize(int dtype) { return dtype == kF32 ? 4 : (dtype == kNone ? 0 : 2); }
@@ -101,7 +110,7 @@ inline size_t esize(int dtype) { return dtype == kF32 ? 4 : (dtype == kNone ? 0 
 // Runs r < W elements starting at i through the vector body, staged in zero-padded
 // stack buffers: the head (peeling) and the tail see exactly the arithmetic of the body.
 template <int G, int S, int O>
-void staged(const AdamArgs& a, const Consts& c, size_t i, size_t r) {
+void staged(const AdamArgs& a, const Consts& c, size_t i, size_t r, __m256& bad) {
     alignas(32) float p[W] = {};
     alignas(32) unsigned char g[W * 4] = {}, m[W * 4] = {}, v[W * 4] = {}, o[W * 4] = {};
     const size_t gs = esize(G), ss = esize(S), os = esize(O);
@@ -111,7 +120,7 @@ void staged(const AdamArgs& a, const Consts& c, size_t i, size_t r) {
     std::memcpy(v, static_cast<const unsigned char*>(a.exp_avg_sq) + i * ss, r * ss);
     AdamArgs t = a;
     t.param = p; t.grad = g; t.exp_avg = m; t.exp_avg_sq = v; t.param_out = o;
-    step8<G, S, O>(t, c, 0);
+    step8<G, S, O>(t, c, 0, bad);   // (zero padding: finite lanes)
     std::memcpy(a.param + i, p, r * 4);
     std::memcpy(static_cast<unsigned char*>(a.exp_avg) + i * ss, m, r * ss);
     std::memcpy(static_cast<unsigned char*>(a.exp_avg_sq) + i * ss, v, r * ss);
@@ -119,33 +128,35 @@ void staged(const AdamArgs& a, const Consts& c, size_t i, size_t r) {
 }
 
 template <int G, int S, int O>
-void kernel(const AdamArgs& a, size_t begin, size_t end) {
+bool kernel(const AdamArgs& a, size_t begin, size_t end) {
     const Consts c(a);
+    __m256 bad = _mm256_setzero_ps();
     size_t i = begin;
     // Peel up to the next 32-byte boundary of param so the body's fp32 accesses do not
     // split cache lines.
     const size_t mis = (reinterpret_cast<uintptr_t>(a.param + i) & 31u) / sizeof(float);
     if (mis != 0 && (reinterpret_cast<uintptr_t>(a.param + i) & 3u) == 0 && end - i > W) {
-        staged<G, S, O>(a, c, i, W - mis);
+        staged<G, S, O>(a, c, i, W - mis, bad);
         i += W - mis;
     }
     for (; i + 2 * W <= end; i += 2 * W) {
-        step8<G, S, O>(a, c, i);
-        step8<G, S, O>(a, c, i + W);
+        step8<G, S, O>(a, c, i, bad);
+        step8<G, S, O>(a, c, i + W, bad);
     }
-    for (; i + W <= end; i += W) step8<G, S, O>(a, c, i);
-    if (i < end) staged<G, S, O>(a, c, i, end - i);
+    for (; i + W <= end; i += W) step8<G, S, O>(a, c, i, bad);
+    if (i < end) staged<G, S, O>(a, c, i, end - i, bad);
+    return _mm256_movemask_ps(bad) != 0;
 }
 
 struct Avx2Kernel {
     template <int G, int S, int O>
-    static void run(const AdamArgs& a, size_t begin, size_t end) { kernel<G, S, O>(a, begin, end); }
+    static bool run(const AdamArgs& a, size_t begin, size_t end) { return kernel<G, S, O>(a, begin, end); }
 };
 
 }  // namespace
 
-void adam_range_avx2(const AdamArgs& a, size_t begin, size_t end) {
-    run_selected<Avx2Kernel>(a, begin, end);
+bool adam_range_avx2(const AdamArgs& a, size_t begin, size_t end) {
+    return run_selected<Avx2Kernel>(a, begin, end);
 }
 
 void triad_range_avx2(float* p, const float* g, float* m, float* v, float s, size_t begin, size_t end) {

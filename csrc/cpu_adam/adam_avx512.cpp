@@ -100,8 +100,13 @@ struct Consts {
           lerp_small(a.lerp_small) {}
 };
 
+// Lanes of k whose |x| is not below lim (inf/NaN, or beyond the stored dtype's range).
+inline __mmask16 not_below(__mmask16 k, __m512 x, float lim) {
+    return _mm512_mask_cmp_ps_mask(k, _mm512_abs_ps(x), _mm512_set1_ps(lim), _CMP_NLT_UQ);
+}
+
 template <int G, int S, int O, bool Tail>
-inline void step16(const AdamArgs& a, const Consts& c, size_t i, __mmask16 k) {
+inline void step16(const AdamArgs& a, const Consts& c, size_t i, __mmask16 k, __mmask16& bad) {
     float* pp = a.param + i;
     __m512 p = Tail ? _mm512_maskz_loadu_ps(k, pp) : _mm512_loadu_ps(pp);
     __m512 g = _mm512_mul_ps(load_grad<G, Tail>(a.grad, i, k), c.grad_scale);
@@ -119,40 +124,44 @@ inline void step16(const AdamArgs& a, const Consts& c, size_t i, __mmask16 k) {
     store_state<S, Tail>(a.exp_avg, i, m, k);
     store_state<S, Tail>(a.exp_avg_sq, i, v, k);
     store_out<O, Tail>(a.param_out, i, p, k);
+    bad |= not_below(k, p, param_limit<O>()) | not_below(k, m, store_limit<S>()) |
+           not_below(k, v, store_limit<S>());
 }
 
 template <int G, int S, int O>
-void kernel(const AdamArgs& a, size_t begin, size_t end) {
+bool kernel(const AdamArgs& a, size_t begin, size_t end) {
     const Consts c(a);
+    __mmask16 bad = 0;
     size_t i = begin;
     // Peel: one masked step up to the next 64-byte boundary of param (the widest
     // stream), so the main loop's fp32 loads/stores do not split cache lines.
     const size_t mis = (reinterpret_cast<uintptr_t>(a.param + i) & 63u) / sizeof(float);
     if (mis != 0 && (reinterpret_cast<uintptr_t>(a.param + i) & 3u) == 0 && end - i > W) {
         const size_t head = W - mis;
-        step16<G, S, O, true>(a, c, i, static_cast<__mmask16>((1u << head) - 1u));
+        step16<G, S, O, true>(a, c, i, static_cast<__mmask16>((1u << head) - 1u), bad);
         i += head;
     }
     for (; i + 2 * W <= end; i += 2 * W) {
-        step16<G, S, O, false>(a, c, i, 0xffff);
-        step16<G, S, O, false>(a, c, i + W, 0xffff);
+        step16<G, S, O, false>(a, c, i, 0xffff, bad);
+        step16<G, S, O, false>(a, c, i + W, 0xffff, bad);
     }
-    for (; i + W <= end; i += W) step16<G, S, O, false>(a, c, i, 0xffff);
+    for (; i + W <= end; i += W) step16<G, S, O, false>(a, c, i, 0xffff, bad);
     if (i < end) {
         const __mmask16 k = static_cast<__mmask16>((1u << (end - i)) - 1u);
-        step16<G, S, O, true>(a, c, i, k);
+        step16<G, S, O, true>(a, c, i, k, bad);
     }
+    return bad != 0;
 }
 
 struct Avx512Kernel {
     template <int G, int S, int O>
-    static void run(const AdamArgs& a, size_t begin, size_t end) { kernel<G, S, O>(a, begin, end); }
+    static bool run(const AdamArgs& a, size_t begin, size_t end) { return kernel<G, S, O>(a, begin, end); }
 };
 
 }  // namespace
 
-void adam_range_avx512(const AdamArgs& a, size_t begin, size_t end) {
-    run_selected<Avx512Kernel>(a, begin, end);
+bool adam_range_avx512(const AdamArgs& a, size_t begin, size_t end) {
+    return run_selected<Avx512Kernel>(a, begin, end);
 }
 
 void triad_range_avx512(float* p, const float* g, float* m, float* v, float s, size_t begin, size_t end) {

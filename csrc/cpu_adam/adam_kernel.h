@@ -15,6 +15,12 @@
 //
 // with separate multiplies and adds (no FMA contraction), so the scalar,
 // AVX2 and AVX-512 paths give bit-identical fp32 results.
+//
+// Every kernel also reports whether any result is non-finite as stored: the fp32
+// master, exp_avg and exp_avg_sq (inf/NaN, or beyond what a bf16 state rounds to
+// finitely), and param_out (beyond its dtype's range: an fp16 copy of a master above
+// 65504 rounds to inf). The caller (infinity/optim/offload_step.py) turns that into a
+// rolled-back or failed update instead of silently NaN weights.
 #pragma once
 
 #include <cstddef>
@@ -53,11 +59,27 @@ struct AdamArgs {
     float neg_step_size = -1e-3f;  // -(lr / (1 - beta1^step))
 };
 
-// Kernels: update elements [begin, end) of `a`.
-using AdamRangeFn = void (*)(const AdamArgs& a, size_t begin, size_t end);
-void adam_range_scalar(const AdamArgs& a, size_t begin, size_t end);
-void adam_range_avx2(const AdamArgs& a, size_t begin, size_t end);
-void adam_range_avx512(const AdamArgs& a, size_t begin, size_t end);
+// Kernels: update elements [begin, end) of `a`; true when a result is non-finite
+// as stored (see above; the update is written anyway).
+using AdamRangeFn = bool (*)(const AdamArgs& a, size_t begin, size_t end);
+bool adam_range_scalar(const AdamArgs& a, size_t begin, size_t end);
+bool adam_range_avx2(const AdamArgs& a, size_t begin, size_t end);
+bool adam_range_avx512(const AdamArgs& a, size_t begin, size_t end);
+
+// The smallest magnitude a value of dtype D cannot hold finitely (round to nearest
+// even): fp32 (and kNone) inf; bf16 0x1.FEp127 + half an ulp = 0x1.FFp127 (ties go to
+// the odd 0x7F7F's even neighbour, inf); fp16 65520 (halfway between 65504 and 65536).
+// A value x is finite as stored iff |x| < limit (false for NaN too).
+template <int D>
+constexpr float store_limit() {
+    if constexpr (D == kBF16) return 0x1.FFp127f;
+    else if constexpr (D == kF16) return 65520.0f;
+    else return __builtin_inff();
+}
+
+// The limit of the master (fp32) and its low-precision copy, whichever is smaller.
+template <int O>
+constexpr float param_limit() { return O == kBF16 || O == kF16 ? store_limit<O>() : store_limit<kF32>(); }
 
 // Roofline reference: the same memory traffic as the fp32 Adam step
 // (read p, g, m, v; write p, m, v) with trivial arithmetic.

@@ -36,9 +36,11 @@ inline void store_out(void* p, size_t i, float x) {
 }
 
 template <int G, int S, int O>
-void kernel(const AdamArgs& a, size_t begin, size_t end) {
+bool kernel(const AdamArgs& a, size_t begin, size_t end) {
     const bool l2 = !a.adamw && a.weight_decay != 0.f;
     const bool decoupled = a.adamw && a.weight_decay != 0.f;
+    constexpr float lp = param_limit<O>(), ls = store_limit<S>();
+    bool bad = false;
     for (size_t i = begin; i < end; ++i) {
         float p = a.param[i];
         float g = load_grad<G>(a.grad, i) * a.grad_scale;
@@ -55,18 +57,20 @@ void kernel(const AdamArgs& a, size_t begin, size_t end) {
         store_state<S>(a.exp_avg, i, m);
         store_state<S>(a.exp_avg_sq, i, v);
         store_out<O>(a.param_out, i, p);
+        bad |= !(std::fabs(p) < lp) | !(std::fabs(m) < ls) | !(std::fabs(v) < ls);
     }
+    return bad;
 }
 
 struct ScalarKernel {
     template <int G, int S, int O>
-    static void run(const AdamArgs& a, size_t begin, size_t end) { kernel<G, S, O>(a, begin, end); }
+    static bool run(const AdamArgs& a, size_t begin, size_t end) { return kernel<G, S, O>(a, begin, end); }
 };
 
 }  // namespace
 
-void adam_range_scalar(const AdamArgs& a, size_t begin, size_t end) {
-    run_selected<ScalarKernel>(a, begin, end);
+bool adam_range_scalar(const AdamArgs& a, size_t begin, size_t end) {
+    return run_selected<ScalarKernel>(a, begin, end);
 }
 
 void triad_range_scalar(float* p, const float* g, float* m, float* v, float s, size_t begin, size_t end) {

@@ -2,7 +2,7 @@
 // adam_scalar.cpp, adam_avx2.cpp and adam_avx512.cpp.
 //
 // `K` is a struct defined in the ISA file's anonymous namespace with
-//   template <int G, int S, int O> static void run(const AdamArgs&, size_t, size_t);
+//   template <int G, int S, int O> static bool run(const AdamArgs&, size_t, size_t);
 // (G: grad dtype, S: state dtype, O: low-precision output dtype or kNone). Because
 // K has internal linkage, every instantiation below is private to that file and
 // compiled with that file's ISA flags: no AVX-512 code can be picked by the linker
@@ -28,16 +28,17 @@ AdamRangeFn select_state(int s, int o) {
     return s == kBF16 ? select_out<K, G, kBF16>(o) : select_out<K, G, kF32>(o);
 }
 
-// Run K's kernel for a.grad_dtype / a.state_dtype / a.out_dtype over [begin, end).
+// Run K's kernel for a.grad_dtype / a.state_dtype / a.out_dtype over [begin, end);
+// true when a result is non-finite (adam_kernel.h).
 template <class K>
-void run_selected(const AdamArgs& a, size_t begin, size_t end) {
+bool run_selected(const AdamArgs& a, size_t begin, size_t end) {
     AdamRangeFn fn;
     switch (a.grad_dtype) {
         case kBF16: fn = select_state<K, kBF16>(a.state_dtype, a.out_dtype); break;
         case kF16: fn = select_state<K, kF16>(a.state_dtype, a.out_dtype); break;
         default: fn = select_state<K, kF32>(a.state_dtype, a.out_dtype); break;
     }
-    fn(a, begin, end);
+    return fn(a, begin, end);
 }
 
 }  // namespace infinity_adam

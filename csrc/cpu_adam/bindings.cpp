@@ -4,6 +4,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <atomic>
 #include <cmath>
 #include <stdexcept>
 
@@ -16,7 +17,7 @@ using namespace infinity_adam;
 
 namespace {
 
-void adam_step(uintptr_t param, uintptr_t grad, uintptr_t exp_avg, uintptr_t exp_avg_sq,
+bool adam_step(uintptr_t param, uintptr_t grad, uintptr_t exp_avg, uintptr_t exp_avg_sq,
                uintptr_t param_out, size_t n, int grad_dtype, int state_dtype, int out_dtype,
                double lr, double beta1, double beta2, double eps, double weight_decay,
                bool adamw, double step_size, double bc2_sqrt, double grad_scale) {
@@ -50,7 +51,11 @@ void adam_step(uintptr_t param, uintptr_t grad, uintptr_t exp_avg, uintptr_t exp
     a.eps = static_cast<float>(eps);
     a.neg_step_size = static_cast<float>(-step_size);
     const AdamRangeFn fn = adam_kernel();
-    parallel_for(n, [&](size_t b, size_t e) { fn(a, b, e); });
+    std::atomic<bool> bad{false};
+    parallel_for(n, [&](size_t b, size_t e) {
+        if (fn(a, b, e)) bad.store(true, std::memory_order_relaxed);
+    });
+    return !bad.load();
 }
 
 void triad(uintptr_t p, uintptr_t g, uintptr_t m, uintptr_t v, size_t n, double s) {
@@ -77,7 +82,8 @@ PYBIND11_MODULE(_cpu_adam, m) {
           py::arg("out_dtype"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
           py::arg("weight_decay"), py::arg("adamw"), py::arg("step_size"), py::arg("bc2_sqrt"),
           py::arg("grad_scale"),
-          "One Adam/AdamW update of n elements in place (pointers validated by the caller).");
+          "One Adam/AdamW update of n elements in place (pointers validated by the caller); "
+          "False when a result (master, exp_avg, exp_avg_sq, param_out) is not finite as stored.");
     m.def("triad", &triad, py::call_guard<py::gil_scoped_release>(),
           "Roofline reference: p+=s*g; m+=s*g; v+=s*g over n fp32 elements (same bytes as an fp32 Adam step).");
     m.def("set_num_threads", [](int n) {

@@ -18,7 +18,8 @@ from torch import nn
 
 from infinity.config import InfinityConfig
 from infinity.engine.build import assemble
-from infinity.engine.phase import NonFiniteGradientError, Phase, PhaseError, run_shielded
+from infinity.engine.phase import (NonFiniteGradientError, NonFiniteUpdateError, Phase,
+                                   PhaseError, run_shielded)
 from infinity.memory.accounting import Accounting
 from infinity.memory.device import choose_device
 from infinity.memory.plan import remove_if_empty
@@ -291,20 +292,8 @@ class Engine:
         by_key = {self.opt.key(g): g for g in self.opt.groups}
         groups = [by_key[k] for k in keys if k in by_key]
         self.mm.discard_cached({g.gid for g in groups})   # Note [Cache write-through]
-        if self.dtype == torch.float32:
-            return                        # the master IS the parameter: restored with it
-        for g in groups:
-            if g.home == "device":
-                continue
-            tmp = torch.empty(g.padded_numel, dtype=torch.float32)
-            self.store.read_master(self.opt.key(g), tmp)
-            if g.home == "cpu":
-                g.host_buf.copy_(tmp)
-            else:
-                from infinity.io import aligned_empty
-                lp = aligned_empty(g.nbytes, torch.uint8).view(g.dtype)[:g.padded_numel]
-                lp.copy_(tmp)
-                self.swap.write(g.extent, lp).wait()
+        # (fp32: the master IS the parameter, restored with it)
+        self.opt.restore_params(set(keys))
 
     def _after_commit(self, moved) -> None:
         """The transaction's shadows are the state now: NVMe-homed fp32 parameters (their
@@ -513,17 +502,40 @@ class Engine:
                         self.phase = Phase.IDLE
                     else:
                         self._abort_window(e)
+                        if getattr(e, "_infinity_state_lost", False) and \
+                                self.phase is not Phase.FAILED:
+                            # Note [non-finite result]: the window is dropped, but the
+                            # host states keep the NaN: nothing may train on them
+                            self.phase = Phase.FAILED
+                            self._fail_reason = f"{type(e).__name__}: {e}"[:600]
                     raise
         except BaseException as e:
             self._left(e, late)
             raise
-        if not applied and self.dtype != torch.float16:
+        if not applied and (self.dtype != torch.float16 or self.opt.last_nonfinite_groups):
             self._nonfinite(self.opt.boundaries)
         return applied
 
     def _nonfinite(self, boundary: int) -> None:
         """An update skipped for inf/NaN gradients (fp32/bf16): warn (rate-limited) or raise."""
         import time as _time
+        groups = self.opt.last_nonfinite_groups
+        if groups:                        # Note [non-finite result]
+            what = (f"the Adam result of update {boundary} (global step {self.opt.step_count + 1}) "
+                    f"came out inf/NaN in parameter group(s) {', '.join(groups)} (an overflow from "
+                    f"finite gradients)")
+            if self.cfg.nonfinite_grads == "raise":
+                raise NonFiniteUpdateError(
+                    f"engine.step: {what}; the update was rolled back (weights, optimizer states, "
+                    f"global_steps and the LR schedule are unchanged). Lower the learning rate or "
+                    f"clip gradients (gradient_clipping); nonfinite_grads: \"skip\" skips such "
+                    f"updates instead", groups=groups, rolled_back=True)
+            now = _time.monotonic()
+            if now - self._nonfinite_warned_at >= 60.0:
+                self._nonfinite_warned_at = now
+                log.warning("infinity: %s; rolled back: weights and optimizer states unchanged "
+                            "(%d skipped updates so far)", what, self.opt.nonfinite_steps)
+            return
         if self.cfg.nonfinite_grads == "raise":
             raise NonFiniteGradientError(
                 f"engine.step: the gradient norm of update {boundary} (global step "

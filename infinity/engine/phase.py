@@ -5,7 +5,7 @@ Note [window abort]
 Every update is all-or-nothing.  An exception of any kind (``KeyboardInterrupt`` and
 ``SystemExit`` included) raised in ``forward``, ``backward`` or ``step`` drops the
 whole accumulation window: the optimizer steps already taken for it during backward
-are rolled back (Note [commit point] in :class:`infinity.optim.offload_step.StepTxn`),
+are rolled back (Note [commit point] in :class:`infinity.optim.step_txn.StepTxn`),
 its gradients are discarded, ``micro_steps`` goes back to the window's start, every
 group is released to its home and the hooks forget what was executing.  Parameters,
 fp32 masters, Adam moments, ``global_steps``, the LR schedule and the loss scale are
@@ -25,7 +25,10 @@ import _thread
 import enum
 from concurrent.futures import ThreadPoolExecutor
 
-__all__ = ["Phase", "NonFiniteGradientError", "run_shielded", "wait_done", "PhaseError"]
+from infinity.optim.errors import NonFiniteUpdateError  # noqa: F401 (re-exported)
+
+__all__ = ["Phase", "NonFiniteGradientError", "NonFiniteUpdateError", "run_shielded", "wait_done",
+           "PhaseError"]
 
 
 class Phase(enum.Enum):

@@ -79,6 +79,8 @@ class EngineOptimizer(GradAccumulation):
         self.last_grad_norm = 0.0
         self.last_step_seconds = 0.0
         self.nonfinite_steps = 0     # updates skipped for an inf/NaN gradient norm (fp32, bf16)
+                                     # or an inf/NaN Adam result (every precision)
+        self.last_nonfinite_groups: tuple = ()   # the groups of the last result skip
         self.host_pool = host_pool
         self._init_grads(lazy_grads)
 
@@ -191,7 +193,7 @@ class EngineOptimizer(GradAccumulation):
         """Apply (or skip) one optimizer step over the accumulated gradients.
         ``done``: ``{gid: squared grad norm}`` of groups already stepped (overlapped with
         backward, :mod:`infinity.engine.overlap`) into ``txn``; only the others are stepped
-        here.  With ``txn`` (Note [commit point] in infinity.optim.offload_step) the
+        here.  With ``txn`` (Note [commit point] in infinity.optim.step_txn) the
         update is all-or-nothing: the remaining groups are stepped into it, then
         committed — or, when the step is skipped (fp16 overflow, non-finite gradients),
         rolled back.  ``shield(fn)`` runs the state-changing part (Note [window abort] in
@@ -207,22 +209,30 @@ class EngineOptimizer(GradAccumulation):
         raw_norm = self.grad_norm(skip=done) if done else self.grad_norm()  # ZeRO: no skip
         overflow = not math.isfinite(raw_norm)
         norm = raw_norm / scale
+        self.last_nonfinite_groups = ()
+
+        def skip(result_keys=()):
+            # rolled back: a non-finite gradient norm, or (result_keys) a non-finite result
+            # of the Adam step (Note [non-finite result] in infinity/optim/step_txn.py)
+            if txn is not None:
+                keys = set(txn.keys)
+                self.store.rollback(txn)
+                if on_rollback is not None:
+                    on_rollback(keys)
+            self.boundaries += 1
+            self.last_grad_norm = norm
+            if result_keys:
+                self.nonfinite_steps += 1
+                self.last_nonfinite_groups = self._group_names(result_keys)
+            elif self.precision == "fp16":
+                self.scaler.update(True)
+            else:
+                self.nonfinite_steps += 1
+            self._hp = None
+            for g in self.groups:
+                self.release_grad(g)
+            self.zero_grad()
         if overflow:
-            def skip():
-                if txn is not None:
-                    keys = set(txn.keys)
-                    self.store.rollback(txn)
-                    if on_rollback is not None:
-                        on_rollback(keys)
-                self.boundaries += 1
-                self.last_grad_norm = norm
-                if self.precision == "fp16":
-                    self.scaler.update(True)
-                else:
-                    self.nonfinite_steps += 1
-                for g in self.groups:
-                    self.release_grad(g)
-                self.zero_grad()
             shield(skip)
             return False
         clip_coef = 1.0
@@ -250,6 +260,12 @@ class EngineOptimizer(GradAccumulation):
                         on_undo(keys)
                 shield(undo)
                 done = {}
+        if self.LOCAL_VOTE and txn is not None and txn.nonfinite:
+            # an early (overlapped) step came out non-finite: rolled back before the
+            # commit decision, like a non-finite gradient (Note [non-finite result])
+            bad = set(txn.nonfinite)
+            shield(lambda: skip(bad))
+            return False
         lrs, wds = self._next_hparams()
         step = self.step_count + 1
         items = [self._item(g, lrs, wds) for g in self.groups if g.gid not in done]
@@ -257,16 +273,27 @@ class EngineOptimizer(GradAccumulation):
             for it in items:
                 self.store.prepare(txn, it.key)
             if self.LOCAL_VOTE and self.swap is None and self.store.swap is None:
-                txn.finish_only()        # Note [finish only] (infinity/optim/offload_step.py)
+                txn.finish_only()        # Note [finish only] (infinity/optim/step_txn.py)
+        skipped = [False]
 
         def apply():
+            bad = set()
             if items:
-                self.store.step(items, step=step, beta1=self.beta1, beta2=self.beta2,
-                                eps=self.eps, adamw=self.adamw, bias_correction=True,
-                                grad_scale=grad_scale, txn=txn)
-            if not self.vote(True):
+                bad |= self.store.step(items, step=step, beta1=self.beta1, beta2=self.beta2,
+                                       eps=self.eps, adamw=self.adamw, bias_correction=True,
+                                       grad_scale=grad_scale, txn=txn)
+            if txn is not None:
+                bad |= txn.nonfinite
+            ok, finite = self.vote(True, not bad)
+            if not ok:
                 raise RuntimeError("engine.step: another rank failed its part of this step; "
                                    "the update was not applied on any rank")
+            if not finite:                # Note [non-finite result]
+                if txn is not None and txn.reversible:
+                    skip(bad or ("another rank",))
+                    skipped[0] = True
+                    return
+                self._lost_update(bad, step)
             # ---- commit: nothing below may fail half-way
             moved = self.store.commit(txn) if txn is not None else {}
             if on_commit is not None:
@@ -287,7 +314,27 @@ class EngineOptimizer(GradAccumulation):
                 self.torch_sched.step()
             self.last_step_seconds = time.perf_counter() - t0
         shield(apply)
-        return True
+        return not skipped[0]
+
+    def _group_names(self, keys) -> tuple:
+        names = {self.key(g): g.name for g in self.groups}
+        return tuple(sorted(names.get(k, k) for k in keys))
+
+    def _lost_update(self, bad, step: int):
+        """A non-finite result that cannot be rolled back (Note [non-finite result]): the
+        host states were updated in place, so the NaN is in the weights already."""
+        from infinity.optim.errors import NonFiniteUpdateError
+        names = self._group_names(bad) if bad else ()
+        where = f"parameter group(s) {', '.join(names)}" if names else "another rank's parameters"
+        err = NonFiniteUpdateError(
+            f"engine.step: the Adam update of global step {step} came out inf/NaN in {where} "
+            f"(an overflow from finite gradients: exp_avg_sq of a gradient above ~1e19, or a "
+            f"master above the low-precision copy's range); the optimizer states are updated "
+            f"in place and cannot be restored, so the engine stops: load the last checkpoint "
+            f"into a new engine, and lower the learning rate or clip gradients "
+            f"(gradient_clipping)", groups=names, rolled_back=False)
+        err._infinity_state_lost = True
+        raise err
 
     @property
     def redo_from_moments(self) -> bool:
@@ -336,9 +383,10 @@ class EngineOptimizer(GradAccumulation):
     #: the commit vote is this process's own (no other rank can fail the update)
     LOCAL_VOTE = True
 
-    def vote(self, ok: bool) -> bool:
-        """Whether every rank completed its part of the update (one process: ``ok``)."""
-        return ok
+    def vote(self, ok: bool, finite: bool = True) -> tuple[bool, bool]:
+        """Whether every rank completed its part of the update, and whether every rank's
+        result is finite (one process: its own)."""
+        return ok, finite
 
     def _item(self, g: GroupRecord, lrs: list[float], wds: list[float]):
         from infinity.optim.offload_step import StepItem
@@ -358,21 +406,7 @@ class EngineOptimizer(GradAccumulation):
             pos = s.offset + s.numel
         if pos < g.padded_numel:
             segs.append((pos, g.padded_numel - pos, 0.0, 0.0))
-        param_out = None
-        sink = None
-        if self.precision != "fp32":
-            if g.home == "device":
-                param_out = self._device_home(g)
-            elif g.home == "cpu":
-                param_out = g.host_buf
-            else:
-                esize = g.device_buf.element_size() if g.device_buf is not None else \
-                    torch.empty((), dtype=g.dtype).element_size()
-                ext = g.extent
-                swap = self.swap
-
-                def sink(key, elem_offset, tile, _ext=ext, _es=esize):
-                    return swap.write(_ext, tile, offset=elem_offset * _es)
+        param_out, sink = self._param_target(g)
         grad = self.grad_source(g)
         # fp32 NVMe home with a cached host copy (MemoryManager.enable_cache): the copy is
         # the master in hand, updated in place and written through (Note [Cache
@@ -380,6 +414,50 @@ class EngineOptimizer(GradAccumulation):
         master_buf = g.host_buf if self.precision == "fp32" and g.home == "nvme" else None
         return StepItem(self.key(g), grad, segs, param_out=param_out, param_sink=sink,
                         master_buf=master_buf)
+
+    def _param_target(self, g: GroupRecord):
+        """Where the step writes ``g``'s updated low-precision parameters (bf16/fp16; fp32:
+        the master is the parameter): ``(param_out tensor, None)`` or ``(None, sink)`` for
+        an NVMe home (``sink(key, elem_offset, tile)`` writes a tile, returns a handle)."""
+        if self.precision == "fp32":
+            return None, None
+        if g.home == "device":
+            return self._device_home(g), None
+        if g.home == "cpu":
+            return g.host_buf, None
+        esize = g.device_buf.element_size() if g.device_buf is not None else \
+            torch.empty((), dtype=g.dtype).element_size()
+        ext = g.extent
+        swap = self.swap
+
+        def sink(key, elem_offset, tile, _ext=ext, _es=esize):
+            return swap.write(_ext, tile, offset=elem_offset * _es)
+        return None, sink
+
+    def restore_params(self, keys) -> None:
+        """After a rollback (Note [commit point]): the rolled-back steps of ``keys`` wrote
+        their low-precision parameters in place; write them again from the restored fp32
+        master (the same round-to-nearest-even the kernel applies)."""
+        if self.precision == "fp32":
+            return
+        from infinity.io import aligned_empty
+        for g in self.groups:
+            key = self.key(g)
+            if key not in keys:
+                continue
+            param_out, sink = self._param_target(g)
+            n = self.store.numel(key)
+            master = torch.empty(n, dtype=torch.float32)
+            self.store.read_master(key, master)
+            if param_out is not None:
+                param_out.view(-1)[:n].copy_(master)
+            elif sink is not None:
+                lp = aligned_empty(n * torch.empty((), dtype=g.dtype).element_size(),
+                                   torch.uint8).view(g.dtype)[:n]
+                lp.copy_(master)
+                h = sink(key, 0, lp)
+                if h is not None:
+                    h.wait()
 
     def close(self) -> None:
         if self.grad_d2h is not None:

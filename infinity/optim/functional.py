@@ -224,6 +224,12 @@ def adam_step(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, 
     update, as in torch. The gradient is multiplied by ``grad_scale`` before anything
     else (pass ``clip_coef / loss_scale``). All tensors must be contiguous CPU tensors
     of equal numel (any shape). Releases the GIL; safe to call from any thread.
+
+    Returns True when every result is finite as stored: False when the master, a
+    moment or ``param_out`` came out inf/NaN or beyond its dtype's range (an overflow,
+    e.g. ``exp_avg_sq`` of a gradient above ~1e19, or an fp16 ``param_out`` above 65504).
+    The update is written either way; the engine rolls such an update back or stops
+    (Note [non-finite result] in infinity/optim/step_txn.py).
     """
     if not isinstance(param, torch.Tensor):
         raise TypeError(f"adam_step: param must be a torch.Tensor, got {type(param).__name__}")
@@ -241,7 +247,7 @@ def adam_step(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, 
             param, grad, exp_avg, exp_avg_sq, param_out, n, step, lr, beta1, beta2, eps, weight_decay,
             grad_scale)
     if n == 0:
-        return
+        return True
     if bias_correction:
         bias_correction1 = 1 - beta1 ** step
         bias_correction2 = 1 - beta2 ** step
@@ -251,7 +257,7 @@ def adam_step(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, 
         step_size = lr
         bc2_sqrt = 1.0
     ext = _kernel()
-    ext.adam_step(param.data_ptr(), grad.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(),
+    return ext.adam_step(param.data_ptr(), grad.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(),
                   0 if param_out is None else param_out.data_ptr(), n,
                   _dtype_code(ext, grad.dtype), _dtype_code(ext, exp_avg.dtype),
                   _dtype_code(ext, None if param_out is None else param_out.dtype),

@@ -6,7 +6,7 @@ is known only when backward ended.  When it is above the clip, the group's updat
 redone with its gradient scaled by ``c = clip / norm``.  Keeping every early-stepped
 gradient until then costs memory (host buffers that the parameter cache would use) or
 NVMe writes (gradients homed on NVMe).  With fp32 moments the gradient need not be kept:
-the commit point (Note [commit point] in infinity/optim/offload_step.py) still holds the
+the commit point (Note [commit point] in infinity/optim/step_txn.py) still holds the
 committed first moment ``m`` (the home extent, or the host undo copy) next to the
 speculative ``m' = b1*m + (1-b1)*g`` (the shadow, or the host tensor), so
 ``g = (m' - b1*m) / (1-b1)`` is recovered exactly up to fp32 rounding (an absolute error

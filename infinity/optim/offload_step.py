@@ -18,7 +18,8 @@ Homes (``offload.optimizer``):
 extent-backed tensor keeps a per-tile "written" bitmap and never-written tiles
 are zero-filled in the ring buffer instead of read.
 
-Public: :class:`StepItem`, :class:`OptimizerStateStore`, :data:`HOMES`.
+Public: :class:`StepItem`, :class:`OptimizerStateStore`, :data:`HOMES` (and
+:class:`StepTxn`, from :mod:`infinity.optim.step_txn`).
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 
 import torch
 
+from infinity.optim.step_txn import StepTxn
 from infinity.optim.tile_pipeline import LinkMeter, Slot, TilePipeline, TileTask, drain, extent_nbytes, round_up
 
 log = logging.getLogger("infinity.optim")
@@ -73,52 +75,6 @@ class StepItem:
     param_sink: Optional[Callable[[str, int, torch.Tensor], Any]] = None
     grad_dtype: torch.dtype = torch.float32
     master_buf: Optional[torch.Tensor] = None
-
-
-class StepTxn:
-    """Writes of one optimizer window held back until :meth:`OptimizerStateStore.commit`.
-
-    Note [commit point]: an update is all-or-nothing.  A step run with ``txn=`` writes
-    every extent-backed state tensor (master, ``exp_avg``, ``exp_avg_sq``; an external
-    extent master too) to a *shadow* extent of the same size instead of its home, and,
-    when ``host_undo`` is set, copies each host-resident state tile it is about to update
-    in place (and ``master_buf`` is not) into an undo copy first.  ``commit`` swaps every
-    written backing to its shadow (O(1), no I/O; the old extent becomes the next shadow)
-    and drops the undo copies; ``rollback`` restores the undo copies and forgets the
-    shadows' contents.  Reads during the window see the last committed values.  Extra
-    NVMe: one shadow per extent-backed state tensor (<= 1x the optimizer states); extra
-    host: the undo copies of the groups stepped in the window (``undo_bytes``).
-    Shadows are allocated on the caller's thread by :meth:`OptimizerStateStore.prepare`.
-
-    Note [finish only]: past the commit decision (the norm is known and finite, nothing
-    left to vote on) one process with no swap space has nothing that can fail half-way but
-    a bug: :meth:`finish_only` then stops taking undo copies (they cost as much memory
-    traffic as the Adam step itself), and a rollback of what was stepped after it cannot
-    restore those host states, so it raises (the engine enters ``FAILED``) instead of
-    leaving a half-applied update behind as if it were the last one.
-    """
-    __slots__ = ("writes", "undo", "undo_bytes", "keys", "host_undo", "irreversible")
-
-    def __init__(self, host_undo: bool = True):
-        self.writes: Dict[int, list] = {}   # id(backing) -> [backing, shadow extent, tiles written]
-        self.undo: List[tuple] = []         # (host view updated in place, its saved copy, key)
-        self.undo_bytes = 0
-        self.keys: set = set()              # partitions stepped in this window
-        self.host_undo = host_undo
-        self.irreversible = False           # Note [finish only]
-
-    def finish_only(self) -> None:
-        """Note [finish only]: from here on host states are updated without undo copies."""
-        self.host_undo = False
-        self.irreversible = True
-
-    def save(self, view: torch.Tensor, key: Optional[str] = None) -> None:
-        if self.host_undo:
-            self.undo.append((view, view.clone(), key))
-            self.undo_bytes += view.numel() * view.element_size()
-
-    def __bool__(self) -> bool:
-        return bool(self.keys)
 
 
 class _Backing:
@@ -400,17 +356,24 @@ class OptimizerStateStore:
             txn.writes.clear()
             txn.undo.clear()
             txn.keys.clear()
+            txn.nonfinite.clear()
+            txn.unrestorable = False
         return moved
 
     def rollback(self, txn: StepTxn) -> None:
         """Forget ``txn``'s writes: host tensors get their undo copies back, shadows are
         kept as spares (their contents are garbage, overwritten before any commit).  Raises
         for a transaction past :meth:`StepTxn.finish_only` (Note [finish only])."""
-        if txn.irreversible:
+        if txn.irreversible and txn.keys:
             raise RuntimeError(
                 "optimizer: the update failed after its commit decision, part-way through "
                 "host-resident optimizer states updated in place (Note [finish only]); they "
                 "cannot be restored: reload the last checkpoint")
+        if txn.unrestorable:
+            raise RuntimeError(
+                f"optimizer: the update of {sorted(txn.keys)} cannot be rolled back: host-resident "
+                f"optimizer states were updated in place without undo copies (they did not fit "
+                f"the host memory cap, Note [commit point]); reload the last checkpoint")
         with self._lock, self._spare_lock:
             for view, saved, _ in reversed(txn.undo):
                 view.copy_(saved)
@@ -419,6 +382,7 @@ class OptimizerStateStore:
             txn.writes.clear()
             txn.undo.clear()
             txn.keys.clear()
+            txn.nonfinite.clear()
 
     def rollback_key(self, txn: StepTxn, key: str) -> None:
         """:meth:`rollback` for ``key``'s writes only (the rest of ``txn`` stays)."""
@@ -436,12 +400,15 @@ class OptimizerStateStore:
                 if entry is not None:
                     self._spare[id(b)] = entry[1]
             txn.keys.discard(key)
+            txn.nonfinite.discard(key)
 
     # -- the step ---------------------------------------------------------------
     def step(self, items: Sequence[StepItem], *, step: int, beta1: float, beta2: float, eps: float,
              adamw: bool = True, bias_correction: bool = True, grad_scale: float = 1.0,
-             txn: Optional[StepTxn] = None) -> None:
-        """One Adam/AdamW step over ``items`` (each key at most once).
+             txn: Optional[StepTxn] = None) -> frozenset:
+        """One Adam/AdamW step over ``items`` (each key at most once).  Returns the keys
+        whose result is not finite (Note [non-finite result]; also added to
+        ``txn.nonfinite``): empty when the update is sound.
 
         ``txn``: hold the writes back until :meth:`commit` (Note [commit point] in
         :class:`StepTxn`); the items' keys must have been :meth:`prepare`-d.
@@ -472,6 +439,10 @@ class OptimizerStateStore:
                            f"no I/O is left in flight. Check free space and permissions of the NVMe "
                            f"paths {getattr(self.swap, 'dirs', None)}.")
                 raise
+            finally:
+                if txn is not None:
+                    txn.nonfinite |= pipe.nonfinite
+            return frozenset(pipe.nonfinite)
 
     def _plan(self, items: Sequence[StepItem]) -> List[TileTask]:
         seen = set()

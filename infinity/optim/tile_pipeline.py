@@ -132,11 +132,12 @@ class TilePipeline:
 
     def __init__(self, store, slots: List[Slot], meter: LinkMeter, adam_step: Callable, txn=None):
         self.store = store
-        self.txn = txn                 # offload_step.StepTxn or None (Note [commit point])
+        self.txn = txn                 # step_txn.StepTxn or None (Note [commit point])
         self.slots = slots
         self.meter = meter
         self.adam_step = adam_step
         self.current: Optional[TileTask] = None   # the tile being worked on (error context)
+        self.nonfinite: set = set()    # keys with a non-finite result (Note [non-finite result])
 
     # -- stages -----------------------------------------------------------
     def issue_reads(self, task: TileTask, slot: Slot) -> None:
@@ -219,17 +220,23 @@ class TilePipeline:
             for role in ROLES:
                 if task.part.backing[role].host is not None:
                     self.txn.save(v[role], task.part.key)
+        finite = True
         for off, k, lr, wd, ov in task.segs:
             e = off + k
             shp = hp if ov is None else {**hp, "beta1": ov[0], "beta2": ov[1], "eps": ov[2]}
-            self.adam_step(master[off:e], grad[off:e], m[off:e], s[off:e],
-                           lr=lr, weight_decay=wd,
-                           param_out=None if fused_out is None else fused_out[off:e], **shp)
+            finite &= self.adam_step(master[off:e], grad[off:e], m[off:e], s[off:e],
+                                     lr=lr, weight_decay=wd,
+                                     param_out=None if fused_out is None else fused_out[off:e],
+                                     **shp) is not False
         if po_full is not None and fused_out is not po_full:
             # A second output (or a device tensor): copy the rounded values, bit-identical
             # to the fused ones when the dtypes match, else rounded from the fp32 master.
             same = sink_buf is not None and sink_buf.dtype == po_full.dtype
+            if not same and po_full.dtype == torch.float16 and finite:
+                finite = not bool((master.abs() >= 65520.0).any())   # rounds to inf in fp16
             po_full.copy_(sink_buf if same else master)
+        if not finite:
+            self.nonfinite.add(task.part.key)
         t1 = time.perf_counter()
         self.meter.span("optimizer", task.part.key, t0, t1, n * 4)
         if item.param_sink is not None:

@@ -35,6 +35,8 @@ squared shard norms are summed across ranks), so every rank takes the same decis
 """
 from __future__ import annotations
 
+import math
+
 import logging
 import time
 from collections import deque
@@ -631,10 +633,16 @@ class PartitionedOptimizer(EngineOptimizer):
     # ------------------------------------------------------------------ the step
     LOCAL_VOTE = False
 
-    def vote(self, ok: bool) -> bool:
-        """Every rank completed its part of the update (the sum of one flag per rank)."""
-        return self.comm.all_reduce_scalar(1.0 if ok else 0.0,
-                                           name="step commit vote") >= self.comm.world_size - 0.5
+    #: a rank's vote: 1 when its part completed, plus _NONFINITE when its result is not
+    #: finite; the sum says how many of each (world sizes below _NONFINITE)
+    _NONFINITE = 65536.0
+
+    def vote(self, ok: bool, finite: bool = True) -> tuple[bool, bool]:
+        """Every rank completed its part of the update; every rank's result is finite."""
+        s = self.comm.all_reduce_scalar((1.0 if ok else 0.0) + (0.0 if finite else self._NONFINITE),
+                                        name="step commit vote")
+        bad = math.floor(s / self._NONFINITE)
+        return s - bad * self._NONFINITE >= self.comm.world_size - 0.5, bad == 0
 
     def boundary_step(self, done=None, **kw) -> bool:
         if self.stage == 1:
@@ -695,6 +703,15 @@ class PartitionedOptimizer(EngineOptimizer):
                 self._adder.shutdown(wait=True)
             super().close()
 
+    def _param_target(self, g: GroupRecord):
+        """This rank's shard of ``g``'s low-precision parameters (the driver's targets,
+        shard-relative)."""
+        if self.precision == "fp32":
+            return None, None
+        if self.stage == 3 and g.home == "nvme":
+            return super()._param_target(g)   # the sink writes shard-relative offsets to g.extent
+        return self._param_shard(g), None
+
     def _item(self, g: GroupRecord, lrs: list[float], wds: list[float]):
         from infinity.optim.offload_step import StepItem
         it = super()._item(g, lrs, wds)
@@ -704,14 +721,7 @@ class PartitionedOptimizer(EngineOptimizer):
         if self.spill:      # a kept final sum (Note [Streamed gradients]), else the extent
             held = self.grad_stream.held.get(g.gid)
             grad = held if held is not None else self._grad_ext[g.gid]
-        param_out = it.param_out
-        sink = it.param_sink
-        if self.precision != "fp32":
-            if self.stage == 3 and g.home == "nvme":
-                param_out = None   # the parent's sink writes shard-relative offsets to g.extent
-            else:
-                param_out = self._param_shard(g)
-                sink = None
+        param_out, sink = it.param_out, it.param_sink
         # fp32 NVMe-homed shard with a cached clean copy (Note [Shard cache] in
         # infinity/zero/partitioned_memory.py): the copy is the master in hand, updated in
         # place and written through
