@@ -142,6 +142,14 @@ class Plan:
     evaluated: int = 0
     fitting: int = 0
     searched: str = ""
+    candidates: list = field(default_factory=list)   # every fitting choice, fastest first
+    rejected: list = field(default_factory=list)     # every choice that does not fit
+
+    def reasons(self) -> list:
+        """One sentence per choice of the best plan, with the number that decided it
+        (:mod:`.plan_reasons`)."""
+        from .plan_reasons import plan_reasons
+        return plan_reasons(self)
 
     def compute_bound(self, checkpointing=None):
         """Tokens/s if compute were the only limit (8 FLOP/param/token with checkpointing)."""
@@ -223,6 +231,9 @@ class Plan:
                 lines.append(f"      {d}")
         for n in c.plan.notes:
             lines.append(f"  note: {n}")
+        lines.append("  why:")
+        for r in self.reasons():
+            lines.append(f"    {r}")
         if self.alternatives:
             lines.append("  next best:")
             for a in self.alternatives:
@@ -345,6 +356,7 @@ def make_plan(spec, machine, knobs, *, global_batch=None, micro_batch=None, grad
     evaluated = 0
     found = []          # fitting choices
     near = []           # non-fitting, for "closest"
+    rejected = []       # every non-fitting choice (the reasons quote their limits)
     for B, A in pairs:
         s = dataclasses.replace(spec, batch=B)
         gdts = ("fp32", "bf16") if allow_lossy and A > 1 else ("fp32",)
@@ -372,7 +384,9 @@ def make_plan(spec, machine, knobs, *, global_batch=None, micro_batch=None, grad
                                 if ch.fits:
                                     found.append(ch)
                                     done[v] = True
-                                elif d == depths[-1] and tile is None:
+                                    continue
+                                rejected.append(ch)
+                                if d == depths[-1] and tile is None:
                                     near.append(ch)
                             if all(done.values()):
                                 break
@@ -404,4 +418,4 @@ def make_plan(spec, machine, knobs, *, global_batch=None, micro_batch=None, grad
                                                        ch.knobs.activation_scope)]))
     model = dataclasses.replace(spec, batch=best.micro_batch if best else 1)
     return Plan(model, machine, global_batch, allow_lossy, best, alts, closest, evaluated,
-                len(found), searched)
+                len(found), searched, candidates=found, rejected=rejected)

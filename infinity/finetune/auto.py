@@ -40,7 +40,8 @@ class AutoPlan:
                 f"auto: planned for this machine: {m.host_mem_gb:g} GB RAM available, "
                 f"{m.nvme_gb:g} GB free for swap, NVMe {m.nvme_gbps:g}/{m.nvme_write_gbps:g} GB/s "
                 f"read/write, {m.tflops * 1000:.4g} GFLOPS measured; predicted host memory "
-                f"{self.predicted_host_bytes / 1e9:.3g} GB, NVMe {self.predicted_nvme_bytes / 1e9:.3g} GB"]
+                f"{self.predicted_host_bytes / 1e9:.3g} GB, NVMe {self.predicted_nvme_bytes / 1e9:.3g} GB"] \
+            + [f"auto: why {r}" for r in self.plan.reasons()]
 
 
 def mem_available_gb():

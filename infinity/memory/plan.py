@@ -133,6 +133,11 @@ class PlacementPlan:
         states_b = 2 * sb + (0 if fp32 else 4)
         if self.optimizer_home in ("none", "cpu"):
             self.host[self._states_label("host")] = states_b * n_train
+        # Note [commit point]: what an update changes in place in host memory (the undo
+        # copies' most): host optimizer states, and an fp32 master that is the parameter
+        self.host_state_bytes = (states_b * n_train if self.optimizer_home in ("none", "cpu")
+                                 else 0) + (4 * n_train if fp32 and self.param_home != "nvme"
+                                            else 0)
         self.host["optimizer tile ring"] = self.optimizer_ring_bytes
         self.stream_window = 0
         if self.grad_home == "nvme" and self.stream_grads and trainable:
@@ -297,19 +302,28 @@ class PlacementPlan:
     def summary(self) -> str:
         """One line for a user: where each kind of state lives and the bytes per tier
         (the full breakdown is :meth:`describe`)."""
-        where = {"device": "device", "none": "device", "cpu": "host memory", "nvme": "NVMe"}
         grads = "NVMe" if self.grad_home == "nvme" else "host memory"
 
         def cap(c):
             return "" if c is None else f" (cap {_mb(c)})"
-        return (f"params on {where.get(self.param_home, self.param_home)}, optimizer states on "
-                f"{where.get(self.optimizer_home, self.optimizer_home)}, gradients in {grads}; "
+        return (f"{self.homes_text()}, gradients in {grads}; "
                 f"host memory {_mb(self.host_total)}{cap(self.host_cap)}, NVMe "
                 f"{_mb(self.nvme_total)}, device {_mb(self.device_total)}{cap(self.device_cap)}")
 
+    def homes_text(self) -> str:
+        """The two homes by their config names and values (one name per home: the config's,
+        as in the planner and ``finetune``), with where that puts the state."""
+        params = "none" if self.param_home == "device" else self.param_home
+        p_where = {"none": "on the device", "cpu": "in host memory", "nvme": "on NVMe"}
+        # the CPU optimizer keeps "none" and "cpu" states alike in host memory
+        o_where = {"none": "in host memory", "cpu": "in host memory", "nvme": "on NVMe"}
+        return (f"offload.params {params} (params {p_where.get(params, params)}), "
+                f"offload.optimizer {self.optimizer_home} (optimizer states "
+                f"{o_where.get(self.optimizer_home, self.optimizer_home)})")
+
     def describe(self) -> str:
-        lines = [f"placement plan: precision {self.precision}, params home {self.param_home}, "
-                 f"optimizer home {self.optimizer_home}, {len(self.groups)} groups "
+        lines = [f"placement plan: precision {self.precision}, {self.homes_text()}, "
+                 f"{len(self.groups)} groups "
                  f"(largest {_gb(max((g.nbytes for g in self.groups), default=0))}), "
                  f"prefetch depth {self.depth}"]
         for tier, d, cap in (("device", self.device, self.device_cap),
@@ -317,12 +331,13 @@ class PlacementPlan:
             items = "; ".join(f"{k} {_gb(v)}" for k, v in d.items() if v) or "nothing"
             capstr = "" if cap is None else f" (cap {_gb(cap)})"
             lines.append(f"  {tier}: {_gb(sum(d.values()))}{capstr}: {items}")
-        host_states = self.optimizer_home in ("none", "cpu") or \
-            (self.precision == "fp32" and self.param_home == "cpu")
-        if host_states:       # Note [commit point]: undo copies of host states updated in place
-            room = "no cap" if self.host_cap is None else \
-                f"up to {_gb(max(0, self.host_cap - self.host_total))}, what the cap leaves"
-            lines.append(f"  commit undo copies (host, transient, per update): {room}")
+        states = getattr(self, "host_state_bytes", 0)
+        if states:            # Note [commit point]: undo copies of host states updated in place
+            room = states if self.host_cap is None else \
+                min(states, max(0, self.host_cap - self.host_total))
+            lines.append(f"  commit undo copies (host, transient, per update): up to {_gb(room)} "
+                         f"(the host states an update changes in place"
+                         + (", within what the cap leaves" if room < states else "") + ")")
         lines.append("  expected per optimizer step: " +
                      ", ".join(f"{k} {_gb(v)}" for k, v in self.links.items()))
         return "\n".join(lines)

@@ -177,3 +177,36 @@ def test_checkpoints_that_do_not_record_their_run_need_resume(tmp_path, tiny_con
         _run(tmp_path, model=model, steps=3, save=str(ck))
     recs, err, _ = _run(tmp_path, model=model, steps=3, save=str(ck), resume=True)
     assert [r["step"] for r in recs] == [3] and "resuming from step 2" in err
+
+
+def test_restart_failing_on_rank_0_stops_every_rank(tmp_path, tiny_config, ft):
+    """Under torchrun, rank 0 moves the old checkpoints aside for --restart; when that fails
+    (injected: ``move_aside`` raises on rank 0) every rank stops with an error naming the
+    cause -- no rank trains alone into a collective its peer never joins."""
+    import os
+    import sys
+    model = tiny_config("llama")
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    (ck / "latest").write_text("step-1")
+    inject = tmp_path / "inject"
+    inject.mkdir()
+    (inject / "sitecustomize.py").write_text(
+        "import os\n"
+        "if os.environ.get('RANK') == '0':\n"
+        "    import infinity.finetune.checkpoints as ck\n"
+        "    def move_aside(root, now=None):\n"
+        "        raise PermissionError(13, 'injected: cannot move', root)\n"
+        "    ck.move_aside = move_aside\n")
+    env = ft.env()
+    env["PYTHONPATH"] = str(inject) + os.pathsep + env["PYTHONPATH"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "-m", "infinity", "finetune", "--model", model, "--steps", "2", "--seq-len", "64",
+           "--batch-tokens", "128", "--save", str(ck), "--restart",
+           "--nvme-path", str(tmp_path / "swap")]
+    r = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0
+    assert "injected: cannot move" in r.stderr, r.stderr[-3000:]
+    assert "rank 0 could not move the checkpoints" in r.stderr, r.stderr[-3000:]
+    assert "step 1/" not in r.stdout + r.stderr
+    assert sorted(os.listdir(ck)) == ["latest"]          # nothing moved, nothing written

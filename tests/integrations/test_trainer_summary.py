@@ -48,7 +48,8 @@ def _train(tmp_path, **kw):
 def test_summary_at_the_default_log_level(tmp_path, capfd):
     _train(tmp_path)
     err = capfd.readouterr().err
-    assert "infinity placement: params on NVMe, optimizer states on NVMe" in err, err
+    assert ("infinity placement: offload.params nvme (params on NVMe), offload.optimizer nvme "
+            "(optimizer states on NVMe)") in err, err
     assert "host memory" in err and "NVMe" in err
     assert f"infinity swap: {tmp_path / 'swap'}" in err
     line = next(x for x in err.splitlines()
