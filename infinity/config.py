@@ -27,12 +27,12 @@ from infinity.config_sections import (  # noqa: F401 (re-exported)
     _float, _fmt, _int, _section, MAX_ACCUMULATION_STEPS, MAX_AIO_BLOCK, NONFINITE_POLICIES,
     INTRA_NODE_TRANSPORTS, MAX_DIST_TIMEOUT_S, MAX_GB, MAX_HPZ_PARTITION, MAX_PREFETCH_DEPTH,
     MAX_STEPS,
-    max_aio_threads, ZeroPPConfig)
+    max_aio_threads, ZeroPPConfig, CURRICULUM_SCHEDULES, CURRICULUM_TYPES, CurriculumConfig)
 
 __all__ = [
     "ConfigError", "OffloadConfig", "PrefetchConfig", "AioConfig", "OptimizerConfig",
     "SchedulerConfig", "LossScaleConfig", "ActivationOffloadConfig", "TilingConfig",
-    "InfinityConfig", "ZeroPPConfig", "load_config",
+    "InfinityConfig", "ZeroPPConfig", "CurriculumConfig", "load_config",
 ]
 
 _SECTIONS = {
@@ -45,6 +45,7 @@ _SECTIONS = {
     "activation_offload": ActivationOffloadConfig,
     "zero_pp": ZeroPPConfig,
     "tiling": TilingConfig,
+    "curriculum_learning": CurriculumConfig,
 }
 
 
@@ -68,6 +69,7 @@ class InfinityConfig:
     gradient_accumulation_dtype: str = "fp32"
     zero_pp: ZeroPPConfig = field(default_factory=ZeroPPConfig)
     tiling: TilingConfig = field(default_factory=TilingConfig)
+    curriculum_learning: CurriculumConfig = field(default_factory=CurriculumConfig)
 
     def __post_init__(self):
         self.validate()
@@ -150,10 +152,13 @@ class InfinityConfig:
 
     def to_dict(self) -> dict:
         """A plain JSON-able dict that round-trips through :meth:`from_dict`
-        (``optimizer.param_groups`` is left out while it is empty, its default)."""
+        (``optimizer.param_groups`` is left out while it is empty, and
+        ``curriculum_learning`` while it is all defaults: both their defaults)."""
         out = {}
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
+            if f.name == "curriculum_learning" and v == CurriculumConfig():
+                continue
             if dataclasses.is_dataclass(v):
                 sub = {}
                 for sf in dataclasses.fields(v):
@@ -162,7 +167,8 @@ class InfinityConfig:
                         if sv:
                             sub[sf.name] = copy.deepcopy(sv)
                         continue
-                    sub[sf.name] = list(sv) if isinstance(sv, (list, tuple)) else sv
+                    sub[sf.name] = list(sv) if isinstance(sv, (list, tuple)) else \
+                        copy.deepcopy(sv) if isinstance(sv, dict) else sv
                 v = sub
             out[f.name] = v
         return out

@@ -253,7 +253,7 @@ def deepspeed_to_dict(ds: Any, *, approximate_schedules: bool = False,
     known_top = ("zero_optimization", "aio", "optimizer", "scheduler", "fp16", "bf16", "bfloat16",
                  "gradient_clipping", "gradient_accumulation_steps", "amp",
                  "activation_checkpointing", "communication_data_type", "data_types",
-                 "sparse_gradients") + DS_IGNORED_TOP_KEYS
+                 "sparse_gradients", "curriculum_learning") + DS_IGNORED_TOP_KEYS
     _ds_unknown(ds, known_top, "")
     ignored += [k for k in ds if k in DS_IGNORED_TOP_KEYS]
 
@@ -442,6 +442,16 @@ def deepspeed_to_dict(ds: Any, *, approximate_schedules: bool = False,
 
     # ---- scheduler
     _ds_scheduler(_ds_section(ds, "scheduler"), out, put, approximate_schedules)
+
+    # ---- the legacy sequence-length curriculum: same keys, same meanings (infinity.curriculum)
+    cl = _ds_section(ds, "curriculum_learning")
+    for k, v in cl.items():
+        if k == "schedule_config" and isinstance(v, Mapping) and v:
+            for sk, sv in v.items():
+                put(f"curriculum_learning.schedule_config.{sk}", sv,
+                    f"curriculum_learning.schedule_config.{sk}")
+        else:
+            put(f"curriculum_learning.{k}", v, f"curriculum_learning.{k}")
 
     # ---- training loop
     for k in ("gradient_clipping", "gradient_accumulation_steps"):

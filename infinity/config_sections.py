@@ -1,5 +1,5 @@
 """The sections of the typed configuration (``offload``, ``prefetch``, ``aio``,
-``optimizer``, ``scheduler``, ``fp16``) and the value checkers they share, below both
+``optimizer``, ``scheduler``, ``fp16``, ``curriculum_learning``, ...) and the value checkers they share, below both
 :mod:`infinity.config` (:class:`InfinityConfig`, loading) and
 :mod:`infinity.config_deepspeed` (the DeepSpeed translation), so neither imports the other
 for them.  Every name here is re-exported by :mod:`infinity.config`.
@@ -477,3 +477,153 @@ class LossScaleConfig:
         if self.min_scale > self.initial_scale:
             raise ConfigError(f"fp16.min_scale: must be <= fp16.initial_scale "
                               f"({self.initial_scale:g}), got {self.min_scale:g}")
+
+
+# --------------------------------------------------------------------------------------
+# curriculum_learning: DeepSpeed's legacy sequence-length curriculum (infinity.curriculum)
+# --------------------------------------------------------------------------------------
+
+CURRICULUM_TYPES = ("seqlen",)
+CURRICULUM_SCHEDULES = ("fixed_linear", "fixed_root", "fixed_discrete")
+CURRICULUM_SCHEDULE_KEYS = ("total_curriculum_step", "difficulty_step", "root_degree",
+                            "difficulty", "max_step")
+MAX_SEQLEN = 1 << 24             # a sequence length past 16M tokens is a typo
+MAX_ROOT_DEGREE = 1000
+
+
+def _curriculum_int_list(key: str, value: Any, *, lo: int, hi: int, what: str) -> list[int]:
+    if not isinstance(value, (list, tuple)) or not value:
+        raise ConfigError(f"{key}: expected a non-empty list of integers ({what}), got "
+                          f"{_fmt(value)}")
+    return [_int(f"{key}[{i}]", v, lo=lo, hi=hi) for i, v in enumerate(value)]
+
+
+@dataclass
+class CurriculumConfig:
+    """DeepSpeed's legacy ``curriculum_learning`` block, same keys and meanings: with
+    ``enabled``, every training batch is truncated to a sequence length ("difficulty") that
+    grows with the optimizer step from ``min_difficulty`` to ``max_difficulty``
+    (:mod:`infinity.curriculum` computes it and truncates).  ``schedule_type``
+    "fixed_linear" / "fixed_root" need ``schedule_config.total_curriculum_step`` and
+    ``difficulty_step`` (every length below the maximum is a multiple of it), "fixed_root"
+    also ``root_degree``; "fixed_discrete" needs the lists ``difficulty`` and ``max_step``
+    (one element fewer).  The keys are checked when ``enabled`` is true (values given while
+    it is false are still type-checked)."""
+    enabled: bool = False
+    curriculum_type: str = "seqlen"
+    min_difficulty: int | None = None
+    max_difficulty: int | None = None
+    schedule_type: str = "fixed_linear"
+    schedule_config: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> None:
+        p = "curriculum_learning."
+        if not isinstance(self.enabled, bool):
+            raise ConfigError(f"{p}enabled: expected true or false, got {_fmt(self.enabled)}")
+        self.curriculum_type = _choice(p + "curriculum_type", self.curriculum_type,
+                                       CURRICULUM_TYPES)
+        self.schedule_type = _choice(p + "schedule_type", self.schedule_type,
+                                     CURRICULUM_SCHEDULES)
+        on = self.enabled
+        for k in ("min_difficulty", "max_difficulty"):
+            v = getattr(self, k)
+            if v is None:
+                if on:
+                    raise ConfigError(f"{p}{k}: required when curriculum_learning.enabled is true "
+                                      f"(the {'first' if k == 'min_difficulty' else 'final'} "
+                                      f"sequence length, in tokens), e.g. "
+                                      f"{64 if k == 'min_difficulty' else 1024}")
+                continue
+            setattr(self, k, _int(p + k, v, lo=1, hi=MAX_SEQLEN,
+                                  what=f">= 1 and <= {MAX_SEQLEN} (a sequence length in tokens)"))
+        if on and self.max_difficulty < self.min_difficulty:
+            raise ConfigError(f"{p}max_difficulty: must be >= curriculum_learning.min_difficulty "
+                              f"({self.min_difficulty}), got {self.max_difficulty}; the schedule "
+                              f"grows from min_difficulty to max_difficulty")
+        self.schedule_config = self._schedule_config(p + "schedule_config.", on)
+
+    def _schedule_config(self, p: str, on: bool) -> dict:
+        sc = self.schedule_config
+        if sc is None:
+            sc = {}
+        if not isinstance(sc, Mapping):
+            raise ConfigError(f"{p.rstrip('.')}: expected a mapping (dict) of keys, got "
+                              f"{_fmt(sc)} ({type(sc).__name__})")
+        _check_unknown(p, sc, list(CURRICULUM_SCHEDULE_KEYS))
+        out: dict = {}
+        if "total_curriculum_step" in sc:
+            out["total_curriculum_step"] = _int(
+                p + "total_curriculum_step", sc["total_curriculum_step"], lo=1, hi=MAX_STEPS,
+                what=f">= 1 and <= {MAX_STEPS} (optimizer steps from min_difficulty to "
+                f"max_difficulty)")
+        if "difficulty_step" in sc:
+            out["difficulty_step"] = _int(
+                p + "difficulty_step", sc["difficulty_step"], lo=1, hi=MAX_SEQLEN,
+                what=f">= 1 and <= {MAX_SEQLEN} (every length is a multiple of it; 8 suits "
+                f"fp16/bf16 tensor cores)", example=8)
+        if "root_degree" in sc:
+            out["root_degree"] = _int(p + "root_degree", sc["root_degree"], lo=1,
+                                      hi=MAX_ROOT_DEGREE,
+                                      what=f">= 1 and <= {MAX_ROOT_DEGREE} (2: square root; "
+                                      f"1: linear)", example=2)
+        if "difficulty" in sc:
+            out["difficulty"] = _curriculum_int_list(p + "difficulty", sc["difficulty"], lo=1,
+                                                     hi=MAX_SEQLEN, what="the lengths in order")
+        if "max_step" in sc:
+            out["max_step"] = _curriculum_int_list(p + "max_step", sc["max_step"], lo=1,
+                                                   hi=MAX_STEPS,
+                                                   what="the last step of each length but the "
+                                                   "last")
+        if on:
+            self._check_enabled(p, out)
+        return out
+
+    def _check_enabled(self, p: str, sc: dict) -> None:
+        """The keys the schedule type needs, and their consistency (only when enabled)."""
+        typ = self.schedule_type
+        if typ in ("fixed_linear", "fixed_root"):
+            need = ("total_curriculum_step", "difficulty_step") + \
+                (("root_degree",) if typ == "fixed_root" else ())
+            for k in need:
+                if k not in sc:
+                    raise ConfigError(f"{p}{k}: required for curriculum_learning.schedule_type "
+                                      f"{_fmt(typ)} (schedule_config needs "
+                                      f"{', '.join(need)})")
+            step = sc["difficulty_step"]
+            if self.min_difficulty % step:
+                lo = self.min_difficulty - self.min_difficulty % step
+                hint = f"{lo} or {lo + step}" if lo else f"{step}"
+                raise ConfigError(
+                    f"curriculum_learning.min_difficulty: must be a multiple of "
+                    f"schedule_config.difficulty_step ({step}), got {self.min_difficulty}: "
+                    f"DeepSpeed's formula rounds every length down to a multiple of "
+                    f"difficulty_step, so the first length would be "
+                    f"{lo} instead of {self.min_difficulty}; use {hint}")
+            return
+        for k in ("difficulty", "max_step"):
+            if k not in sc:
+                raise ConfigError(f"{p}{k}: required for curriculum_learning.schedule_type "
+                                  f"\"fixed_discrete\" (schedule_config needs the lists "
+                                  f"difficulty and max_step, e.g. {{\"difficulty\": [64, 128, "
+                                  f"256], \"max_step\": [100, 200]}})")
+        diff, steps = sc["difficulty"], sc["max_step"]
+        if len(diff) != len(steps) + 1:
+            raise ConfigError(f"{p}max_step: expected one element fewer than "
+                              f"schedule_config.difficulty ({len(diff)} elements: the last "
+                              f"difficulty holds for every later step), got {len(steps)}")
+        for i in range(1, len(steps)):
+            if steps[i] <= steps[i - 1]:
+                raise ConfigError(f"{p}max_step[{i}]: must be greater than max_step[{i - 1}] "
+                                  f"({steps[i - 1]}), got {steps[i]}; the steps are in "
+                                  f"increasing order")
+        for i, d in enumerate(diff):
+            if i and d < diff[i - 1]:
+                raise ConfigError(f"{p}difficulty[{i}]: must be >= difficulty[{i - 1}] "
+                                  f"({diff[i - 1]}), got {d}; a curriculum's lengths only grow")
+            if d > self.max_difficulty:
+                raise ConfigError(f"{p}difficulty[{i}]: must be <= "
+                                  f"curriculum_learning.max_difficulty ({self.max_difficulty}), "
+                                  f"got {d}")

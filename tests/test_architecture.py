@@ -29,6 +29,7 @@ FLOORS = [
     "config_sections",   # the config's sections and value checkers
     "config_deepspeed",  # DeepSpeed config -> infinity config dict
     "config",            # InfinityConfig (from_deepspeed calls the translation)
+    "curriculum",        # the seqlen curriculum schedule and batch truncation (config, torch)
     "quant",             # the blockwise quantizer (quantized export, ZeRO++ qwZ): torch only
     "io",                # NVMe tier
     "memory",            # host and device tiers, records, placement plan

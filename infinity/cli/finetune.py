@@ -30,6 +30,11 @@ def register(sub):
     p.add_argument("--state-dtype", choices=("fp32", "bf16"),
                    help="optimizer.state_dtype: the Adam moments in fp32 (default, or the config's) "
                         "or bf16 (half their bytes on NVMe and in memory; the fp32 master is kept)")
+    p.add_argument("--curriculum", metavar="seqlen:START:STEPS[:KIND]",
+                   help="sequence-length warm-up: batches truncated to START tokens at first, "
+                        "growing to --seq-len over STEPS optimizer steps; KIND linear (default), "
+                        "root (square root) or discrete (doubling lengths); overrides a "
+                        "curriculum_learning block of --config (docs/finetune.md)")
     p.add_argument("--seed", type=int, default=0, metavar="S", help="seed for data order and init (default 0)")
     p.add_argument("--output", metavar="DIR",
                    help="write the fine-tuned model and its tokenizer here at the end (and on Ctrl-C) "
@@ -81,7 +86,7 @@ def run(args):
                            profile_skip=args.profile_skip, json_lines=args.json,
                            seed=args.seed, use_bench_io=not args.no_bench_io,
                            tokenizer=args.tokenizer, auto=args.auto,
-                           allow_lossy=args.allow_lossy)
+                           allow_lossy=args.allow_lossy, curriculum=args.curriculum)
     if args.allow_lossy and not args.auto:
         raise CLIError("--allow-lossy goes with --auto")
     try:

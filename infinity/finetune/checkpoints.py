@@ -41,9 +41,11 @@ def _require(engine, method):
 
 
 class Checkpointer:
-    def __init__(self, root, *, keep_last=0, is_rank0=True, extra_meta=None):
+    def __init__(self, root, *, keep_last=0, is_rank0=True, extra_meta=None, step_meta=None):
         self.root = os.fspath(root)
         self.extra_meta = extra_meta or None   # the model's config + tokenizer source
+        self.step_meta = step_meta             # step -> more meta (the curriculum's state)
+        self.loaded_meta = None                # the meta of the checkpoint resume() loaded
         self.keep_last = keep_last
         self.is_rank0 = is_rank0
 
@@ -54,8 +56,9 @@ class Checkpointer:
     def save(self, engine, step):
         tag = self.tag_for(step)
         save = _require(engine, "save_checkpoint")
-        if self.extra_meta:
-            save(self.root, tag=tag, extra_meta=self.extra_meta)
+        meta = dict(self.extra_meta or {}, **(self.step_meta(step) if self.step_meta else {}))
+        if meta:
+            save(self.root, tag=tag, extra_meta=meta)
         else:
             save(self.root, tag=tag)
         log.info("saved checkpoint %s", os.path.join(self.root, tag))
@@ -107,7 +110,7 @@ class Checkpointer:
             raise CheckpointUnavailable(
                 f"--resume: {self.root}/latest names {tag!r}, not a finetune checkpoint "
                 "(step-NNNNNNNN); load it with engine.load_checkpoint in Python instead")
-        _require(engine, "load_checkpoint")(self.root)
+        self.loaded_meta = _require(engine, "load_checkpoint")(self.root)
         step = int(m.group(1))
         # the run printed "resuming from step N" already (finetune.run._check_save_dir)
         log.debug("resumed from %s (step %d)", os.path.join(self.root, tag), step)

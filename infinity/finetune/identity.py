@@ -11,7 +11,8 @@ A run is identified by
   time (a directory: its ``.txt``/``.jsonl`` files' total size and newest time), plus the
   seed (the data order) and the tokenizer;
 - the training keys of the config: optimizer (type, lr, betas, ...), schedule, precision,
-  gradient clipping, micro-batch, accumulation and sequence length.
+  gradient clipping, micro-batch, accumulation and sequence length, and the sequence-length
+  curriculum when there is one.
 
 ``--steps`` is not part of it: a larger value extends the run. :func:`run_identity`
 builds the dict that every checkpoint's meta records under ``"run"``; :func:`differences`
@@ -92,6 +93,8 @@ def training_identity(cfg, *, micro_batch, grad_accum, seq_len, auto=False):
     out = {"optimizer": full["optimizer"], "scheduler": full["scheduler"],
            "precision": full["precision"], "gradient_clipping": full["gradient_clipping"],
            "seq_len": int(seq_len)}
+    if "curriculum_learning" in full:           # left out of to_dict() while it is the default
+        out["curriculum_learning"] = full["curriculum_learning"]
     if auto:
         out["sequences_per_step"] = int(micro_batch) * int(grad_accum)
     else:

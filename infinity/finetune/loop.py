@@ -25,6 +25,7 @@ class LoopOptions:
     grad_accum: int = 1
     save_every: int = 0             # 0: only at the end (when a checkpointer is given)
     world_size: int = 1
+    curriculum: object = None       # an infinity.curriculum.SeqlenSchedule: batches truncated
 
 
 @dataclass
@@ -104,8 +105,11 @@ def run(engine, batcher, opts, reporter, stopper, checkpointer=None, timeline=No
         t0 = time.perf_counter()
         loss_sum = 0.0
         tokens = 0
+        seqlen = opts.curriculum.length(step_no - 1) if opts.curriculum is not None else None
         for micro in range(opts.grad_accum):
             x = batcher.batch((step_no - 1) * opts.grad_accum + micro)
+            if seqlen is not None:    # the length of this update (step_no - 1 updates done)
+                x = opts.curriculum.truncate(x, step_no - 1)
             out = engine(input_ids=x, labels=x)
             loss = out.loss if hasattr(out, "loss") else out["loss"]
             engine.backward(loss)
@@ -124,7 +128,7 @@ def run(engine, batcher, opts, reporter, stopper, checkpointer=None, timeline=No
         delta = dict(zip(LINKS, _global_sum(max(0, now_bytes[k] - prev_bytes[k]) for k in LINKS)))
         prev_bytes = now_bytes
         total_tokens = tokens * opts.world_size
-        reporter.step({
+        rec = {
             "step": step,
             "loss": loss_val,
             "lr": lr,
@@ -134,7 +138,10 @@ def run(engine, batcher, opts, reporter, stopper, checkpointer=None, timeline=No
             "step_time_s": dt,
             "bytes": delta,
             "gbps": {k: (delta[k] / dt / 1e9 if dt > 0 else 0.0) for k in LINKS},
-        })
+        }
+        if seqlen is not None:
+            rec["seqlen"] = min(seqlen, x.shape[1])
+        reporter.step(rec)
         if reporter.stdout_broken:
             stopper.request("stdout closed")
         if checkpointer is not None and opts.save_every and step % opts.save_every == 0 \

@@ -135,13 +135,16 @@ class Reporter:
         gn = rec.get("grad_norm")
         gn_s = f"{gn:.3f}" if _finite(gn) else "n/a"
         if self._bar is not None:
-            self._bar.set_postfix_str(f"loss {rec['loss']:.4f} | {rec['tokens_per_s']:.0f} tok/s | "
+            self._bar.set_postfix_str(f"loss {rec['loss']:.4f} | "
+                                      + (f"seqlen {rec['seqlen']} | " if rec.get("seqlen") else "")
+                                      + f"{rec['tokens_per_s']:.0f} tok/s | "
                                       f"{rec['step_time_s']:.2f}s/step | gnorm {gn_s}"
                                       + (f" | {links}" if links else ""), refresh=False)
             self._bar.update(1)
         else:
+            seq = f" seqlen {rec['seqlen']}" if rec.get("seqlen") is not None else ""
             print(f"step {rec['step']}/{self.total_steps} loss {rec['loss']:.4f} lr {rec['lr']:.3g} "
-                  f"gnorm {gn_s} {rec['tokens_per_s']:.0f} tok/s {rec['step_time_s']:.2f} s"
+                  f"gnorm {gn_s}{seq} {rec['tokens_per_s']:.0f} tok/s {rec['step_time_s']:.2f} s"
                   + (f" | {links}" if links else ""), file=self.stderr, flush=True)
 
     def _stdout_closed(self):

@@ -48,6 +48,7 @@ class FinetuneOptions:
     use_bench_io: bool = True
     auto: bool = False              # plan homes, activations, micro-batch x accumulation (finetune/auto.py)
     allow_lossy: bool = False       # --auto may choose bf16 Adam moments / bf16 gradient partial sums
+    curriculum: str = None          # "seqlen:START:STEPS[:linear|root|discrete]" (infinity.curriculum)
 
 
 def dist_env():
@@ -80,6 +81,13 @@ def _validate(opts):
                             "checkpoints aside and starts at step 1, --resume continues from them")
     if opts.tokenizer not in ("auto", "byte"):
         raise FinetuneError(f"--tokenizer must be 'auto' or 'byte', got {opts.tokenizer!r}")
+    if opts.curriculum is not None:
+        from infinity.curriculum import parse_cli_spec
+
+        try:
+            parse_cli_spec(opts.curriculum)
+        except ValueError as e:
+            raise FinetuneError(str(e)) from e
     if opts.lr is not None and not (opts.lr > 0):
         raise FinetuneError(f"--lr must be > 0, got {opts.lr}")
     if opts.output:
@@ -148,6 +156,8 @@ def finetune(opts, *, reporter_streams=None):
 
             # before the model is built: Init shards it by rank
             own_pg = world > 1 and ensure_process_group(int(cfg.get("dist_timeout_s", 600)))
+            if opts.curriculum:
+                cfg = _with_curriculum(opts, cfg)   # before the run's identity, which records it
             run_id = _run_identity(opts, cfg, auto, tok) if opts.save else None
             resume_from = _check_save_dir(opts, run_id, rank, world, reporter) if opts.save \
                 else None
@@ -182,15 +192,20 @@ def finetune(opts, *, reporter_streams=None):
         f"{'byte-level' if isinstance(tok, ByteTokenizer) else tok.path} | "
         f"data {opts.data or 'shipped corpus'}: "
         f"{batcher.num_tokens:,} tokens | batch {batch} x {seq_len} tokens x {gas} micro x "
-        f"{world} rank(s) | params home {cfg['offload']['params']}, optimizer home "
+        f"{world} rank(s) | offload.params {cfg['offload']['params']}, offload.optimizer "
         f"{cfg['offload']['optimizer']}, swap {cfg['offload']['nvme_paths']}")
 
+    curriculum = _curriculum(cfg, seq_len, reporter)
+
     from infinity.checkpoint import model_meta
+    from infinity.curriculum import STATE_KEY as CURRICULUM_KEY
     from infinity.finetune.identity import META_KEY as RUN_META_KEY
 
     checkpointer = ck.Checkpointer(opts.save, keep_last=opts.keep_last, is_rank0=(rank == 0),
                                    extra_meta=dict(model_meta(model, tokenizer=tok.describe()),
-                                                   **{RUN_META_KEY: run_id})) \
+                                                   **{RUN_META_KEY: run_id}),
+                                   step_meta=(lambda s: {CURRICULUM_KEY: curriculum.state_dict(s)})
+                                   if curriculum is not None else None) \
         if opts.save else None
     t_start = time.perf_counter()
     result = None
@@ -223,6 +238,10 @@ def finetune(opts, *, reporter_streams=None):
                                            f"{_ways_out(opts.save)}") \
                             from e
                     reporter.set_initial(start)
+                    saved_cur = (checkpointer.loaded_meta or {}).get(CURRICULUM_KEY) \
+                        if isinstance(checkpointer.loaded_meta, dict) else None
+                    if curriculum is not None and saved_cur:
+                        curriculum.load_state_dict(saved_cur)   # the length follows the step
                     if start >= opts.steps:
                         reporter.info(f"checkpoint is at step {start} >= --steps {opts.steps}: "
                                       "nothing to do")
@@ -238,7 +257,8 @@ def finetune(opts, *, reporter_streams=None):
                                                       note=note),
                         start, opts.steps, opts.profile_skip)
                 lopts = loop.LoopOptions(steps=opts.steps, start_step=start, grad_accum=gas,
-                                         save_every=opts.save_every, world_size=world)
+                                         save_every=opts.save_every, world_size=world,
+                                         curriculum=curriculum)
                 with prof or contextlib.nullcontext():
                     result = loop.run(engine, batcher, lopts, reporter, stopper, checkpointer,
                                       timeline=timeline,
@@ -333,6 +353,44 @@ class _WarmProfile:
         return False
 
 
+def _with_curriculum(opts, cfg):
+    """``cfg`` with the ``curriculum_learning`` block of ``--curriculum`` (it replaces one from
+    ``--config``), growing to the run's sequence length."""
+    from types import SimpleNamespace
+
+    from infinity.config import ConfigError, InfinityConfig
+    from infinity.curriculum import cli_block
+    from infinity.finetune.auto import model_config_path
+    from infinity.finetune.model import load_model_config
+
+    seq_len, _ = _shape(opts, SimpleNamespace(config=load_model_config(
+        model_config_path(opts.model))))
+    try:
+        out = dict(cfg, curriculum_learning=cli_block(opts.curriculum, seq_len))
+        InfinityConfig.load(out)
+    except ConfigError as e:
+        raise FinetuneError(f"--curriculum {opts.curriculum}: {e}") from e
+    except ValueError as e:   # cli_block's own messages name the flag
+        raise FinetuneError(str(e)) from e
+    return out
+
+
+def _curriculum(cfg, seq_len, reporter):
+    """The run's :class:`infinity.curriculum.SeqlenSchedule` (None without an enabled
+    ``curriculum_learning`` block), announced in one info line."""
+    from infinity.config import InfinityConfig
+    from infinity.curriculum import schedule_from_config
+
+    sched = schedule_from_config(InfinityConfig.load(cfg))
+    if sched is None:
+        return None
+    reporter.info(f"curriculum: {sched.describe()}; batches truncated to the step's length")
+    if sched.max_length > seq_len:
+        reporter.info(f"curriculum: max_difficulty {sched.max_length} exceeds the run's sequence "
+                      f"length {seq_len}: lengths past it leave the batches whole")
+    return sched
+
+
 def _ways_out(save):
     return (f"--restart (moves the old checkpoints into {save}/previous-<UTC time>/, deletes "
             "nothing) or another --save DIR")
@@ -387,9 +445,16 @@ def _check_save_dir(opts, run_id, rank, world, reporter):
                               "step 1" if dest else f"--restart: {save} holds no checkpoints; "
                               "starting at step 1")
         if world > 1:
+            import torch
             import torch.distributed as dist
 
-            dist.barrier()  # the other ranks see the directory only after the move
+            # the other ranks see the directory only after the move, and learn whether it
+            # failed (then every rank stops, none trains alone into a barrier)
+            failed = torch.tensor([1.0 if err is not None else 0.0])
+            dist.all_reduce(failed)
+            if failed.item() and rank != 0:
+                raise FinetuneError(f"--restart: rank 0 could not move the checkpoints in {save} "
+                                    f"aside (its error says why); nothing was trained")
         if err is not None:
             raise FinetuneError(f"--restart: cannot move the checkpoints in {save} aside: {err}")
         return None

@@ -21,7 +21,10 @@
   masters, Adam moments, counters, schedule, RNG, wherever they lived) with Trainer's
   ``trainer_state.json`` and the model's ``config.json`` — nothing pickled;
 * ``save_model`` writes ``from_pretrained``-loadable safetensors (adapters only, as PEFT
-  does, for a PEFT model), the config and the tokenizer, and ``training_args.json``.
+  does, for a PEFT model), the config and the tokenizer, and ``training_args.json``;
+* a ``curriculum_learning`` block in the config adds a
+  :class:`~infinity.integrations.curriculum.CurriculumCallback`: training batches are
+  truncated to the step's sequence length, logged as ``curriculum_seqlen``.
 """
 from __future__ import annotations
 
@@ -166,6 +169,33 @@ class InfinityTrainerMixin:
         from infinity.integrations.trainer_config import check_optim
         check_optim(args_)
         self._patch_accelerator()
+        self._add_curriculum_callback()
+
+    # ------------------------------------------------------------------ curriculum
+    def _add_curriculum_callback(self) -> None:
+        """A ``CurriculumCallback`` when the config has an enabled ``curriculum_learning``
+        block (and none was passed in ``callbacks``)."""
+        from infinity.curriculum import schedule_from_config
+        sched = schedule_from_config(_curriculum_block(self._infinity_source))
+        if sched is not None and self._curriculum() is None:
+            from infinity.integrations.curriculum import CurriculumCallback
+            self.add_callback(CurriculumCallback(sched))
+
+    def _curriculum(self):
+        """The trainer's ``CurriculumCallback`` (looked up each time: resuming with
+        ``restore_callback_states_from_checkpoint`` replaces it), or None."""
+        from infinity.integrations.curriculum import CurriculumCallback
+        for cb in self.callback_handler.callbacks:
+            if isinstance(cb, CurriculumCallback):
+                return cb
+        return None
+
+    def log(self, logs, *args, **kwargs):
+        cur = self._curriculum()
+        if cur is not None and cur.last_length is not None and "loss" in logs:
+            from infinity.integrations.curriculum import LOG_KEY
+            logs[LOG_KEY] = cur.last_length
+        return super().log(logs, *args, **kwargs)
 
     # ------------------------------------------------------------------ accelerate
     def _patch_accelerator(self) -> None:
@@ -289,6 +319,9 @@ class InfinityTrainerMixin:
         # the plain Trainer differentiates ``loss`` as returned by its own training_step
         # (already scaled for accumulation, by num_items_in_batch or 1/accumulation);
         # engine.backward divides by gas once more, so it is given gas * that loss
+        cur = self._curriculum()
+        if cur is not None:     # the length of this update: state.global_step updates done
+            inputs = cur.truncate(inputs, self.state.global_step)
         captured = {}
         real_acc = self.accelerator
         self.accelerator = _AccProxy(real_acc, captured)
@@ -503,6 +536,20 @@ def _init_config(infinity_config):
         d, _ = deepspeed_to_dict(_strip_auto(ds))
         return InfinityConfig.from_dict(d)
     return InfinityConfig.load(src)
+
+
+def _curriculum_block(source):
+    """The ``curriculum_learning`` block of any ``infinity_config`` form (the DeepSpeed and
+    the infinity block have the same keys), or None."""
+    from infinity.config import InfinityConfig
+    if isinstance(source, InfinityConfig):
+        return source.curriculum_learning
+    if isinstance(source, (str, os.PathLike)):
+        from infinity.integrations.trainer_config import _read
+        source = _read(os.fspath(source))
+    if isinstance(source, dict):
+        return source.get("curriculum_learning")
+    return None
 
 
 def _strip_auto(obj):
