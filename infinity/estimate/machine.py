@@ -25,6 +25,7 @@ DEFAULT_TFLOPS_CPU = 0.2               # achieved by a CPU-only rank (few cores,
 DEFAULT_INTERCONNECT_GBPS = 100.0      # per GPU collective bus bandwidth (NVLink-class)
 DEFAULT_CPU_ADAM_GPARAMS = 4.0         # 10^9 params/s per node: ~120 GB/s of DRAM / ~30 B touched per param
 DEFAULT_GPU_RESERVE_GB = 2.0           # CUDA context, cuBLAS workspace, allocator slack per GPU
+DEFAULT_HOST_COPY_GBPS = 4.0           # one thread's copy into a fresh page-aligned host buffer
 
 
 @dataclass
@@ -41,6 +42,9 @@ class Machine:
     interconnect_gbps: float = DEFAULT_INTERCONNECT_GBPS
     inter_node_gbps: float | None = None  # per GPU to other nodes (None: interconnect_gbps)
     cpu_adam_gparams: float = DEFAULT_CPU_ADAM_GPARAMS
+    # CPU-only: the copies of offloaded activations (into staging, back out) run on the
+    # cores that compute (GB/s of one copy; infinity finetune --auto measures it)
+    host_copy_gbps: float = DEFAULT_HOST_COPY_GBPS
     gpu_reserve_gb: float | None = None  # None: DEFAULT_GPU_RESERVE_GB with GPUs, 0 without
     nodes: int = 1
     #: where each value came from, by field name: "described" (a flag), "detected" (this
@@ -54,7 +58,7 @@ class Machine:
                 raise EstimateError(f"machine.{name} must be an integer >= "
                                     f"{0 if name == 'gpus' else 1}, got {v!r}")
         for name in ("gpu_mem_gb", "host_mem_gb", "nvme_gb", "pcie_gbps", "interconnect_gbps",
-                     "cpu_adam_gparams", "nvme_gbps", "nvme_write_gbps", "tflops", "gpu_reserve_gb",
+                     "cpu_adam_gparams", "host_copy_gbps", "nvme_gbps", "nvme_write_gbps", "tflops", "gpu_reserve_gb",
                      "inter_node_gbps"):
             v = getattr(self, name)
             if v is None:
@@ -72,7 +76,7 @@ class Machine:
         if self.gpu_reserve_gb is None:
             self.gpu_reserve_gb = DEFAULT_GPU_RESERVE_GB if self.gpus else 0.0
         for name in ("nvme_gbps", "nvme_write_gbps", "tflops", "pcie_gbps", "cpu_adam_gparams",
-                     "inter_node_gbps"):
+                     "inter_node_gbps", "host_copy_gbps"):
             if not getattr(self, name) > 0:
                 raise EstimateError(f"machine.{name} must be > 0, got {getattr(self, name)!r}")
 
@@ -127,7 +131,8 @@ def machine_lines(m):
         f"write{tag('nvme_write_gbps')}, PCIe {m.pcie_gbps:g} GB/s/GPU{tag('pcie_gbps')}, "
         f"{m.tflops:g} TFLOPS/rank achieved{tag('tflops')}",
         f"         collectives {m.interconnect_gbps:g} GB/s/GPU{tag('interconnect_gbps')}, "
-        f"CPU Adam {m.cpu_adam_gparams:g} G params/s/node{tag('cpu_adam_gparams')}",
+        f"CPU Adam {m.cpu_adam_gparams:g} G params/s/node{tag('cpu_adam_gparams')}"
+        + (f", host copies {m.host_copy_gbps:g} GB/s{tag('host_copy_gbps')}" if not m.gpus else ""),
     ]
 
 

@@ -90,8 +90,11 @@ def _home_reason(plan, b) -> str:
         if m.host_mem_gb else f"host memory {_gb(totals[f'host_{v}'])}"
     if not resident:
         nxt = _first(plan.candidates, lambda c: (c.params_home, c.optimizer_home) != (p, o))
-        tail = f"; the fastest plan with other homes ({nxt.params_home}/{nxt.optimizer_home}) " \
-               f"takes {_secs(nxt)}" if nxt is not None else ""
+        tail = ""
+        if nxt is not None:
+            other = f"the fastest plan with other homes ({nxt.params_home}/{nxt.optimizer_home})"
+            tail = f"; {other} is no faster ({_secs(nxt)})" \
+                if nxt.step.step_s <= b.step.step_s * 1.005 else f"; {other} takes {_secs(nxt)}"
         return f"{head}: the least offloaded homes fit ({used}){tail}."
     h = resident[0]
     vs = _versus(plan, b, f"keeping more in memory (params {h[0]}, optimizer {h[1]})", homes=h)

@@ -5,9 +5,13 @@ the machine is this one as it is now: RAM = ``MemAvailable`` (the machine may be
 shared; ``offload.host_memory_gb`` in ``--config`` caps it further), NVMe = the free
 space at the first swap path, NVMe bandwidth from a saved ``infinity bench-io`` result
 when there is one (else the estimator's default), and the achieved compute rate
-measured here, over about a second, on one transformer block of the model's width at
-the planned micro-batch and sequence (:func:`measure_block_tflops`; matrix products of
-the model's shape for models too large to probe that way).  The
+measured here, over about a second, at the planned micro-batch and sequence: the whole
+model's forward+backward where one pass costs at most :data:`BLOCK_PROBE_MAX_FLOP`
+(:func:`measure_model_tflops`: small models, where embedding, head and per-pass costs
+weigh), else one transformer block of the model's width (:func:`measure_block_tflops`),
+else matrix products of the model's shape; on a CPU-only machine also the rate of a copy
+into fresh host memory (:func:`measure_copy_gbps`: activation offload copies run on the
+computing cores).  The
 planner (:mod:`infinity.estimate.planner`) then picks homes, activation checkpointing
 and offload, micro-batch x accumulation (their product stays the run's batch) and the
 prefetch depth; lossy choices only with ``--allow-lossy``.
@@ -39,7 +43,9 @@ class AutoPlan:
         return [self.plan.headline(),
                 f"auto: planned for this machine: {m.host_mem_gb:g} GB RAM available, "
                 f"{m.nvme_gb:g} GB free for swap, NVMe {m.nvme_gbps:g}/{m.nvme_write_gbps:g} GB/s "
-                f"read/write, {m.tflops * 1000:.4g} GFLOPS measured; predicted host memory "
+                f"read/write, {m.tflops * 1000:.4g} GFLOPS measured"
+                + (f", host copies {m.host_copy_gbps:g} GB/s" if not m.gpus else "") +
+                f"; predicted host memory "
                 f"{self.predicted_host_bytes / 1e9:.3g} GB, NVMe {self.predicted_nvme_bytes / 1e9:.3g} GB"] \
             + [f"auto: why {r}" for r in self.plan.reasons()]
 
@@ -139,6 +145,58 @@ def measure_block_tflops(spec, seq, micro_batch, *, seconds=1.0, device=None, dt
     return n * 6 * p_block * b * S / dt / 1e12
 
 
+def measure_model_tflops(config, spec, seq, micro_batch, *, seconds=1.0):
+    """The rate of the model itself: forward+backward of the whole model (random weights,
+    plain PyTorch, fp32, this process's threads) at ``micro_batch`` x ``seq``, repeated for
+    about ``seconds``, counted the estimator's way (``6 * N * tokens``).  For a model this
+    small the per-pass costs the block probe leaves out (embedding, head and loss, the
+    model's own norms and activations, small-batch inefficiency) are a large part of the
+    step: timing the model carries them all.  None when one pass would cost more than
+    :data:`BLOCK_PROBE_MAX_FLOP`."""
+    import torch
+
+    from infinity.finetune.model import build_model
+
+    b, S = max(1, int(micro_batch)), max(1, int(seq))
+    if 6 * spec.params * b * S > BLOCK_PROBE_MAX_FLOP:
+        return None
+    model = build_model(config)
+    vocab = int(getattr(config, "vocab_size", 0) or spec.vocab or 256)
+    ids = torch.randint(0, vocab, (b, S))
+
+    def step():
+        model(input_ids=ids, labels=ids).loss.backward()
+
+    step()
+    n, t0 = 0, time.perf_counter()
+    while True:
+        step()
+        n += 1
+        dt = time.perf_counter() - t0
+        if dt >= seconds and n >= 2:
+            break
+    del model
+    return n * 6 * spec.params * b * S / dt / 1e12
+
+
+def measure_copy_gbps(nbytes=64 << 20, *, seconds=0.2):
+    """GB/s of one copy into a fresh page-aligned host buffer (what activation offload does
+    per saved tensor on a CPU-only rank), median of repeats over about ``seconds``."""
+    import statistics
+
+    import torch
+
+    from infinity.io import aligned_empty
+
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    rates, t_end = [], time.perf_counter() + seconds
+    while len(rates) < 3 or time.perf_counter() < t_end:
+        t0 = time.perf_counter()
+        aligned_empty(nbytes, torch.uint8, lock=False).copy_(src)
+        rates.append(nbytes / (time.perf_counter() - t0) / 1e9)
+    return statistics.median(rates)
+
+
 def model_config_path(spec):
     """The config.json behind a ``--model`` value (shipped name, directory or file)."""
     from infinity.finetune.model import (DEFAULT_MODEL, SHIPPED_MODELS, ModelError,
@@ -186,7 +244,9 @@ def make_auto_plan(opts, cfg, *, seq_len, global_batch, allow_lossy=False):
     knobs = _knobs_from(cfg, {})
 
     def rate(micro_batch):
-        r = measure_block_tflops(spec, seq_len, micro_batch)
+        r = measure_model_tflops(config, spec, seq_len, micro_batch)
+        if r is None:
+            r = measure_block_tflops(spec, seq_len, micro_batch)
         return r if r is not None else measure_tflops(spec.hidden, seq_len * micro_batch)
 
     def plan_with(tflops):
@@ -202,6 +262,8 @@ def make_auto_plan(opts, cfg, *, seq_len, global_batch, allow_lossy=False):
         return out
 
     cpu = not kw["gpus"]
+    if cpu:
+        kw["host_copy_gbps"] = round(measure_copy_gbps(), 2)
     # CPU: plan with the matrix-product rate (cheap, small), then measure the rate of one
     # block at the micro-batch the plan chose (its memory within what the plan gives one
     # micro-batch's activations) and plan again; once more if the micro-batch changed

@@ -1,5 +1,5 @@
 """`infinity finetune --auto`: with the host budget squeezed below what any plan that keeps
-its activations needs, the planner must offload (or recompute) activations and offloads them, and the run it picks stays
+its activations needs, the planner must offload or recompute activations, and the run it picks stays
 within its own predicted budgets: the peak RSS above the torch runtime within the
 estimator's validated 15 % of the predicted host memory (and under the cap), the swap
 space the engine used within 15 % of the predicted NVMe bytes.  (Its step time is a
@@ -46,6 +46,7 @@ ap = out["auto"]
 print(json.dumps({"base": base, "hwm": kb("VmHWM"), "pred_host": ap.predicted_host_bytes,
                   "pred_nvme": ap.predicted_nvme_bytes, "config": ap.config,
                   "micro_batch": ap.micro_batch, "grad_accum": ap.grad_accum,
+                  "checkpointing": ap.checkpointing,
                   "nvme_peak": out["stats"].get("nvme_peak_bytes", 0),
                   "act_offload": out["stats"].get("activation_offload_bytes", 0),
                   "steps": len(out["records"])}))
@@ -89,9 +90,12 @@ def test_auto_plan_offloads_activations_and_runs_within_its_budgets(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     r = json.loads(p.stdout.strip().splitlines()[-1])
     assert r["steps"] == 3
-    # the squeezed budget forces activations off the device tier
-    assert r["config"]["activation_offload"]["home"] != "none", r["config"]
-    assert r["act_offload"] > 0
+    # the squeezed budget forces activations off the device tier or their recompute
+    # (which is cheaper on a CPU-only machine, where the offload's copies take the
+    # computing cores: the estimator's activation-copy term)
+    offloaded = r["config"]["activation_offload"]["home"] != "none"
+    assert offloaded or r["checkpointing"], r["config"]
+    assert (r["act_offload"] > 0) == offloaded
     assert r["micro_batch"] * r["grad_accum"] == BATCH_TOKENS // SEQ
     meas = r["hwm"] - r["base"]
     assert r["pred_host"] <= cap * 1e9
