@@ -8,6 +8,8 @@
 //   a block holding inf/NaN: s = NaN, q = 0 (dequantizes to NaN).
 // int4 is packed 8 per uint32 word, element j at bits 4j, stored with offset 8 (the
 // layout of blockwise.pack_bits / compressed-tensors pack-quantized).
+// NF4 (QLoRA's 4-bit NormalFloat, bitsandbytes' numerics; infinity/quant/nf4.py): see
+// nf4_quantize below.
 // Written to auto-vectorize at -O3; the GIL is released around every call.
 #include <pybind11/pybind11.h>
 
@@ -203,14 +205,140 @@ void dequantize(uintptr_t q, size_t n, size_t block, int bits, uintptr_t scales,
     dequantize_impl(q, n, block, bits, scales, out, out_dtype);
 }
 
+// ---- NF4 (QLoRA's 4-bit NormalFloat), the numerics of infinity/quant/nf4.py bit for bit:
+//   absmax per block (fp32; 0 for an all-zero block), inv = 1 / max(absmax, 1e-38),
+//   v = clamp(x * inv, -1, 1), code = #{midpoints t_k : t_k < v} (nearest, ties lower);
+//   packed two per byte, flat: element 2k in the high nibble, 2k+1 in the low one
+//   (bitsandbytes' order), code 7 (0.0) in the low nibble after an odd last element;
+//   dequantized: code_book[q] * absmax in fp32 (then bf16, round to nearest even).
+//   A block holding inf/NaN (Python refuses those first): absmax NaN, codes 7 (-> NaN).
+// The blocks are even (whole bytes each), so a block of bytes dequantizes alone.
+
+const float kNF4[16] = {
+    -1.0f, -0.6961928009986877f, -0.5250730514526367f, -0.39491748809814453f,
+    -0.28444138169288635f, -0.18477343022823334f, -0.09105003625154495f, 0.0f,
+    0.07958029955625534f, 0.16093020141124725f, 0.24611230194568634f, 0.33791524171829224f,
+    0.44070982933044434f, 0.5626170039176941f, 0.7229568362236023f, 1.0f};
+
+struct NF4Thresholds {
+    float t[15];
+    NF4Thresholds() {
+        // (c[i] + c[i+1]) / 2 in fp32, as torch computes (NF4_CODE[:-1] + NF4_CODE[1:]) / 2
+        for (int i = 0; i < 15; ++i) {
+            const float sum = kNF4[i] + kNF4[i + 1];
+            t[i] = sum / 2.0f;
+        }
+    }
+};
+const NF4Thresholds kNF4T;
+
+__attribute__((target_clones("avx2", "default")))
+void nf4_quantize_impl(uintptr_t src, int dtype, size_t n, size_t block, uintptr_t out,
+                       uintptr_t absmax) {
+    float* am = reinterpret_cast<float*>(absmax);
+    uint8_t* ob = reinterpret_cast<uint8_t*>(out);
+    float tmp[4096];
+    uint8_t ctmp_small[4096];
+    float* buf = tmp;
+    uint8_t* codes = ctmp_small;
+    std::unique_ptr<float[]> big;
+    std::unique_ptr<uint8_t[]> cbig;
+    if (block > 4096) {
+        big.reset(new float[block]);
+        cbig.reset(new uint8_t[block]);
+        buf = big.get();
+        codes = cbig.get();
+    }
+    float t[15];
+    for (int k = 0; k < 15; ++k) t[k] = kNF4T.t[k];
+    const size_t nb = (n + block - 1) / block;
+    for (size_t b = 0; b < nb; ++b) {
+        const size_t off = b * block, len = off + block <= n ? block : n - off;
+        bool bad = false;
+        const float amax = load_block(reinterpret_cast<const void*>(src), dtype, off, len, buf, &bad);
+        if (bad) {
+            am[b] = NAN;
+            for (size_t i = 0; i < len; ++i) codes[i] = 7;
+        } else {
+            am[b] = amax;
+            const float inv = 1.0f / (amax < 1e-38f ? 1e-38f : amax);
+            for (size_t i = 0; i < len; ++i) {
+                float v = buf[i] * inv;
+                v = v < -1.0f ? -1.0f : v;
+                v = v > 1.0f ? 1.0f : v;
+                int c = 0;
+                for (int k = 0; k < 15; ++k) c += v > t[k] ? 1 : 0;
+                codes[i] = static_cast<uint8_t>(c);
+            }
+        }
+        uint8_t* o = ob + off / 2;                // off is even (block is even)
+        const size_t pairs = len / 2;
+        for (size_t k = 0; k < pairs; ++k)
+            o[k] = static_cast<uint8_t>((codes[2 * k] << 4) | codes[2 * k + 1]);
+        if (len % 2) o[pairs] = static_cast<uint8_t>((codes[len - 1] << 4) | 7);
+    }
+}
+
+void nf4_quantize(uintptr_t src, int dtype, size_t n, size_t block, uintptr_t out,
+                  uintptr_t absmax) {
+    if (dtype != kF32 && dtype != kBF16) throw std::invalid_argument("nf4_quantize: bad dtype code");
+    if (block == 0 || block % 2 || block > 65536)
+        throw std::invalid_argument("nf4_quantize: block must be even, in [2, 65536]");
+    if (n && (!src || !out || !absmax)) throw std::invalid_argument("nf4_quantize: null pointer");
+    py::gil_scoped_release nogil;
+    nf4_quantize_impl(src, dtype, n, block, out, absmax);
+}
+
+__attribute__((target_clones("avx2", "default")))
+void nf4_dequantize_impl(uintptr_t packed, size_t n, size_t block, uintptr_t absmax,
+                         uintptr_t out, int out_dtype) {
+    const uint8_t* in = reinterpret_cast<const uint8_t*>(packed);
+    const float* am = reinterpret_cast<const float*>(absmax);
+    float* o32 = reinterpret_cast<float*>(out);
+    uint16_t* o16 = reinterpret_cast<uint16_t*>(out);
+    std::unique_ptr<float[]> tmp_own(new float[block]);
+    float* x = tmp_own.get();
+    const size_t nb = (n + block - 1) / block;
+    for (size_t b = 0; b < nb; ++b) {
+        const size_t off = b * block, len = off + block <= n ? block : n - off;
+        const float s = am[b];
+        const uint8_t* p = in + off / 2;
+        const size_t pairs = len / 2;
+        for (size_t k = 0; k < pairs; ++k) {
+            x[2 * k] = kNF4[p[k] >> 4] * s;
+            x[2 * k + 1] = kNF4[p[k] & 0xfu] * s;
+        }
+        if (len % 2) x[len - 1] = kNF4[p[pairs] >> 4] * s;
+        if (out_dtype == kF32) {
+            std::memcpy(o32 + off, x, len * 4);
+        } else {
+            for (size_t i = 0; i < len; ++i) o16[off + i] = f32_to_bf16(x[i]);
+        }
+    }
+}
+
+void nf4_dequantize(uintptr_t packed, size_t n, size_t block, uintptr_t absmax, uintptr_t out,
+                    int out_dtype) {
+    if (out_dtype != kF32 && out_dtype != kBF16) throw std::invalid_argument("nf4_dequantize: bad dtype code");
+    if (block == 0 || block % 2 || block > 65536)
+        throw std::invalid_argument("nf4_dequantize: block must be even, in [2, 65536]");
+    if (n && (!packed || !out || !absmax)) throw std::invalid_argument("nf4_dequantize: null pointer");
+    py::gil_scoped_release nogil;
+    nf4_dequantize_impl(packed, n, block, absmax, out, out_dtype);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_quant, m) {
-    m.doc() = "blockwise symmetric int8 / packed int4 quantization (ZeRO++), raw pointers";
+    m.doc() = "blockwise symmetric int8 / packed int4 quantization (ZeRO++) and NF4 (QLoRA), raw pointers";
     m.def("quantize", &quantize, py::arg("src"), py::arg("dtype"), py::arg("n"), py::arg("block"),
           py::arg("bits"), py::arg("out"), py::arg("scales"));
     m.def("dequantize", &dequantize, py::arg("q"), py::arg("n"), py::arg("block"), py::arg("bits"),
           py::arg("scales"), py::arg("out"), py::arg("out_dtype"));
+    m.def("nf4_quantize", &nf4_quantize, py::arg("src"), py::arg("dtype"), py::arg("n"),
+          py::arg("block"), py::arg("out"), py::arg("absmax"));
+    m.def("nf4_dequantize", &nf4_dequantize, py::arg("packed"), py::arg("n"), py::arg("block"),
+          py::arg("absmax"), py::arg("out"), py::arg("out_dtype"));
     m.attr("F32") = static_cast<int>(kF32);
     m.attr("BF16") = static_cast<int>(kBF16);
 }

@@ -216,7 +216,7 @@ def pack_bits(q: torch.Tensor, bits: int) -> torch.Tensor:
     if pad:
         v = torch.nn.functional.pad(v, (0, pad))
     v = v.reshape(*v.shape[:-1], words, per)
-    shifts = torch.arange(per, dtype=torch.int64) * bits
+    shifts = torch.arange(per, dtype=torch.int64, device=q.device) * bits
     packed = (v << shifts).sum(dim=-1)
     # the sum fits in 32 unsigned bits; store the same bits as signed int32
     packed = torch.where(packed >= (1 << 31), packed - (1 << 32), packed)
@@ -231,7 +231,7 @@ def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
         raise QuantizationError(f"unpack_bits: {packed.shape[-1]} words hold at most "
                                 f"{packed.shape[-1] * per} {bits}-bit values, asked for {n}")
     v = packed.to(torch.int64) & 0xFFFFFFFF
-    shifts = torch.arange(per, dtype=torch.int64) * bits
+    shifts = torch.arange(per, dtype=torch.int64, device=packed.device) * bits
     vals = (v.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
     vals = vals.reshape(*packed.shape[:-1], -1)[..., :n]
     return (vals - (1 << (bits - 1))).to(torch.int8)

@@ -8,6 +8,11 @@ but in one pass per block: on CPU through the C++ kernel ``infinity._quant``
 ops of :mod:`~infinity.quant.blockwise`.  ``tools/bench_zeropp.py --quant`` measures both
 against a copy of the same bytes (docs/benchmarks.md).
 
+:func:`nf4_quantize_flat` / :func:`nf4_dequantize_flat` do the same for NF4 (QLoRA's 4-bit
+NormalFloat, :mod:`infinity.quant.nf4`): the C++ kernel on CPU (fp32/bf16, contiguous;
+fp16 goes through fp32), the torch reference of :mod:`~infinity.quant.nf4` elsewhere --
+the same bytes and scales either way.
+
 Payload: ``bits`` 8 -> int8, one per element; ``bits`` 4 -> int32 words, 8 elements each
 (:func:`~infinity.quant.blockwise.pack_bits` layout).  Scales: fp32, one per ``block``
 elements (the last block may be shorter).  Non-finite input: the block's scale is NaN
@@ -21,7 +26,10 @@ import torch
 
 from infinity.quant.blockwise import QuantizationError, dequantize, pack_bits, quantize, unpack_bits
 
-__all__ = ["quantize_flat", "dequantize_flat", "payload_numel", "native"]
+from infinity.quant.nf4 import nf4_dequantize_ref, nf4_quantize_ref, packed_nbytes
+
+__all__ = ["quantize_flat", "dequantize_flat", "payload_numel", "native", "nf4_quantize_flat",
+           "nf4_dequantize_flat"]
 
 _ext = None
 _lock = threading.Lock()
@@ -100,4 +108,63 @@ def dequantize_flat(payload: torch.Tensor, scales: torch.Tensor, n: int, bits: i
         return out
     _kernel().dequantize(payload.data_ptr(), n, block, bits, scales.data_ptr(),
                          flat.data_ptr(), _CODES[flat.dtype])
+    return out
+
+
+def _nf4_kernel():
+    ext = _kernel()
+    if not hasattr(ext, "nf4_quantize"):
+        raise ImportError(
+            "infinity._quant was built before NF4 was added; rebuild it with "
+            "`INFINITY_BUILD_ONLY=_quant python setup.py build_ext --inplace` or "
+            "`bash scripts/setup.sh`")
+    return ext
+
+
+def _check_nf4_block(block: int) -> None:
+    if not isinstance(block, int) or isinstance(block, bool) or block < 2 or block > 65536 \
+            or block % 2:
+        raise QuantizationError(f"nf4: the block size must be an even integer in [2, 65536] "
+                                f"(two codes per byte, whole bytes per block), got {block!r}")
+
+
+def nf4_quantize_flat(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(packed, absmax)`` of ``x`` taken flat: ``ceil(n / 2)`` uint8 bytes (two NF4 codes
+    each, bitsandbytes' nibble order) and ``ceil(n / block)`` fp32 block absmaxes.  ``x``
+    must be finite (a block holding inf/NaN gets a NaN absmax: it dequantizes to NaN)."""
+    _check_nf4_block(block)
+    flat = x.reshape(-1)
+    if flat.device.type == "cpu" and flat.dtype == torch.float16:
+        flat = flat.float()
+    if not native(flat):
+        return nf4_quantize_ref(flat, block)
+    n = flat.numel()
+    out = torch.empty(packed_nbytes(n), dtype=torch.uint8)
+    absmax = torch.empty(-(-n // block), dtype=torch.float32)
+    _nf4_kernel().nf4_quantize(flat.data_ptr(), _CODES[flat.dtype], n, block, out.data_ptr(),
+                               absmax.data_ptr())
+    return out, absmax
+
+
+def nf4_dequantize_flat(packed: torch.Tensor, absmax: torch.Tensor, n: int, block: int,
+                        out: torch.Tensor) -> torch.Tensor:
+    """Write the ``n`` values of :func:`nf4_quantize_flat`'s ``(packed, absmax)`` into
+    ``out`` (``n`` elements, contiguous, any float dtype) and return it."""
+    _check_nf4_block(block)
+    if packed.dtype != torch.uint8 or packed.numel() != packed_nbytes(n) \
+            or absmax.numel() != -(-n // block) or out.numel() != n:
+        raise QuantizationError(
+            f"nf4_dequantize_flat: {n} elements in blocks of {block} need {packed_nbytes(n)} "
+            f"uint8 bytes, {-(-n // block)} scales and an output of {n}; got {packed.dtype} x "
+            f"{packed.numel()}, {absmax.numel()}, {out.numel()}")
+    if not out.is_contiguous():
+        raise QuantizationError("nf4_dequantize_flat: the output must be contiguous")
+    flat = out.view(-1)
+    if not (native(flat) and packed.device.type == "cpu" and packed.is_contiguous()
+            and absmax.device.type == "cpu" and absmax.dtype == torch.float32
+            and absmax.is_contiguous()):
+        flat.copy_(nf4_dequantize_ref(packed, absmax, n, block, torch.float32))
+        return out
+    _nf4_kernel().nf4_dequantize(packed.data_ptr(), n, block, absmax.data_ptr(), flat.data_ptr(),
+                                 _CODES[flat.dtype])
     return out
