@@ -117,6 +117,15 @@ if [ ! -f "$STAMP" ] || [ pyproject.toml -nt "$STAMP" ] || [ setup.py -nt "$STAM
     touch "$STAMP"
 fi
 
+# 4b. the docs site's tools (tests/test_docs_site.py builds it with --strict; it skips
+#     without them). Only what is missing; best effort, as nothing else needs them.
+if ! "$VPY" -c "import mkdocs, material, mkdocstrings_handlers.python, mkdocs_include_markdown_plugin" 2>/dev/null; then
+    progress "installing the docs tools (mkdocs, Material, mkdocstrings)" \
+        "${PIP[@]}" install "mkdocs==1.6.1" "mkdocs-material==9.8.2" "mkdocstrings[python]==1.0.8" \
+        "mkdocstrings-python==2.0.11" "mkdocs-include-markdown-plugin==7.3.0" >&2 \
+        || log "WARNING: the docs tools did not install; tests/test_docs_site.py will skip"
+fi
+
 # 5. (re)build the extensions in place; incremental when sources are unchanged.
 build_ext() { "$VPY" setup.py -q build_ext --inplace >/dev/null 2>/tmp/infinity-build.$$.log; }
 progress "building the C++ extensions (incremental: seconds when unchanged)" build_ext \
