@@ -354,31 +354,30 @@ def plan_memory(spec, machine, knobs, params_home, optimizer_home):
                  -(-N // knobs.hpz) * lp, "N/hpz*lp"))
 
     # ---------------------------------------------------------------- gradients
+    # the engine's optimizer runs on the CPU whatever offload.optimizer says ("none" keeps
+    # its states in host memory like "cpu"): gradients always leave the device
     grad_item = None
-    if optimizer_home == "none" and gpu:
-        if stage >= 2:
-            add(Item("device", "grad shard (fp32 accumulation)", shard * 4, "N/R*4"))
-            add(Item("device", "reduce-scatter buckets", 2 * G * lp, "2*Gmax*lp"))
-        else:
-            add(Item("device", "grads (fp32 accumulation)", N * 4, "N*4"))
-    else:
-        if gpu:
-            add(Item("device", "grads of groups in backward", 2 * G * lp, "2*Gmax*lp"))
-            if stage >= 2 and R > 1:  # reduce-scattered on the device: each rank copies its 1/R
-                add(Item("pinned", "GPU->host grad staging", r * 2 * -(-G // R) * lp, "r*2*Gmax/R*lp"))
-            else:
-                add(Item("pinned", "GPU->host grad staging", r * 2 * G * lp, "r*2*Gmax*lp"))
-        grad_item = Item("pageable", "grad accumulation (fp32, host)", r * shard * 4, "r*N/R*4")
-        add(grad_item)
-        if not gpu and stage >= 2 and R > 1:
-            # engine (PartitionedOptimizer._lease_full, host pool on a CPU-only rank): a
-            # group's full fp32 gradient assembled for its reduce-scatter, up to
-            # MAX_INFLIGHT_REDUCTIONS in flight, one being assembled and a tied group open
-            # across backward; tiled groups never (their rows are reduced tile by tile, so
-            # the largest group reduced whole is at most Gf)
-            k = ZERO_INFLIGHT_REDUCTIONS
-            add(Item("pageable", f"gradients awaiting reduce-scatter (fp32, {k + 2} x {gname})",
-                     r * (k + 2) * Gf * 4, f"r*{k + 2}*{gname}*4"))
+    if gpu and stage >= 2 and R > 1:  # reduce-scattered on the device: each rank copies its 1/R
+        # (the engine reserves more here today -- full fp32 buffers of the groups being
+        # reduced, infinity/zero/distributed.py -- a known gap until gradients are bucketed)
+        add(Item("device", "grads of groups in backward", 2 * G * lp, "2*Gmax*lp"))
+        add(Item("pinned", "GPU->host grad staging", r * 2 * -(-G // R) * lp, "r*2*Gmax/R*lp"))
+    elif gpu:
+        # engine (GradD2H, the placement plan's "gradient D2H sources"): the group being
+        # assembled and one open across backward, and the sources of the copies in flight
+        add(Item("device", "grads of groups in backward", 4 * G * lp, "2*2*Gmax*lp"))
+        add(Item("pinned", "GPU->host grad staging", r * 2 * G * lp, "r*2*Gmax*lp"))
+    grad_item = Item("pageable", "grad accumulation (fp32, host)", r * shard * 4, "r*N/R*4")
+    add(grad_item)
+    if not gpu and stage >= 2 and R > 1:
+        # engine (PartitionedOptimizer._lease_full, host pool on a CPU-only rank): a
+        # group's full fp32 gradient assembled for its reduce-scatter, up to
+        # MAX_INFLIGHT_REDUCTIONS in flight, one being assembled and a tied group open
+        # across backward; tiled groups never (their rows are reduced tile by tile, so
+        # the largest group reduced whole is at most Gf)
+        k = ZERO_INFLIGHT_REDUCTIONS
+        add(Item("pageable", f"gradients awaiting reduce-scatter (fp32, {k + 2} x {gname})",
+                 r * (k + 2) * Gf * 4, f"r*{k + 2}*{gname}*4"))
     if R > 1 and machine.nodes == 1 and (not gpu or stage == 1):
         # engine (infinity.zero.shm_transport, intra_node_transport "auto"): every rank's
         # shared-memory slots for the host-tensor collectives between the node's ranks
@@ -392,9 +391,7 @@ def plan_memory(spec, machine, knobs, params_home, optimizer_home):
         states, f_states, what = shard * 2 * sb, f"N/R*2*{sb}", "m + v"
     else:
         states, f_states, what = shard * (4 + 2 * sb), f"N/R*(4+2*{sb})", "master + m + v"
-    if optimizer_home == "none":
-        add(Item("device", f"optimizer: {what}", states, f_states))
-    elif optimizer_home == "cpu":
+    if optimizer_home in ("none", "cpu"):   # the CPU optimizer's states: host memory
         add(Item("pageable", f"optimizer: {what} (host)", r * states, "r*" + f_states))
     else:
         add(Item("nvme", f"optimizer: {what} (NVMe)", r * states, "r*" + f_states))

@@ -47,7 +47,7 @@ Bytes per step (node-level for NVMe, per GPU for PCIe and collectives):
 * compute: ``6*N*S*B`` FLOPs per micro-batch per rank (Kaplan et al. 2020), ``8*N*S*B``
   with activation checkpointing (one extra forward); attention-score FLOPs are ignored
   (relative size ``S/(6H)``).
-* CPU Adam (optimizer offloaded): ``r*N/R`` parameters per node at ``cpu_adam_gparams``.
+* CPU Adam (every optimizer home: the engine has no device optimizer): ``r*N/R`` parameters per node at ``cpu_adam_gparams``.
 """
 from __future__ import annotations
 
@@ -313,11 +313,10 @@ def traffic_per_step(spec, machine, knobs, plan):
                               int((2 - k) * shard * lp)))
         elif p != "none":
             mb["h2d"].append(("param shards fwd+bwd 2*N/R*lp", 2 * shard * lp))
-        elif o != "none":
+        else:       # (the CPU optimizer updates the host mirror: copied to the device)
             n = shard if knobs.zero_stage == 3 else N
             opt["h2d"].append(("updated params", n * lp))
-        if o != "none":
-            mb["d2h"].append(("grad shard N/R*lp", shard * lp))
+        mb["d2h"].append(("grad shard N/R*lp", shard * lp))
     if R > 1:
         collective_traffic(N, machine, knobs, mb, opt, reused=k)
     return {"mb": mb, "opt": opt}
@@ -459,11 +458,10 @@ def estimate_step(spec, machine, knobs, plan, *, checkpointing):
         txt += (f"write {_fmt_b(opt['nvme_write'])} ({_what(parts['opt'], 'nvme_write')}) / "
                 f"{machine.nvme_write_gbps:g} GB/s = {fmt_seconds(t_onvme)} s (same drives: times add)")
         d2.append(txt)
-    t_adam = 0.0
-    if plan.optimizer_home != "none":
-        n_node = machine.ranks_per_node * -(-spec.params // machine.ranks)
-        t_adam = n_node / (machine.cpu_adam_gparams * 1e9)
-        d2.append(f"CPU Adam: {n_node:.3g} params / {machine.cpu_adam_gparams:g} G params/s = {fmt_seconds(t_adam)} s")
+    # the engine's optimizer is CPU Adam for every offload.optimizer ("none" included)
+    n_node = machine.ranks_per_node * -(-spec.params // machine.ranks)
+    t_adam = n_node / (machine.cpu_adam_gparams * 1e9)
+    d2.append(f"CPU Adam: {n_node:.3g} params / {machine.cpu_adam_gparams:g} G params/s = {fmt_seconds(t_adam)} s")
     t_opcie = opt["h2d"] / pcie
     if t_opcie:
         d2.append(f"PCIe: updated params H2D {_fmt_b(opt['h2d'])} / {machine.pcie_gbps:g} GB/s = {fmt_seconds(t_opcie)} s")
