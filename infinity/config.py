@@ -27,12 +27,13 @@ from infinity.config_sections import (  # noqa: F401 (re-exported)
     _float, _fmt, _int, _section, MAX_ACCUMULATION_STEPS, MAX_AIO_BLOCK, NONFINITE_POLICIES,
     INTRA_NODE_TRANSPORTS, MAX_DIST_TIMEOUT_S, MAX_GB, MAX_HPZ_PARTITION, MAX_PREFETCH_DEPTH,
     MAX_STEPS,
-    max_aio_threads, ZeroPPConfig, CURRICULUM_SCHEDULES, CURRICULUM_TYPES, CurriculumConfig)
+    max_aio_threads, ZeroPPConfig, CURRICULUM_SCHEDULES, CURRICULUM_TYPES, CurriculumConfig,
+    FROZEN_WEIGHT_DTYPES, FrozenWeightsConfig)
 
 __all__ = [
     "ConfigError", "OffloadConfig", "PrefetchConfig", "AioConfig", "OptimizerConfig",
     "SchedulerConfig", "LossScaleConfig", "ActivationOffloadConfig", "TilingConfig",
-    "InfinityConfig", "ZeroPPConfig", "CurriculumConfig", "load_config",
+    "InfinityConfig", "ZeroPPConfig", "CurriculumConfig", "FrozenWeightsConfig", "load_config",
 ]
 
 _SECTIONS = {
@@ -153,7 +154,8 @@ class InfinityConfig:
     def to_dict(self) -> dict:
         """A plain JSON-able dict that round-trips through :meth:`from_dict`
         (``optimizer.param_groups`` is left out while it is empty, and
-        ``curriculum_learning`` while it is all defaults: both their defaults)."""
+        ``curriculum_learning`` and ``offload.frozen_weights`` while they are all defaults:
+        their defaults)."""
         out = {}
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
@@ -163,6 +165,10 @@ class InfinityConfig:
                 sub = {}
                 for sf in dataclasses.fields(v):
                     sv = getattr(v, sf.name)
+                    if sf.name == "frozen_weights":
+                        if sv != FrozenWeightsConfig():
+                            sub[sf.name] = dataclasses.asdict(sv)
+                        continue
                     if sf.name == "param_groups":
                         if sv:
                             sub[sf.name] = copy.deepcopy(sv)

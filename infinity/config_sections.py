@@ -23,6 +23,9 @@ SCHEDULER_TYPES = ("constant", "linear", "cosine")
 ACTIVATION_SCOPES = ("checkpoints", "all")
 GRAD_ACCUM_DTYPES = ("fp32", "bf16")
 STATE_DTYPES = ("fp32", "bf16")
+# offload.frozen_weights.dtype (None: the working precision); the formats of
+# infinity.quant.quantize_weight
+FROZEN_WEIGHT_DTYPES = ("nf4", "int8", "int4")
 GB = 10**9
 
 # Upper bounds of the counts and sizes (a value past them is a typo or a unit mix-up, not a
@@ -181,6 +184,35 @@ def _section(cls, prefix: str, value: Any):
 # --------------------------------------------------------------------------------------
 
 @dataclass
+class FrozenWeightsConfig:
+    """``offload.frozen_weights``: frozen (``requires_grad`` False) ``nn.Linear``, GPT-2
+    ``Conv1D`` and ``nn.Embedding`` weights stored blockwise-quantized at their home
+    (QLoRA-style; :mod:`infinity.memory.frozen_quant`) and dequantized to the working
+    precision just before use.  ``dtype`` None (the default) keeps the working precision;
+    ``group_size``: elements per block (one scale each; even for nf4); ``double_quant``:
+    quantize the block scales too (QLoRA's double quantization)."""
+    dtype: str | None = None
+    group_size: int = 64
+    double_quant: bool = False
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> None:
+        p = "offload.frozen_weights."
+        self.dtype = _choice(p + "dtype", self.dtype, (None,) + FROZEN_WEIGHT_DTYPES)
+        self.group_size = _int(p + "group_size", self.group_size, lo=1, hi=65536,
+                               what=">= 1 and <= 65536 (elements per quantization block)",
+                               example=FrozenWeightsConfig.group_size)
+        if self.dtype == "nf4" and self.group_size % 2:
+            raise ConfigError(f"{p}group_size: nf4 stores two codes per byte, so the block "
+                              f"size must be even, got {self.group_size}")
+        if not isinstance(self.double_quant, bool):
+            raise ConfigError(f"{p}double_quant: expected true or false, got "
+                              f"{_fmt(self.double_quant)}")
+
+
+@dataclass
 class OffloadConfig:
     """Home tier of each kind of state and the host/device budgets."""
     params: str = "none"
@@ -188,12 +220,15 @@ class OffloadConfig:
     nvme_paths: list[str] = field(default_factory=lambda: ["./infinity-swap"])
     host_memory_gb: float | None = None
     device_memory_gb: float | None = None
+    frozen_weights: FrozenWeightsConfig = field(default_factory=FrozenWeightsConfig)
 
     def __post_init__(self):
         self.validate()
 
     def validate(self) -> None:
         p = "offload."
+        self.frozen_weights = _section(FrozenWeightsConfig, p + "frozen_weights.",
+                                       self.frozen_weights)
         self.params = _choice(p + "params", self.params, OFFLOAD_HOMES)
         self.optimizer = _choice(p + "optimizer", self.optimizer, OFFLOAD_HOMES)
         self.nvme_paths = _path_list(p + "nvme_paths", self.nvme_paths)

@@ -132,6 +132,10 @@ def assemble(engine, lr_scheduler) -> None:
     engine.grouping = grouping = build_groups(model, engine.dtype, param_home, world_size=ws)
     if not grouping.groups:
         raise ValueError(f"initialize: {type(model).__name__} has no parameters")
+    # offload.frozen_weights: frozen weights kept quantized at their home (Note [Quantized
+    # homes] in infinity/memory/frozen_quant.py); before the plan, which counts their bytes
+    from infinity.engine.frozen import plan_frozen_weights, refuse_tiled
+    plan_frozen_weights(engine, grouping)
     # low-precision compute: floating buffers follow the compute dtype (as module.to())
     if engine.dtype != torch.float32:
         for mod in model.modules():
@@ -149,6 +153,7 @@ def assemble(engine, lr_scheduler) -> None:
         else plan_tiles(grouping, tiling_limit(
             None if tile_gb is None else int(round(tile_gb * GB)), device_budget,
             cfg.prefetch.depth))
+    refuse_tiled(tile_specs)
     act_home = cfg.activation_offload.home
     needs_nvme = param_home == "nvme" or cfg.offload.optimizer == "nvme" or act_home == "nvme"
     if needs_nvme:
@@ -257,7 +262,7 @@ def assemble(engine, lr_scheduler) -> None:
     from infinity.zero.init import adopting   # params built under infinity.Init
     with contextlib.ExitStack() as scope:
         staging = scope.enter_context(engine.host_pool.scoped(
-            max(g.nbytes for g in paged_nvme), torch.uint8)) if paged_nvme else None
+            max(g.home_nbytes for g in paged_nvme), torch.uint8)) if paged_nvme else None
         for g in grouping.groups:
             with adopting(g.slots):
                 init = None

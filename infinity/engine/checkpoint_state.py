@@ -134,6 +134,9 @@ class EngineCheckpoint:
         """The compute-dtype values of :meth:`_home_range` (flat), from wherever they are
         current."""
         from infinity.memory.record import Location
+        if g.quant is not None:      # stored quantized (one process): dequantized values
+            from infinity.memory.frozen_quant import home_values
+            return home_values(g, self.e.swap)
         if g.host_buf is not None:   # host home, or the host mirror of a resident CUDA group
             return g.host_buf
         if not self.sharded_home and g.state is Location.DEVICE and g.device_buf is not None:
@@ -387,6 +390,13 @@ class EngineCheckpoint:
         """Write compute values ``(group offset, flat tensor)`` into ``g``'s home (its
         shard of it at stage 3)."""
         lo = self._home_range(g)[0]
+        if g.quant is not None:      # stored quantized: quantized again (frozen_quant)
+            from infinity.memory.frozen_quant import home_values, write_home_values
+            flat = home_values(g, self.e.swap)
+            for a, t in items:
+                flat[a:a + t.numel()].copy_(t)
+            write_home_values(g, self.e.swap, flat)
+            return
         if g.home == "nvme":
             flat = self._home_read(g)
             for a, t in items:

@@ -58,6 +58,8 @@ class Engine:
         if not isinstance(model, nn.Module):
             raise TypeError(f"initialize: expected a torch.nn.Module, got {type(model).__name__}")
         _refuse_placeholders(model)
+        from infinity.engine.frozen import refuse_bitsandbytes
+        refuse_bitsandbytes(model)
         self.cfg = cfg = InfinityConfig.load(config)
         self.module = model
         if timeline is None:
@@ -591,7 +593,8 @@ class Engine:
                   "optimizer_master_handoffs", "optimizer_master_read_bytes_saved",
                   "activation_offload_bytes", "activation_fetch_bytes",
                   "allgather_sent_bytes", "allgather_sent_inter_bytes",
-                  "grad_comm_sent_bytes", "grad_comm_sent_inter_bytes"):
+                  "grad_comm_sent_bytes", "grad_comm_sent_inter_bytes",
+                  "frozen_nvme_read_bytes", "frozen_host_read_bytes"):
             d.setdefault(k, 0)
         d.update({
             "step": self.opt.step_count,

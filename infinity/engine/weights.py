@@ -83,7 +83,10 @@ def read_param(engine, p: torch.nn.Parameter) -> torch.Tensor:
         out = torch.empty(s.numel, dtype=torch.float32)
         engine.store.read_master(engine.opt.key(g), out, start=s.offset)
         return out.view(s.shape).to(out_dtype)
-    if g.host_buf is not None:            # host home, or the host mirror of a resident
+    if g.quant is not None:               # stored quantized: its dequantized values
+        from infinity.memory.frozen_quant import slot_value
+        flat = slot_value(g, engine.swap, s)
+    elif g.host_buf is not None:          # host home, or the host mirror of a resident
         flat = g.host_buf[s.offset:s.offset + s.numel]      # group on a separate device
     elif g.state is Location.DEVICE and g.device_buf is not None:
         flat = g.device_buf[s.offset:s.offset + s.numel]

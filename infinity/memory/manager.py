@@ -42,6 +42,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from .accounting import Accounting
+from .fetch import Fetch, QuantizedFetch, ReadyTile, _ReadingTile
 from .device import DeviceTier, make_device
 from .pool import BufferPool, leased_size, per_size_class
 from .record import GroupRecord, Location
@@ -51,66 +52,7 @@ log = logging.getLogger("infinity.memory")
 __all__ = ["Fetch", "MemoryManager"]
 
 
-class Fetch:
-    """What is in flight for one group between ``fetch_async`` and ``wait_resident``."""
-    __slots__ = ("handle", "t0", "t_read", "staging", "xfer", "landing")
-
-    def __init__(self, handle, t0: float, staging=None, xfer=None):
-        self.handle = handle          # NVMe read handle (None for a host-homed group)
-        self.t0 = t0                  # issue time
-        self.t_read = None            # first time the read was seen complete
-        self.staging = staging        # pinned host buffer the read lands in (CUDA path)
-        self.xfer = xfer              # the H2D Transfer (CUDA path)
-        self.landing = None           # the lander's job (Note [H2D on landing])
-
-    def poll_read(self) -> bool:
-        if self.landing is not None:  # the lander waits for the read and stamps t_read
-            return self.landing.done()
-        if self.t_read is None and self.handle is not None and self.handle.done():
-            self.t_read = time.perf_counter()
-        return self.t_read is not None
-
-
-class ReadyTile:
-    """A tile already read (:meth:`MemoryManager.read_range_start`)."""
-    __slots__ = ("view", "lease", "mm")
-
-    def __init__(self, view, lease, mm=None):
-        self.view, self.lease, self.mm = view, lease, mm
-
-    def result(self):
-        return self.view, self.lease
-
-    def cancel(self) -> None:
-        if self.lease is not None and self.mm is not None:
-            self.mm.give_back_range(self.lease)
-
-
-class _ReadingTile:
-    """An NVMe tile read in flight into a device-tier lease (zero-copy tier)."""
-    __slots__ = ("mm", "h", "view", "buf", "nbytes", "t0")
-
-    def __init__(self, mm, h, view, buf, nbytes, t0):
-        self.mm, self.h, self.view, self.buf, self.nbytes, self.t0 = mm, h, view, buf, nbytes, t0
-
-    def result(self):
-        try:
-            self.h.wait()
-        except BaseException:
-            self.mm.give_back_range(self.buf)
-            raise
-        self.mm._link("nvme_read", self.nbytes, self.t0)
-        return self.view, self.buf
-
-    def cancel(self) -> None:
-        try:
-            self.h.wait()
-        except Exception:  # noqa: BLE001 - the error that made us cancel matters more
-            pass
-        self.mm.give_back_range(self.buf)
-
-
-class MemoryManager:
+class MemoryManager(QuantizedFetch):
     def __init__(self, groups: list[GroupRecord], *, device: torch.device,
                  device_budget: int | None, host_pool: BufferPool, swap=None,
                  accounting: Accounting, timeline=None, device_tier: DeviceTier | None = None,
@@ -164,22 +106,35 @@ class MemoryManager:
             self._fill(g, buf)
             g.make_resident(buf)
             return
+        if g.quant is not None and g.home not in ("cpu", "nvme"):
+            raise ValueError(f"memory: group {g.gid} ({g.name}): a quantized payload needs a "
+                             f"host or NVMe home, not {g.home!r}")
         if g.home == "cpu":
-            g.host_buf = self.host_pool.lease(g.nbytes, g.dtype)
-            self._fill(g, g.host_buf)
+            if g.quant is not None:               # Note [Quantized homes]: the payload
+                g.host_buf = self.host_pool.lease(g.home_nbytes, torch.uint8)
+                g.quant.pack(g, g.host_buf)
+            else:
+                g.host_buf = self.host_pool.lease(g.nbytes, g.dtype)
+                self._fill(g, g.host_buf)
             g.set_home_state()
             return
         if g.home == "nvme":
             if self.swap is None:
                 raise RuntimeError("memory: NVMe home requested but no swap space was opened")
-            g.extent = self.swap.allocate(g.nbytes)
+            nb = g.home_nbytes
+            g.extent = self.swap.allocate(nb)
             with contextlib.ExitStack() as scope:
-                buf = staging.view(g.dtype)[: g.padded_numel] if staging is not None else \
-                    scope.enter_context(self.host_pool.scoped(g.nbytes, g.dtype))
-                self._fill(g, buf)
+                if g.quant is not None:           # Note [Quantized homes]: the payload
+                    buf = staging.view(torch.uint8)[:nb] if staging is not None else \
+                        scope.enter_context(self.host_pool.scoped(nb, torch.uint8))
+                    g.quant.pack(g, buf)
+                else:
+                    buf = staging.view(g.dtype)[: g.padded_numel] if staging is not None \
+                        else scope.enter_context(self.host_pool.scoped(g.nbytes, g.dtype))
+                    self._fill(g, buf)
                 t0 = time.perf_counter()
                 self.swap.write(g.extent, buf).wait()
-                self._link("nvme_write", g.nbytes, t0)
+                self._link("nvme_write", nb, t0)
             g.set_home_state()
             return
         raise ValueError(f"memory: unknown home {g.home!r}")
@@ -208,11 +163,15 @@ class MemoryManager:
             return True
         self.wait_home(g)   # a running step still writes its home (Note [Overlap safety])
         self._failed.pop(g.gid, None)
+        if g.quant is not None:
+            return self._fetch_quantized(g, allow_overflow)
         if g.state in (Location.HOST, Location.CACHED) and self.dev.zero_copy:
             # the host home (or a cached copy of an NVMe home) is directly usable by CPU
             # compute: no copy, no extra bytes
             g.begin_to_device(g.host_buf)
             g.finish_to_device()
+            if not g.trainable:
+                self.acct.count("frozen_host_read_bytes", g.nbytes)   # read in place
             # saved tensors must still be packed as references: autograd keeps the leaf
             # parameter itself, whose .data is swapped out on release
             self._by_storage[g.device_buf.untyped_storage().data_ptr()] = g
@@ -225,6 +184,8 @@ class MemoryManager:
         try:
             if g.home == "cpu":                       # separate device memory: H2D copy
                 g.begin_to_device(buf, Fetch(None, t0, xfer=self.dev.h2d(buf, g.host_buf)))
+                if not g.trainable:
+                    self.acct.count("frozen_host_read_bytes", g.nbytes)
             elif self.dev.zero_copy:                  # read straight into the compute buffer
                 g.begin_read(buf, Fetch(self.swap.read(g.extent, buf), t0))
             else:                                     # NVMe -> pinned staging -> H2D
@@ -262,6 +223,9 @@ class MemoryManager:
             self.wait_resident(g)
         if g.state is Location.DEVICE and g.device_buf is not None:
             return g.device_buf[lo:hi], None
+        if g.quant is not None:          # refused at initialize (infinity.engine.build)
+            raise NotImplementedError(f"memory: group {g.gid} ({g.name}) is stored quantized "
+                                      f"(offload.frozen_weights): it cannot be tiled yet")
         self.wait_home(g)
         isz = g.dtype.itemsize
         if g.state in (Location.HOST, Location.CACHED):
@@ -304,7 +268,7 @@ class MemoryManager:
         """Start :meth:`read_range` (the next tile is read while the current one computes);
         ``.result()`` gives ``(tensor, lease)``, ``.cancel()`` gives it back unused.  An
         NVMe read on a zero-copy tier is left in flight; everything else is read now."""
-        if g.state is Location.NVME and self.dev.zero_copy and not g.users:
+        if g.state is Location.NVME and self.dev.zero_copy and not g.users and g.quant is None:
             self.wait_home(g)
             if g.state is Location.NVME:
                 isz = g.dtype.itemsize
@@ -368,7 +332,7 @@ class MemoryManager:
 
     def _staging_bytes(self, g: GroupRecord) -> int:
         """Bytes of the host staging one fetch of NVMe-homed ``g`` leases."""
-        return g.nbytes
+        return g.home_nbytes
 
     def fetch_pending(self, g: GroupRecord) -> bool:
         """Whether a fetch of ``g`` was started and not yet waited for."""
@@ -396,6 +360,9 @@ class MemoryManager:
             if f.staging is not None:
                 self._give_back(self.host_pool, f.staging)
                 f.staging = None
+            if f.qowner is not None:              # a quantized payload's lease
+                self._give_back(f.qowner, f.qsrc)
+            f.qsrc = f.qowner = None
         buf = g.abort_fetch()
         if buf is not None:
             self._give_back(self.dev, buf)
@@ -408,8 +375,8 @@ class MemoryManager:
             f.xfer = f.landing.result()       # raises the read's AioError
         else:
             f.handle.wait()                   # already complete: returns or raises AioError
-            f.xfer = self.dev.h2d(g.device_buf, f.staging)
-        self._link("nvme_read", g.nbytes, f.t0, f.t_read)
+            f.xfer = self.dev.h2d(g.device_buf if f.qsrc is None else f.qsrc, f.staging)
+        self._read_done(g, f.t0, f.t_read)
         g.read_landed(f)
 
     def _finish_h2d(self, g: GroupRecord, f: Fetch) -> None:
@@ -458,12 +425,16 @@ class MemoryManager:
                 self._start_h2d(g, f)
             else:
                 f.handle.wait()               # complete: returns or raises AioError
-                self._link("nvme_read", g.nbytes, f.t0, f.t_read)
+                self._read_done(g, f.t0, f.t_read)
+                if f.qsrc is not None:
+                    self._dequantize(g, f)
                 g.finish_read()
         if g.state is Location.TO_DEVICE:
             f = g.pending
             if f is not None and f.xfer is not None:
                 self._finish_h2d(g, f)
+            if f is not None and f.qsrc is not None:
+                self._dequantize(g, f)
             g.finish_to_device()
         elif g.state is not Location.DEVICE:
             raise RuntimeError(f"memory: group {g.gid} ({g.name}) was not fetched "
@@ -490,7 +461,9 @@ class MemoryManager:
             self.wait_resident(g)
         buf = g.device_buf
         self._by_storage.pop(buf.untyped_storage().data_ptr(), None)
-        cached = g.home == "nvme" and (g.host_buf is buf or self._admit(g, buf))
+        # (a quantized group's buffer is not its home's bytes: never a cached copy)
+        cached = g.home == "nvme" and g.quant is None and (g.host_buf is buf
+                                                           or self._admit(g, buf))
         g.release()                       # -> CACHED when a cached copy stays, else home
         if g.home == "nvme" and self._listener is not None:   # Note [Master hand-off]
             if self._listener.on_release(g, None if cached else buf):

@@ -91,8 +91,9 @@ class PlacementPlan:
     def compute(self, grad_accum: int) -> "PlacementPlan":
         paged = [g for g in self.groups if g.home != "device"]
         trainable = [g for g in self.groups if g.trainable]
-        param_bytes = sum(g.nbytes for g in self.groups)
-        largest_group = max((g.nbytes for g in paged), default=0)
+        # what the homes hold (a quantized group's payload: Note [Quantized homes])
+        param_bytes = sum(g.home_nbytes for g in self.groups)
+        largest_group = max((g.home_nbytes for g in paged), default=0)
         # what one fetch puts on the device: a tiled group's tile, any other group whole
         largest = max((self.tile_bytes.get(g.gid, g.nbytes) for g in paged), default=0)
         n_train = sum(g.padded_numel for g in trainable)
@@ -116,6 +117,12 @@ class PlacementPlan:
                 sum(g.nbytes for g in self.groups if g.home == "device")
         if self.param_home == "nvme" and not sep:
             self.host["staging (init only)"] = largest_group
+            # quantized payloads read from NVMe land in host leases, dequantized from there
+            # (Note [Quantized homes] in infinity/memory/frozen_quant.py)
+            qlargest = max((g.home_nbytes for g in paged if g.quant is not None), default=0)
+            if qlargest:
+                self.host["quantized payload reads (largest x (depth + 2))"] = \
+                    qlargest * (self.depth + 2)
         if self.param_home == "nvme" and sep:     # NVMe -> pinned staging -> H2D
             self.host["H2D staging (largest group x (depth + 2))"] = largest * (self.depth + 2)
         if sep and trainable:
@@ -189,7 +196,7 @@ class PlacementPlan:
                     cached_trainable += round_up(g.nbytes, ALIGN) if g.trainable else 0
         # nvme
         if self.param_home == "nvme":
-            self.nvme["param home"] = sum(g.nbytes for g in paged)
+            self.nvme["param home"] = sum(g.home_nbytes for g in paged)
         if self.optimizer_home == "nvme":
             self.nvme[self._states_label("nvme")] = states_b * n_train
         # Note [commit point]: one shadow per NVMe state tensor an update writes (fp32 with
@@ -199,7 +206,7 @@ class PlacementPlan:
         if shadow:
             self.nvme["commit shadows (all-or-nothing updates)"] = shadow
         # links per optimizer step (grad_accum micro-steps)
-        nvme_params = sum(g.nbytes for g in paged) if self.param_home == "nvme" else 0
+        nvme_params = sum(g.home_nbytes for g in paged) if self.param_home == "nvme" else 0
         rd = 2 * max(0, nvme_params - cached) * grad_accum   # forward + backward re-fetch
         wr = 0
         if self.optimizer_home == "nvme":           # exp_avg, exp_avg_sq

@@ -152,11 +152,19 @@ class GroupRecord:
     prefetched: bool = False          # fetched ahead of use by the prefetcher
     grad_buf: torch.Tensor | None = None     # fp32 accumulation buffer (padded_numel)
     sharded: bool = False             # ZeRO-3: only this rank's shard is at home (paged)
+    # offload.frozen_weights: the home holds this quantized payload layout instead of the
+    # flat values (a QuantLayout; Note [Quantized homes] in infinity/memory/frozen_quant.py)
+    quant: object | None = None
 
     # ------------------------------------------------------------------ derived
     @property
     def nbytes(self) -> int:
         return self.padded_numel * self.dtype.itemsize
+
+    @property
+    def home_nbytes(self) -> int:
+        """Bytes of the home copy: the flat buffer, or a quantized group's payload."""
+        return self.nbytes if self.quant is None else self.quant.nbytes
 
     @property
     def trainable(self) -> bool:

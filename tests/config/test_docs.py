@@ -26,14 +26,15 @@ def _doc_rows():
 
 def _dataclass_defaults():
     out = {}
-    cfg = InfinityConfig()
-    for f in dataclasses.fields(cfg):
-        v = getattr(cfg, f.name)
-        if dataclasses.is_dataclass(v):
-            for sf in dataclasses.fields(v):
-                out[f"{f.name}.{sf.name}"] = getattr(v, sf.name)
-        else:
-            out[f.name] = v
+
+    def walk(prefix, obj):           # nested sections (offload.frozen_weights) by their keys
+        for f in dataclasses.fields(obj):
+            v = getattr(obj, f.name)
+            if dataclasses.is_dataclass(v):
+                walk(f"{prefix}{f.name}.", v)
+            else:
+                out[f"{prefix}{f.name}"] = v
+    walk("", InfinityConfig())
     return out
 
 
