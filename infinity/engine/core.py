@@ -83,6 +83,7 @@ class Engine:
         self._worker = None               # runs commits shielded from signals
         self._warned: set[str] = set()
         self._nonfinite_warned_at = -1.0
+        self.curriculum_seqlen = None     # set_curriculum_length (infinity.curriculum)
         # the parts build.assemble sets, in data-path order (None until built, so close()
         # frees whatever a failure part-way left built)
         self.aio = self.swap = None
@@ -551,6 +552,16 @@ class Engine:
                         "and optimizer states unchanged (%d such updates so far)",
                         boundary, self.opt.last_grad_norm, self.opt.nonfinite_steps)
 
+    def set_curriculum_length(self, length: int | None) -> None:
+        """The sequence length a curriculum (:mod:`infinity.curriculum`) truncates the
+        current update's batches to; ``stats()["curriculum_seqlen"]`` reports it (None: no
+        curriculum).  The finetune loop and ``InfinityTrainer``'s callback call this."""
+        if length is not None and (isinstance(length, bool) or not isinstance(length, int)
+                                   or length < 1):
+            raise ValueError(f"set_curriculum_length: expected a positive int or None, "
+                             f"got {length!r}")
+        self.curriculum_seqlen = length
+
     def register_external_parameter(self, module: nn.Module, param: nn.Parameter) -> None:
         """Declare that ``module``'s forward uses ``param`` although another module owns it
         (like DeepSpeed's ``register_external_parameter``); otherwise ``param`` is released
@@ -603,6 +614,7 @@ class Engine:
             "loss_scale": float(self.opt.scaler.scale),
             "skipped_steps": int(self.opt.scaler.skipped_steps) + int(self.opt.nonfinite_steps),
             "nonfinite_steps": int(self.opt.nonfinite_steps),
+            "curriculum_seqlen": self.curriculum_seqlen,
             "phase": self.phase.value,
             # FAILED: why, and the way out (a rank failure, or a failed rollback)
             "failure": (self._rank_failure or getattr(self, "_fail_reason", None))

@@ -106,6 +106,8 @@ def run(engine, batcher, opts, reporter, stopper, checkpointer=None, timeline=No
         loss_sum = 0.0
         tokens = 0
         seqlen = opts.curriculum.length(step_no - 1) if opts.curriculum is not None else None
+        if seqlen is not None:
+            engine.set_curriculum_length(seqlen)
         for micro in range(opts.grad_accum):
             x = batcher.batch((step_no - 1) * opts.grad_accum + micro)
             if seqlen is not None:    # the length of this update (step_no - 1 updates done)

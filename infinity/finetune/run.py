@@ -141,6 +141,13 @@ def finetune(opts, *, reporter_streams=None):
         cfg = auto.config
         for line in auto.lines():
             reporter.info(line)
+        cur = opts.curriculum or (cfg.get("curriculum_learning") or {}).get("enabled")
+        if cur:
+            # the schedule only ever shortens batches: the plan (activations, micro-batch)
+            # is sized for its final, longest length, the run's sequence length
+            reporter.info(f"auto: the curriculum grows the sequence to {auto.plan.model.seq} "
+                          f"tokens; the plan is sized for that final length (shorter early "
+                          f"steps use less memory and time than planned)")
 
     torch.manual_seed(opts.seed)
     own_pg = False

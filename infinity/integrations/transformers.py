@@ -322,6 +322,8 @@ class InfinityTrainerMixin:
         cur = self._curriculum()
         if cur is not None:     # the length of this update: state.global_step updates done
             inputs = cur.truncate(inputs, self.state.global_step)
+            if self.engine is not None:
+                self.engine.set_curriculum_length(cur.last_length)
         captured = {}
         real_acc = self.accelerator
         self.accelerator = _AccProxy(real_acc, captured)

@@ -78,3 +78,20 @@ def test_finetune_curriculum_errors(tmp_path):
     cfg = tmp_path / "c.json"
     cfg.write_text(json.dumps({"curriculum_learning": {"enabled": True, "min_difficulty": 8}}))
     fails(r"curriculum_learning\.max_difficulty: required", config=str(cfg))
+
+
+def test_auto_plans_for_the_final_length_and_says_so(tmp_path):
+    """--auto with --curriculum: the plan is made for --seq-len (the schedule's final, longest
+    length; early steps are only shorter) and the log says so."""
+    from infinity.finetune.run import FinetuneOptions, finetune
+    out, err = io.StringIO(), io.StringIO()
+    res = finetune(FinetuneOptions(model=_model(tmp_path), steps=2, seq_len=64, batch_tokens=256,
+                                   auto=True, use_bench_io=False, curriculum="seqlen:16:6",
+                                   nvme_paths=[str(tmp_path / "swap")], json_lines=True),
+                   reporter_streams={"stdout": out, "stderr": err})
+    assert res["auto"].plan.model.seq == 64
+    assert "auto: the curriculum grows the sequence to 64 tokens; the plan is sized for that " \
+           "final length" in err.getvalue()
+    recs = [json.loads(ln) for ln in out.getvalue().splitlines()]
+    assert [r["seqlen"] for r in recs] == SeqlenSchedule.from_config(
+        cli_block("seqlen:16:6", 64)).lengths(2)

@@ -44,6 +44,7 @@ def test_trainer_truncates_by_update_and_logs_the_length(tmp_path, swap_dir):
         # accumulation 2: both micro-batches of an update have its length
         assert seen == [n for n in expected for _ in range(2)]
         assert H.log_values(tr, LOG_KEY) == expected
+        assert tr.engine.stats()["curriculum_seqlen"] == expected[-1]     # the last update's
         with open(tmp_path / "a" / "checkpoint-3" / "trainer_state.json") as f:
             st = json.load(f)["stateful_callbacks"]["CurriculumCallback"]
         assert st["args"]["config"] == BLOCK and st["attributes"]["global_step"] == 2

@@ -269,3 +269,20 @@ def test_buffers_live_on_device_tier_and_are_saved(harness, swap_dir):
                 assert harness.rel_err(got, v) < 1e-5, k
             else:
                 assert torch.equal(got, v), k
+
+
+def test_curriculum_length_in_stats():
+    """engine.set_curriculum_length (the finetune loop and InfinityTrainer call it):
+    stats()["curriculum_seqlen"] reports it; None without a curriculum; bad values refused."""
+    import torch.nn as nn
+
+    import infinity
+    with infinity.initialize(nn.Linear(4, 4), {"offload": {"params": "cpu", "optimizer": "cpu"}}) as e:
+        assert e.stats()["curriculum_seqlen"] is None
+        e.set_curriculum_length(128)
+        assert e.stats()["curriculum_seqlen"] == 128
+        for bad in (0, -3, 2.5, True, "64"):
+            with pytest.raises(ValueError, match="positive int"):
+                e.set_curriculum_length(bad)
+        e.set_curriculum_length(None)
+        assert e.stats()["curriculum_seqlen"] is None

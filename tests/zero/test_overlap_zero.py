@@ -77,6 +77,7 @@ def test_overlap_parity_2_ranks(tmp_path):
          world_size=2)
 
 
+@pytest.mark.slow   # (the 2-rank variant runs by default)
 def test_overlap_parity_4_ranks(tmp_path):
     """Default slice at world size 4: stage 3 on NVMe with clipping and accumulation."""
     _run(tmp_path, [(3, "nvme", "clip", "gas")], world_size=4)

@@ -3,6 +3,8 @@ names the rank and the collective, within ``dist_timeout_s`` — never a hang.""
 import os
 import sys
 
+import pytest
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from zero_harness import run_ranks  # noqa: E402
 
@@ -33,6 +35,7 @@ def test_exception_in_one_rank_ends_the_other(tmp_path):
     _check_survivor(res[0])
 
 
+@pytest.mark.slow   # (bounded by the timeout by design; the failing-rank tests run by default)
 def test_stalled_rank_times_out(tmp_path):
     """Rank 1 stays alive but stops calling collectives: rank 0 errors after the timeout."""
     stall = 4 * TIMEOUT_S
@@ -61,8 +64,6 @@ def test_exception_in_one_ranks_backward_fails_every_rank_and_moves_no_weights(t
     assert "CollectiveError" in res[0].result["raised"] and "rank 1 failed first" in \
         res[0].result["raised"], res[0].result
 
-
-import pytest  # noqa: E402
 
 
 @pytest.mark.parametrize("transport", ["auto", "process_group"])

@@ -106,6 +106,7 @@ def test_simulated_device_two_ranks(tmp_path):
                     (1, "none", "fp32", acc)], world_size=2)
 
 
+@pytest.mark.slow   # (the 2-rank variant runs by default)
 def test_simulated_device_four_ranks_default_budget(tmp_path):
     """World size 4, the 1 GB default budget of the simulated device."""
     _run(tmp_path, [(3, "cpu", "fp32"), (2, "none", "bf16")], world_size=4, budget_gb=None)

@@ -168,6 +168,7 @@ def test_streamed_shards_bf16_partial_sums_2_ranks(tmp_path):
                  grad_bytes=lambda p, link, shard: p[link + "_bytes"] - 8 * shard)
 
 
+@pytest.mark.slow   # (the 2-rank variant runs by default)
 def test_streamed_shards_4_ranks(tmp_path):
     runs, res = _spawn(tmp_path, [(3, "nvme", "clip", "gas"), (3, "nvme", "gas"),
                                   (3, "nvme", "gas", "off")], world_size=4)
