@@ -262,7 +262,7 @@ def finetune(opts, *, reporter_streams=None):
                     prof = _WarmProfile(
                         lambda note: _profile_session(engine, timeline, opts.profile, rank, bench,
                                                       note=note),
-                        start, opts.steps, opts.profile_skip)
+                        start, opts.steps, opts.profile_skip, curriculum=curriculum)
                 lopts = loop.LoopOptions(steps=opts.steps, start_step=start, grad_accum=gas,
                                          save_every=opts.save_every, world_size=world,
                                          curriculum=curriculum)
@@ -331,7 +331,7 @@ class _WarmProfile:
     would drag the prefetch hit rate and the bandwidths down without saying so. When the run
     has no more steps than that, the last step is profiled. The summary names the steps."""
 
-    def __init__(self, make, start_step, last_step, skip):
+    def __init__(self, make, start_step, last_step, skip, curriculum=None):
         n_run = max(0, last_step - start_step)
         self.skip = min(skip, max(0, n_run - 1))
         self.first = start_step + self.skip + 1
@@ -345,6 +345,13 @@ class _WarmProfile:
             skipped = f"step {a}" if a == b else f"steps {a}-{b}"
             self.note = (f"{skipped} left out as warm-up (--profile-skip {skip}; the first step "
                          "records the module order, so its fetches are on demand)")
+        if curriculum is not None:      # the sequence length of each profiled step
+            lengths = ", ".join(str(curriculum.length(s - 1))
+                                for s in range(self.first, last_step + 1))
+            cur = (f"curriculum: sequence length of steps {self.first}-{last_step}: {lengths}"
+                   if last_step > self.first else
+                   f"curriculum: sequence length of step {self.first}: {lengths}")
+            self.note = cur if self.note is None else f"{self.note}; {cur}"
 
     def before_step(self, step_no):
         if self.session is None and step_no >= self.first:

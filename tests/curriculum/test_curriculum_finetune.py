@@ -95,3 +95,17 @@ def test_auto_plans_for_the_final_length_and_says_so(tmp_path):
     recs = [json.loads(ln) for ln in out.getvalue().splitlines()]
     assert [r["seqlen"] for r in recs] == SeqlenSchedule.from_config(
         cli_block("seqlen:16:6", 64)).lengths(2)
+
+
+def test_profile_names_the_length_of_each_profiled_step(tmp_path):
+    """--profile with --curriculum: the profile's summary carries each profiled step's length."""
+    model = _model(tmp_path)
+    r = _run(tmp_path, "--model", model, "--batch-tokens", "256", "--seq-len", "64",
+             "--no-bench-io", "--curriculum", "seqlen:16:6", "--steps", "3", "--profile", "prof",
+             "--profile-skip", "1")
+    assert r.returncode == 0, r.stderr[-3000:]
+    lengths = SeqlenSchedule.from_config(cli_block("seqlen:16:6", 64)).lengths(3)
+    text = "".join(open(os.path.join(tmp_path, "prof", f)).read()
+                   for f in os.listdir(tmp_path / "prof") if f.endswith((".txt", ".json", ".md")))
+    assert f"curriculum: sequence length of steps 2-3: {lengths[1]}, {lengths[2]}" in text, \
+        os.listdir(tmp_path / "prof")
