@@ -407,6 +407,76 @@ def test_random_interrupts_keep_the_reference_trajectory(tmp_path, trial):
     assert close(final, traj[-1])            # trained on to the reference's final weights
 
 
+
+@pytest.mark.slow
+@pytest.mark.parametrize("trial", range(200))
+def test_random_interrupts_with_accumulation_refeed_from_micro_step(tmp_path, trial):
+    """A timer's KeyboardInterrupt at a random moment with accumulation 2 or 3; the caller
+    re-feeds as documented, from the micro-batch ``stats()["micro_step"]`` says the window is
+    at (its start after a dropped window): the weights always equal plain PyTorch AdamW at
+    exactly ``global_steps``, and training on reaches the reference's final weights."""
+    accum = 2 + trial % 2
+    rng = random.Random(5000 + trial)
+    torch.manual_seed(0)
+    m = Net()
+    flat = _batches(3 * accum, seed=3)
+    windows = [flat[i * accum:(i + 1) * accum] for i in range(3)]
+    ref = copy.deepcopy(m)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    traj = [{n: q.detach().clone() for n, q in ref.named_parameters()}]
+    for w in windows:
+        for x, y in w:
+            (F.mse_loss(ref(x), y) / accum).backward()
+        opt.step()
+        opt.zero_grad()
+        traj.append({n: q.detach().clone() for n, q in ref.named_parameters()})
+
+    def weights(e):
+        sd = e.state_dict()
+        return {n: sd[n].clone() for n, _ in ref.named_parameters()}
+
+    import faulthandler
+    faulthandler.dump_traceback_later(300, exit=True)
+    armed = [False]
+
+    def on_alarm(*_):
+        if armed[0]:
+            raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGALRM, on_alarm)
+    interrupts = streak = 0
+    try:
+        with infinity.initialize(m, _cfg(str(tmp_path / "s"), "nvme", "nvme",
+                                         accum=accum)) as e:
+            while e.global_steps < len(windows):
+                w = windows[e.global_steps]
+                k = e.stats()["micro_step"] - e.global_steps * accum   # where the window is
+                try:
+                    try:
+                        armed[0] = True
+                        signal.setitimer(signal.ITIMER_REAL,
+                                         rng.uniform(0.0005, 0.03 * 2 ** min(streak, 8)))
+                        for x, y in w[k:]:
+                            e.backward(F.mse_loss(e(x).float(), y))
+                            e.step()
+                    finally:
+                        armed[0] = False
+                        signal.setitimer(signal.ITIMER_REAL, 0)
+                    streak = 0
+                except KeyboardInterrupt:
+                    interrupts += 1
+                    streak += 1
+                assert _close(weights(e), traj[e.global_steps]), \
+                    f"weights differ from the reference at global step {e.global_steps}"
+                assert interrupts < 200
+            final = weights(e)
+    finally:
+        armed[0] = False
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+        faulthandler.cancel_dump_traceback_later()
+    assert _close(final, traj[-1])
+
 def test_io_error_half_way_through_the_boundary_step_leaves_the_last_update(tmp_path):
     """A tile write failing mid-step used to leave master and moments half-updated (and
     step_count already advanced).  With clipping the whole update runs at the boundary."""
