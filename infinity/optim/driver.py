@@ -328,8 +328,8 @@ class EngineOptimizer(GradAccumulation):
         where = f"parameter group(s) {', '.join(names)}" if names else "another rank's parameters"
         err = NonFiniteUpdateError(
             f"engine.step: the Adam update of global step {step} came out inf/NaN in {where} "
-            f"(an overflow from finite gradients: exp_avg_sq of a gradient above ~1e19, or a "
-            f"master above the low-precision copy's range); the optimizer states are updated "
+            f"(an overflow from finite gradients, e.g. a weight pushed beyond its low-precision "
+            f"copy's range: fp16 above 65504); the optimizer states are updated "
             f"in place and cannot be restored, so the engine stops: load the last checkpoint "
             f"into a new engine, and lower the learning rate or clip gradients "
             f"(gradient_clipping)", groups=names, rolled_back=False)

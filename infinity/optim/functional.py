@@ -227,7 +227,7 @@ def adam_step(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, 
 
     Returns True when every result is finite as stored: False when the master, a
     moment or ``param_out`` came out inf/NaN or beyond its dtype's range (an overflow,
-    e.g. ``exp_avg_sq`` of a gradient above ~1e19, or an fp16 ``param_out`` above 65504).
+    e.g. an fp16 ``param_out`` above 65504, or ``exp_avg_sq`` of a gradient above ~1e19).
     The update is written either way; the engine rolls such an update back or stops
     (Note [non-finite result] in infinity/optim/step_txn.py).
     """
