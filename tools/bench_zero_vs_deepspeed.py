@@ -90,6 +90,8 @@ def child(a) -> dict:
     init_s = time.perf_counter() - t0
     if a.no_overlap:
         eng.overlap_optimizer_step = False
+    if a.no_commit_point:
+        eng.commit_point = False     # A/B only: updates in place, not all-or-nothing
     x, y = e2e_model.make_batch(a.tokens, a.hidden, seed=1 + rank)
     steps, fb, opt, cpu = [], [], [], []
     prof = None
@@ -206,6 +208,9 @@ def main(argv=None) -> int:
     ap.add_argument("--no-overlap", action="store_true",
                     help="infinity: step every group at the boundary (engine."
                          "overlap_optimizer_step = False), for A/B runs")
+    ap.add_argument("--no-commit-point", action="store_true",
+                    help="infinity: updates in place without shadows or undo copies (engine."
+                         "commit_point = False; not all-or-nothing), for A/B runs of its cost")
     ap.add_argument("--adam-threads", type=int, default=0,
                     help="infinity: infinity.optim.set_num_threads(N) in every rank (0: the "
                          "engine's default)")
@@ -235,6 +240,8 @@ def main(argv=None) -> int:
             cmd.append(f"--profile={a.profile}")
         if a.no_overlap:
             cmd.append("--no-overlap")
+        if a.no_commit_point:
+            cmd.append("--no-commit-point")
         if a.adam_threads:
             cmd.append(f"--adam-threads={a.adam_threads}")
         return cmd
