@@ -62,6 +62,26 @@ def mem_available_gb():
     return 0.0
 
 
+def _passes_per_s(step, seconds, *, min_passes=2, sync=None, check_every=1):
+    """Calls of ``step`` per second: one warm-up call, then calls repeated for about
+    ``seconds`` (at least ``min_passes``), timed in total.  ``sync`` (a device's
+    synchronize) brackets the timed calls and runs before each clock check, which happens
+    every ``check_every`` calls (device work queues without waiting in between)."""
+    sync = sync or (lambda: None)
+    step()
+    sync()
+    n, t0 = 0, time.perf_counter()
+    while True:
+        step()
+        n += 1
+        if n % check_every:
+            continue
+        sync()
+        dt = time.perf_counter() - t0
+        if dt >= seconds and n >= min_passes:
+            return n / dt
+
+
 def measure_tflops(hidden, tokens, *, seconds=1.0):
     """Achieved TFLOPS of fp32 ``(tokens x H) @ (H x 4H)`` products on this process's
     threads: total FLOPs over total time of products repeated for about ``seconds`` after
@@ -72,15 +92,7 @@ def measure_tflops(hidden, tokens, *, seconds=1.0):
     t = max(1, min(int(tokens), 8192))
     h = max(1, int(hidden))
     a, b = torch.randn(t, h), torch.randn(h, 4 * h)
-    torch.mm(a, b)
-    n, t0 = 0, time.perf_counter()
-    while True:
-        torch.mm(a, b)
-        n += 1
-        dt = time.perf_counter() - t0
-        if dt >= seconds and n >= 3:
-            break
-    return n * 2 * t * h * 4 * h / dt / 1e12
+    return 2 * t * h * 4 * h * _passes_per_s(lambda: torch.mm(a, b), seconds, min_passes=3) / 1e12
 
 
 #: a block probe costing more than this (FLOPs of one forward+backward) falls back to the
@@ -130,19 +142,8 @@ def measure_block_tflops(spec, seq, micro_batch, *, seconds=1.0, device=None, dt
         y = y + down(F.gelu(up(ln2(y))))
         y.sum().backward()
 
-    step()
-    sync()
-    n, t0 = 0, time.perf_counter()
-    while True:
-        step()
-        n += 1
-        if cuda and n % 4:
-            continue
-        sync()
-        dt = time.perf_counter() - t0
-        if dt >= seconds and n >= 2:
-            break
-    return n * 6 * p_block * b * S / dt / 1e12
+    return 6 * p_block * b * S * _passes_per_s(step, seconds, sync=sync,
+                                                 check_every=4 if cuda else 1) / 1e12
 
 
 def measure_model_tflops(config, spec, seq, micro_batch, *, seconds=1.0):
@@ -167,16 +168,7 @@ def measure_model_tflops(config, spec, seq, micro_batch, *, seconds=1.0):
     def step():
         model(input_ids=ids, labels=ids).loss.backward()
 
-    step()
-    n, t0 = 0, time.perf_counter()
-    while True:
-        step()
-        n += 1
-        dt = time.perf_counter() - t0
-        if dt >= seconds and n >= 2:
-            break
-    del model
-    return n * 6 * spec.params * b * S / dt / 1e12
+    return 6 * spec.params * b * S * _passes_per_s(step, seconds) / 1e12
 
 
 def measure_copy_gbps(nbytes=64 << 20, *, seconds=0.2):
