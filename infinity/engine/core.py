@@ -520,37 +520,36 @@ class Engine:
         return applied
 
     def _nonfinite(self, boundary: int) -> None:
-        """An update skipped for inf/NaN gradients (fp32/bf16): warn (rate-limited) or raise."""
+        """An update skipped for inf/NaN gradients (fp32/bf16) or rolled back for an inf/NaN
+        Adam result (Note [non-finite result]): warn (rate-limited) or raise."""
         import time as _time
         groups = self.opt.last_nonfinite_groups
-        if groups:                        # Note [non-finite result]
+        if groups:
             what = (f"the Adam result of update {boundary} (global step {self.opt.step_count + 1}) "
                     f"came out inf/NaN in parameter group(s) {', '.join(groups)} (an overflow from "
                     f"finite gradients)")
-            if self.cfg.nonfinite_grads == "raise":
-                raise NonFiniteUpdateError(
-                    f"engine.step: {what}; the update was rolled back (weights, optimizer states, "
-                    f"global_steps and the LR schedule are unchanged). Lower the learning rate or "
-                    f"clip gradients (gradient_clipping); nonfinite_grads: \"skip\" skips such "
-                    f"updates instead", groups=groups, rolled_back=True)
-            now = _time.monotonic()
-            if now - self._nonfinite_warned_at >= 60.0:
-                self._nonfinite_warned_at = now
-                log.warning("infinity: %s; rolled back: weights and optimizer states unchanged "
-                            "(%d skipped updates so far)", what, self.opt.nonfinite_steps)
-            return
-        if self.cfg.nonfinite_grads == "raise":
-            raise NonFiniteGradientError(
+            err = NonFiniteUpdateError(
+                f"engine.step: {what}; the update was rolled back (weights, optimizer states, "
+                f"global_steps and the LR schedule are unchanged). Lower the learning rate or "
+                f"clip gradients (gradient_clipping); nonfinite_grads: \"skip\" skips such "
+                f"updates instead", groups=groups, rolled_back=True)
+            warning = (f"infinity: {what}; rolled back: weights and optimizer states unchanged "
+                       f"({self.opt.nonfinite_steps} skipped updates so far)")
+        else:
+            err = NonFiniteGradientError(
                 f"engine.step: the gradient norm of update {boundary} (global step "
                 f"{self.opt.step_count + 1}) is {self.opt.last_grad_norm}; the update was not "
                 f"applied (weights, optimizer states, global_steps and the LR schedule are "
                 f"unchanged). Set nonfinite_grads: \"skip\" to skip such updates instead")
+            warning = (f"infinity: update {boundary} skipped: the gradient norm is "
+                       f"{self.opt.last_grad_norm} (inf/NaN); weights and optimizer states "
+                       f"unchanged ({self.opt.nonfinite_steps} such updates so far)")
+        if self.cfg.nonfinite_grads == "raise":
+            raise err
         now = _time.monotonic()
         if now - self._nonfinite_warned_at >= 60.0:
             self._nonfinite_warned_at = now
-            log.warning("infinity: update %d skipped: the gradient norm is %s (inf/NaN); weights "
-                        "and optimizer states unchanged (%d such updates so far)",
-                        boundary, self.opt.last_grad_norm, self.opt.nonfinite_steps)
+            log.warning("%s", warning)
 
     def set_curriculum_length(self, length: int | None) -> None:
         """The sequence length a curriculum (:mod:`infinity.curriculum`) truncates the
