@@ -356,7 +356,6 @@ def plan_memory(spec, machine, knobs, params_home, optimizer_home):
     # ---------------------------------------------------------------- gradients
     # the engine's optimizer runs on the CPU whatever offload.optimizer says ("none" keeps
     # its states in host memory like "cpu"): gradients always leave the device
-    grad_item = None
     if gpu and stage >= 2 and R > 1:  # reduce-scattered on the device: each rank copies its 1/R
         # (the engine reserves more here today -- full fp32 buffers of the groups being
         # reduced, infinity/zero/distributed.py -- a known gap until gradients are bucketed)
@@ -422,71 +421,70 @@ def plan_memory(spec, machine, knobs, params_home, optimizer_home):
                  f"r*D*min(T,Gmax/R)*{per_slot}  [D={D}, T={knobs.tile_numel}]"))
 
     # ---------------------------------------------------------------- NVMe grads (engine rule)
-    if grad_item is not None:
-        spill, why = grad_spill_decision(pl, machine, knobs, shard)
-        if spill:
-            pl.items.remove(grad_item)
-            # lossless (engine: PlacementPlan.grad_host_gids): the accumulators that fit in
-            # what the host cap leaves stay in host memory (one process, cap set)
-            keep = 0
-            # engine (infinity/engine/build.py placement.stream_grads): fp32/bf16, one
-            # process or ZeRO stage 3 across ranks (the reduce-scattered shard), on any
-            # device (a separate one: once the D2H landed): groups are updated as their
-            # final gradient arrives, up to STREAM_GRAD_WINDOW of them in hand (what the cap
-            # leaves), so the final sums never go to NVMe (Note [Streamed gradients])
-            streams = knobs.precision != "fp16" and (machine.ranks == 1 or stage == 3)
-            window = STREAM_GRAD_WINDOW if streams else 0
-            Gs = G if machine.ranks == 1 else -(-G // R)     # one final sum (shard) in hand
-            if machine.ranks > 1 and knobs.host_cap_gb is not None and Gs:
-                # engine (infinity/zero/distributed.py stream_window): what this rank's cap
-                # leaves above its placement plan, which does not count the full-size
-                # buffers awaiting their reduce-scatter on a zero-copy tier
-                unplanned = sum(i.nbytes for i in pl.items
-                                if i.name.startswith("gradients awaiting reduce-scatter"))
-                spare = int(knobs.host_cap_gb * GB) - (
-                    pl.tier_total("pinned") + pl.tier_total("pageable") - grad_item.nbytes
-                    - unplanned) // r
-                window = max(0, min(window, spare // (Gs * 4)))
-            if machine.ranks == 1 and knobs.host_cap_gb is not None:
-                stage_b = 2 * G * 4 + (G * 2 if knobs.grad_accum_dtype == "bf16"
-                                       and knobs.grad_accum > 1 else 0)
-                spare = int(knobs.host_cap_gb * GB) - pl.tier_total("pinned") \
-                    - pl.tier_total("pageable") - stage_b
-                window = max(0, min(window, spare // (G * 4))) if G else 0
-                spare -= window * G * 4
-                if window and knobs.grad_accum == 1:
-                    spare = 0      # streamed, one micro-step: no round trip to save
-                keep = max(0, min(grad_item.nbytes, spare // 4096 * 4096))
-            if window:
-                add(Item("pageable", "gradients in hand for their early step (grads on NVMe)",
-                         (r if R > 1 else 1) * window * Gs * 4,
-                         f"r*{window}*Gmax/R*4" if R > 1 else f"{window}*Gmax*4"))
-            pl.grads_streamed = bool(window)
-            pl.grad_host_bytes = keep
-            if keep:
-                add(Item("pageable", "grad accumulation (fp32, host: what fits the cap)", keep,
-                         "min(r*N/R*4, cap - other host items)"))
-            add(Item("nvme", "grad accumulation (fp32, NVMe)", grad_item.nbytes - keep,
-                     grad_item.formula + (" - host part" if keep else "")))
-            if knobs.grad_accum_dtype == "bf16" and knobs.grad_accum > 1:
-                add(Item("nvme", "bf16 partial gradient sums", (grad_item.nbytes - keep) // 2,
-                         "(NVMe grads)/2"))
-            if stage >= 2 and R > 1:   # a rank stages its reduce-scattered 1/R of a group
-                add(Item("pageable", "grad staging (grads on NVMe)", r * 2 * -(-G // R) * 4,
-                         "r*2*Gmax/R*4"))
-            elif keep >= G * 4:
-                # staging serves only NVMe-homed groups; the largest (an embedding, first
-                # in module order) keeps its accumulator in host memory: the rest are the
-                # other groups, of the average size of those
-                n_groups = max(1, int(spec.groups.get(knobs.grouping, 1)) - 1)
-                Grest = min(G, -(-(N - G) // n_groups))
-                add(Item("pageable", "grad staging (grads on NVMe)", 2 * Grest * 4,
-                         "2*Grest*4 (Grest: average group but the largest, kept in host)"))
-            else:
-                add(Item("pageable", "grad staging (grads on NVMe)", r * 2 * G * 4, "r*2*Gmax*4"))
-            pl.grads_on_nvme = True
-        if why:
-            pl.notes.append(why)
+    spill, why = grad_spill_decision(pl, machine, knobs, shard)
+    if spill:
+        pl.items.remove(grad_item)
+        # lossless (engine: PlacementPlan.grad_host_gids): the accumulators that fit in
+        # what the host cap leaves stay in host memory (one process, cap set)
+        keep = 0
+        # engine (infinity/engine/build.py placement.stream_grads): fp32/bf16, one
+        # process or ZeRO stage 3 across ranks (the reduce-scattered shard), on any
+        # device (a separate one: once the D2H landed): groups are updated as their
+        # final gradient arrives, up to STREAM_GRAD_WINDOW of them in hand (what the cap
+        # leaves), so the final sums never go to NVMe (Note [Streamed gradients])
+        streams = knobs.precision != "fp16" and (machine.ranks == 1 or stage == 3)
+        window = STREAM_GRAD_WINDOW if streams else 0
+        Gs = G if machine.ranks == 1 else -(-G // R)     # one final sum (shard) in hand
+        if machine.ranks > 1 and knobs.host_cap_gb is not None and Gs:
+            # engine (infinity/zero/distributed.py stream_window): what this rank's cap
+            # leaves above its placement plan, which does not count the full-size
+            # buffers awaiting their reduce-scatter on a zero-copy tier
+            unplanned = sum(i.nbytes for i in pl.items
+                            if i.name.startswith("gradients awaiting reduce-scatter"))
+            spare = int(knobs.host_cap_gb * GB) - (
+                pl.tier_total("pinned") + pl.tier_total("pageable") - grad_item.nbytes
+                - unplanned) // r
+            window = max(0, min(window, spare // (Gs * 4)))
+        if machine.ranks == 1 and knobs.host_cap_gb is not None:
+            stage_b = 2 * G * 4 + (G * 2 if knobs.grad_accum_dtype == "bf16"
+                                   and knobs.grad_accum > 1 else 0)
+            spare = int(knobs.host_cap_gb * GB) - pl.tier_total("pinned") \
+                - pl.tier_total("pageable") - stage_b
+            window = max(0, min(window, spare // (G * 4))) if G else 0
+            spare -= window * G * 4
+            if window and knobs.grad_accum == 1:
+                spare = 0      # streamed, one micro-step: no round trip to save
+            keep = max(0, min(grad_item.nbytes, spare // 4096 * 4096))
+        if window:
+            add(Item("pageable", "gradients in hand for their early step (grads on NVMe)",
+                     (r if R > 1 else 1) * window * Gs * 4,
+                     f"r*{window}*Gmax/R*4" if R > 1 else f"{window}*Gmax*4"))
+        pl.grads_streamed = bool(window)
+        pl.grad_host_bytes = keep
+        if keep:
+            add(Item("pageable", "grad accumulation (fp32, host: what fits the cap)", keep,
+                     "min(r*N/R*4, cap - other host items)"))
+        add(Item("nvme", "grad accumulation (fp32, NVMe)", grad_item.nbytes - keep,
+                 grad_item.formula + (" - host part" if keep else "")))
+        if knobs.grad_accum_dtype == "bf16" and knobs.grad_accum > 1:
+            add(Item("nvme", "bf16 partial gradient sums", (grad_item.nbytes - keep) // 2,
+                     "(NVMe grads)/2"))
+        if stage >= 2 and R > 1:   # a rank stages its reduce-scattered 1/R of a group
+            add(Item("pageable", "grad staging (grads on NVMe)", r * 2 * -(-G // R) * 4,
+                     "r*2*Gmax/R*4"))
+        elif keep >= G * 4:
+            # staging serves only NVMe-homed groups; the largest (an embedding, first
+            # in module order) keeps its accumulator in host memory: the rest are the
+            # other groups, of the average size of those
+            n_groups = max(1, int(spec.groups.get(knobs.grouping, 1)) - 1)
+            Grest = min(G, -(-(N - G) // n_groups))
+            add(Item("pageable", "grad staging (grads on NVMe)", 2 * Grest * 4,
+                     "2*Grest*4 (Grest: average group but the largest, kept in host)"))
+        else:
+            add(Item("pageable", "grad staging (grads on NVMe)", r * 2 * G * 4, "r*2*Gmax*4"))
+        pl.grads_on_nvme = True
+    if why:
+        pl.notes.append(why)
 
     undo_items(pl, machine, knobs, shard, states, params_home, optimizer_home)
     act_model = knobs.activation_model or ("eager" if machine.cpu_only else "megatron")
