@@ -1,6 +1,7 @@
 """Every update is all-or-nothing (Note [window abort], Note [commit point]): failures in
 forward, backward and step, interrupts, non-finite gradients and misuse leave the model
 exactly as after the last completed update, and the engine usable."""
+import contextlib
 import copy
 import os
 import math
@@ -342,6 +343,38 @@ def test_ctrl_c_at_every_7th_line_keeps_the_reference_trajectory(tmp_path):
 
 
 
+@contextlib.contextmanager
+def _timer_interrupts():
+    """A SIGALRM handler that raises KeyboardInterrupt while an attempt runs (a deadlock
+    fails after 300 s, never hangs CI); yields ``attempt(seconds, fn)``: ``fn()`` with the
+    timer armed for ``seconds`` (a late alarm, after the attempt, does nothing)."""
+    import faulthandler
+    faulthandler.dump_traceback_later(300, exit=True)
+    armed = [False]
+
+    def on_alarm(*_):
+        if armed[0]:
+            raise KeyboardInterrupt
+
+    def attempt(seconds, fn):
+        try:
+            armed[0] = True
+            signal.setitimer(signal.ITIMER_REAL, seconds)
+            fn()
+        finally:
+            armed[0] = False
+            signal.setitimer(signal.ITIMER_REAL, 0)
+
+    old = signal.signal(signal.SIGALRM, on_alarm)
+    try:
+        yield attempt
+    finally:
+        armed[0] = False
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+        faulthandler.cancel_dump_traceback_later()
+
+
 @pytest.mark.parametrize("trial", range(20))
 def test_random_interrupts_keep_the_reference_trajectory(tmp_path, trial):
     """A timer's SIGINT handler raises KeyboardInterrupt at a random moment of forward,
@@ -358,54 +391,33 @@ def test_random_interrupts_keep_the_reference_trajectory(tmp_path, trial):
         sd = e.state_dict()
         return {n: sd[n].clone() for n, _ in ref.named_parameters()}
 
-    close = _close
-
-    import faulthandler
     import traceback
-    faulthandler.dump_traceback_later(300, exit=True)   # a deadlock fails, never hangs CI
-    armed = [False]
-
-    def on_alarm(*_):
-        if armed[0]:                 # a late alarm (after the attempt) does nothing
-            raise KeyboardInterrupt
-
-    old = signal.signal(signal.SIGALRM, on_alarm)
     interrupts = streak = 0
     where = []
-    try:
+    with _timer_interrupts() as attempt:
         with infinity.initialize(m, _cfg(str(tmp_path / "s"), "nvme", "nvme")) as e:
             while e.global_steps < len(data):
                 x, y = data[e.global_steps]
+
+                def one_step():
+                    e.backward(F.mse_loss(e(x).float(), y))
+                    e.step()
                 try:
-                    try:
-                        armed[0] = True
-                        # (the window widens after each interrupt in a row: a loaded
-                        # machine where every step outlasts 30 ms still makes progress)
-                        signal.setitimer(signal.ITIMER_REAL,
-                                         rng.uniform(0.0005, 0.03 * 2 ** min(streak, 8)))
-                        e.backward(F.mse_loss(e(x).float(), y))
-                        e.step()
-                    finally:
-                        armed[0] = False
-                        signal.setitimer(signal.ITIMER_REAL, 0)
+                    # (the window widens after each interrupt in a row: a loaded machine
+                    # where every step outlasts 30 ms still makes progress)
+                    attempt(rng.uniform(0.0005, 0.03 * 2 ** min(streak, 8)), one_step)
                     where.append(f"ok->{e.global_steps}")
                     streak = 0
                 except KeyboardInterrupt as ki:
                     interrupts += 1
                     streak += 1
                     where.append([f"{f.name}:{f.lineno}"
-                                  for f in traceback.extract_tb(ki.__traceback__)[1:-2]])
-                assert close(weights(e), traj[e.global_steps]), \
+                                  for f in traceback.extract_tb(ki.__traceback__)[3:-2]])
+                assert _close(weights(e), traj[e.global_steps]), \
                     f"weights differ from the reference at global step {e.global_steps}: {where[-3:]}"
                 assert interrupts < 200
             final = weights(e)
-    finally:
-        armed[0] = False
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old)
-        faulthandler.cancel_dump_traceback_later()
-    assert close(final, traj[-1])            # trained on to the reference's final weights
-
+    assert _close(final, traj[-1])           # trained on to the reference's final weights
 
 
 @pytest.mark.slow
@@ -435,33 +447,20 @@ def test_random_interrupts_with_accumulation_refeed_from_micro_step(tmp_path, tr
         sd = e.state_dict()
         return {n: sd[n].clone() for n, _ in ref.named_parameters()}
 
-    import faulthandler
-    faulthandler.dump_traceback_later(300, exit=True)
-    armed = [False]
-
-    def on_alarm(*_):
-        if armed[0]:
-            raise KeyboardInterrupt
-
-    old = signal.signal(signal.SIGALRM, on_alarm)
     interrupts = streak = 0
-    try:
+    with _timer_interrupts() as attempt:
         with infinity.initialize(m, _cfg(str(tmp_path / "s"), "nvme", "nvme",
                                          accum=accum)) as e:
             while e.global_steps < len(windows):
                 w = windows[e.global_steps]
                 k = e.stats()["micro_step"] - e.global_steps * accum   # where the window is
+
+                def feed():
+                    for x, y in w[k:]:
+                        e.backward(F.mse_loss(e(x).float(), y))
+                        e.step()
                 try:
-                    try:
-                        armed[0] = True
-                        signal.setitimer(signal.ITIMER_REAL,
-                                         rng.uniform(0.0005, 0.03 * 2 ** min(streak, 8)))
-                        for x, y in w[k:]:
-                            e.backward(F.mse_loss(e(x).float(), y))
-                            e.step()
-                    finally:
-                        armed[0] = False
-                        signal.setitimer(signal.ITIMER_REAL, 0)
+                    attempt(rng.uniform(0.0005, 0.03 * 2 ** min(streak, 8)), feed)
                     streak = 0
                 except KeyboardInterrupt:
                     interrupts += 1
@@ -470,12 +469,8 @@ def test_random_interrupts_with_accumulation_refeed_from_micro_step(tmp_path, tr
                     f"weights differ from the reference at global step {e.global_steps}"
                 assert interrupts < 200
             final = weights(e)
-    finally:
-        armed[0] = False
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old)
-        faulthandler.cancel_dump_traceback_later()
     assert _close(final, traj[-1])
+
 
 def test_io_error_half_way_through_the_boundary_step_leaves_the_last_update(tmp_path):
     """A tile write failing mid-step used to leave master and moments half-updated (and
