@@ -220,6 +220,9 @@ class OffloadConfig:
     nvme_paths: list[str] = field(default_factory=lambda: ["./infinity-swap"])
     host_memory_gb: float | None = None
     device_memory_gb: float | None = None
+    # Note [shadow budget]: NVMe beyond the homes an all-or-nothing update may take (per
+    # rank, 10^9 bytes); None: automatic from free space; 0: no speculative steps
+    commit_shadow_gb: float | None = None
     frozen_weights: FrozenWeightsConfig = field(default_factory=FrozenWeightsConfig)
 
     def __post_init__(self):
@@ -235,6 +238,11 @@ class OffloadConfig:
         self.host_memory_gb = _opt_positive_float(p + "host_memory_gb", self.host_memory_gb)
         self.device_memory_gb = _opt_positive_float(p + "device_memory_gb",
                                                     self.device_memory_gb)
+        if self.commit_shadow_gb is not None:
+            self.commit_shadow_gb = _float(
+                p + "commit_shadow_gb", self.commit_shadow_gb, lo=0.0, hi=MAX_GB,
+                what=f">= 0 and <= {MAX_GB} (GB of NVMe for commit shadows per rank; 0: none "
+                     f"beyond one group's; or null to size it from the free space)")
 
 
 @dataclass

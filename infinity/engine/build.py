@@ -229,6 +229,7 @@ def assemble(engine, lr_scheduler) -> None:
     # the cap leaves (no cap: any)
     engine.undo_budget = None if cfg.host_memory_bytes is None else \
         max(0, cfg.host_memory_bytes - placement.host_total)
+    _plan_shadow_budget(engine, cfg, placement, grouping.groups)
     if engine.swap is not None and placement.nvme_total:
         engine.swap.reserve(placement.nvme_total)
     log.info("%s", placement.describe())
@@ -257,6 +258,7 @@ def assemble(engine, lr_scheduler) -> None:
     else:
         engine.mm = engine.zero.memory_manager(grouping.groups, cache=cache, **mm_kw)
         engine.opt = engine.zero.optimizer(model, cfg, grouping.groups, grouping.names, **opt_kw)
+    engine.opt.on_extents_moved = engine._follow_extents   # Note [roll forward]
     engine._dev_tier = None                 # owned (and closed) by the manager now
     paged_nvme = [g for g in grouping.groups if g.home == "nvme"]
     from infinity.zero.init import adopting   # params built under infinity.Init
@@ -300,6 +302,9 @@ def assemble(engine, lr_scheduler) -> None:
                                         undo_budget=engine.undo_budget,
                                         grad_window=placement.stream_window,
                                         sharded=engine.zero is not None)
+        # Note [shadow budget]: commit_shadow_gb 0 -- no speculative steps
+        engine.overlap.speculate = not (cfg.offload.commit_shadow_gb == 0
+                                        and engine.store.shadow_budget is not None)
         if engine.zero is None and engine.opt.grad_d2h is None:
             # (ZeRO: the reduced shard's landing, grad_final; a separate device: the D2H's
             # landing, GradD2H.landed)
@@ -324,3 +329,31 @@ def assemble(engine, lr_scheduler) -> None:
         engine.tiling.install(grouping)
         log.info("%s", engine.tiling.describe())
     engine.hooks.install()
+
+
+def _plan_shadow_budget(engine, cfg, placement, groups) -> None:
+    """Note [shadow budget]: bound the commit shadows by ``offload.commit_shadow_gb`` (or
+    the free space, automatic) in the plan, the reservation and the store."""
+    from infinity.memory.shadow_budget import SHADOW_LINE, free_swap_bytes, shadow_budget
+    full = placement.nvme.get(SHADOW_LINE, 0)
+    if not full or engine.swap is None:
+        return
+    ws = engine.zero.world_size if engine.zero is not None else 1
+    numels = [g.padded_numel for g in groups if g.trainable]
+    ring = -(-full * max(numels) // sum(numels)) + 3 * 4096   # (page slack)
+    homes = placement.nvme_total - full
+    local = 1
+    if engine.zero is not None:
+        from infinity.zero.distributed import local_ranks
+        local = local_ranks(ws)
+    budget = shadow_budget(cfg.offload.commit_shadow_gb, full, ring, homes,
+                           free_swap_bytes(engine.swap.dirs), local)
+    engine.store.shadow_budget = budget
+    if budget is not None:
+        placement.nvme[SHADOW_LINE] = budget
+        log.info("infinity: commit shadows limited to %.3f GB of the %.3f GB one shadow per "
+                 "optimizer state tensor would take (offload.commit_shadow_gb%s): updates stay "
+                 "all-or-nothing, groups beyond it are written after the commit decision",
+                 budget / 1e9, full / 1e9,
+                 "" if cfg.offload.commit_shadow_gb is not None else " automatic: free space")
+

@@ -157,6 +157,8 @@ class Engine:
         """Check the phase a public method needs (Note [window abort])."""
         ph = self.phase
         if ph in accepts:
+            if self.opt is not None and self.opt.unfinished is not None:
+                self._roll_forward()          # Note [roll forward]
             return
         if ph is Phase.CLOSED:
             raise PhaseError(f"engine.{what}: the engine is closed; create a new one with "
@@ -301,12 +303,27 @@ class Engine:
     def _after_commit(self, moved) -> None:
         """The transaction's shadows are the state now: NVMe-homed fp32 parameters (their
         home is the master) follow their extents; device mirrors are refreshed."""
-        if moved:
-            for g in self.mm.groups:
-                if g.extent is not None and g.extent in moved:
-                    g.extent = moved[g.extent]
+        self._follow_extents(moved)
         self.micro_steps += 1
         self._has_grads = False
+
+    def _follow_extents(self, moved) -> None:
+        for g in self.mm.groups if moved else ():
+            if g.extent is not None and g.extent in moved:
+                g.extent = moved[g.extent]
+
+    def _roll_forward(self) -> None:
+        """Note [roll forward] (infinity/optim/driver.py): finish the decided update before
+        anything reads or writes a home; signals are held meanwhile."""
+        try:
+            with self.gate.open(), self.gate:
+                self._shield(self.opt.finish_unfinished)
+        except BaseException as e:
+            if getattr(e, "_infinity_state_lost", False):
+                self.phase = Phase.FAILED
+                self._fail_reason = f"{type(e).__name__}: {e}"[:600]
+            raise
+        self.mm.refresh_resident(skip=self.opt.gathered_on_device)
 
     def _shield(self, fn):
         if self._worker is None:
@@ -500,9 +517,11 @@ class Engine:
                     self._od_at_last_step = od
                     self.phase = Phase.IDLE
                 except BaseException as e:
-                    if committed[0]:                   # the update is in: only the signal remains
+                    if committed[0]:   # decided: only the signal, or a roll-forward remains
                         self._txn = None
-                        self.phase = Phase.IDLE
+                        self.phase = Phase.FAILED if getattr(e, "_infinity_state_lost", False) \
+                            else Phase.IDLE
+                        self._fail_reason = f"{type(e).__name__}: {e}"[:600]
                     else:
                         self._abort_window(e)
                         if getattr(e, "_infinity_state_lost", False) and \
@@ -600,6 +619,7 @@ class Engine:
                   "divergent_steps", "prefetch_unused", "prefetch_evicted",
                   "reused_fetches", "reused_bytes",
                   "device_budget_overflows", "optimizer_groups_overlapped",
+                  "optimizer_groups_after_decision", "optimizer_groups_not_overlapped_shadow",
                   "optimizer_master_handoffs", "optimizer_master_read_bytes_saved",
                   "activation_offload_bytes", "activation_fetch_bytes",
                   "allgather_sent_bytes", "allgather_sent_inter_bytes",
@@ -624,6 +644,11 @@ class Engine:
             "host_cap_bytes": self.cfg.host_memory_bytes or 0,
             "device_cap_bytes": self.device_budget or 0,
             "groups": len(self.mm.groups),
+            # Note [shadow budget]: NVMe beyond the homes an update may take, the most it took
+            "commit_shadow_budget_bytes": int(self.store.shadow_budget if self.store.shadow_budget
+                                              is not None else self.store.shadow_bytes()),
+            "commit_shadow_peak_bytes": int(getattr(self.store, "shadow_peak", 0)),
+            "unfinished_update": getattr(self.opt, "unfinished", None) is not None,
         })
         return d
 
@@ -723,6 +748,11 @@ class Engine:
         from infinity.memory.record import unregister_holder
         unregister_holder(self)
         errors = []
+        if self.opt is not None and self.opt.unfinished is not None:
+            try:                              # Note [roll forward]: finished before anything
+                self._roll_forward()          # is freed (the homes keep the last update)
+            except Exception as e:
+                log.error("engine.close: finishing the decided update failed: %s", e)
         if self._worker is not None:
             self._worker.shutdown(wait=True)
             self._worker = None

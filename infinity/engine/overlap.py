@@ -161,6 +161,8 @@ def eligible(engine) -> bool:
 
 class OverlappedStep:
     _undo_planned = 0
+    _throttle_logged = False
+    speculate = True      # False: offload.commit_shadow_gb 0, nothing is stepped early
 
     def __init__(self, opt, mm, coord, accounting, *, undo_budget: int | None = None,
                  grad_window: int = GRAD_WINDOW, sharded: bool = False):
@@ -214,7 +216,7 @@ class OverlappedStep:
         module call in this forward may be stepped as soon as their gradient is final,
         into ``txn`` (committed or rolled back by the engine, Note [commit point])."""
         self.txn = txn
-        if not self.coord.in_pass:
+        if not self.coord.in_pass or (txn is not None and not self.speculate):
             self.active = False
             return
         if self.clip > 0 and (txn is None or (self.predict and self.opt.boundaries and not
@@ -410,8 +412,22 @@ class OverlappedStep:
             self._decline(g)
             return
         if self.txn is not None:        # (None: Engine.commit_point off, benchmarks only)
+            if not store.prepare(self.txn, item.key):
+                # Note [shadow budget]: the speculative shadows are used up; this group
+                # waits for the decision (stepped at the boundary, or after it)
+                if buf is not None:
+                    self.mm.give_back_device(buf)
+                self.acct.count("optimizer_groups_not_overlapped_shadow")
+                if not self._throttle_logged:
+                    self._throttle_logged = True
+                    log.info("infinity: offload.commit_shadow_gb (%.2f GB) covers the shadows "
+                             "of only part of the optimizer states: the other groups wait "
+                             "for the commit decision instead of overlapping backward "
+                             "(stats(): optimizer_groups_not_overlapped_shadow)",
+                             (store.shadow_budget or 0) / 1e9)
+                self._decline(g)
+                return
             self._undo_planned += undo
-            store.prepare(self.txn, item.key)
             kw["txn"] = self.txn
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="infinity-step")

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from .pool import ALIGN, round_up
 from .record import GroupRecord
+from .shadow_budget import SHADOW_LINE
 from infinity.fsmode import existing_ancestor, makedirs
 
 log = logging.getLogger("infinity.memory")
@@ -204,7 +205,7 @@ class PlacementPlan:
         shadow = (states_b * n_train if self.optimizer_home == "nvme" else 0) \
             + (4 * n_train if fp32 and self.param_home == "nvme" else 0)
         if shadow:
-            self.nvme["commit shadows (all-or-nothing updates)"] = shadow
+            self.nvme[SHADOW_LINE] = shadow
         # links per optimizer step (grad_accum micro-steps)
         nvme_params = sum(g.home_nbytes for g in paged) if self.param_home == "nvme" else 0
         rd = 2 * max(0, nvme_params - cached) * grad_accum   # forward + backward re-fetch

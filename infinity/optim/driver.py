@@ -44,6 +44,16 @@ class _ScheduleTarget(torch.optim.Optimizer):
         return None
 
 
+class _Unfinished:
+    """A decided update not written yet (Note [roll forward]): the groups left, the
+    hyperparameters it was decided with, and the engine's callbacks."""
+    __slots__ = ("keys", "lrs", "wds", "overrides", "hp", "on_undo", "t0")
+
+    def __init__(self, keys, lrs, wds, overrides, hp, on_undo, t0):
+        self.keys, self.lrs, self.wds, self.overrides = set(keys), lrs, wds, overrides
+        self.hp, self.on_undo, self.t0 = hp, on_undo, t0
+
+
 class EngineOptimizer(GradAccumulation):
     def __init__(self, model, cfg, groups: list[GroupRecord], names: dict[int, str], *,
                  store, swap, host_pool, accounting, timeline=None, lr_scheduler=None,
@@ -269,9 +279,12 @@ class EngineOptimizer(GradAccumulation):
         lrs, wds = self._next_hparams()
         step = self.step_count + 1
         items = [self._item(g, lrs, wds) for g in self.groups if g.gid not in done]
+        later = []          # Note [roll forward]: beyond the shadow budget, after the decision
         if txn is not None:
+            now = []
             for it in items:
-                self.store.prepare(txn, it.key)
+                (now if self.store.prepare(txn, it.key) else later).append(it)
+            items = now
             if self.LOCAL_VOTE and self.swap is None and self.store.swap is None:
                 txn.finish_only()        # Note [finish only] (infinity/optim/step_txn.py)
         skipped = [False]
@@ -302,19 +315,107 @@ class EngineOptimizer(GradAccumulation):
             self.last_grad_norm = norm
             if self.precision == "fp16":
                 self.scaler.update(False)
+            if later:                 # Note [roll forward]: decided, to be finished
+                self.unfinished = _Unfinished(
+                    {it.key for it in later}, lrs, wds, list(self._overrides),
+                    dict(step=step, beta1=self.beta1, beta2=self.beta2, eps=self.eps,
+                         adamw=self.adamw, bias_correction=True, grad_scale=grad_scale),
+                    on_undo, t0)
             self._hp = None
             self.step_count = step
             for it in items:
                 self.count_master_in_hand(it)
             for g in self.groups:     # (groups stepped early kept theirs for a redo)
+                if later and self.key(g) in self.unfinished.keys:
+                    continue          # kept until their update is written
                 self.release_grad(g)
-            self.zero_grad()
+            if not later:
+                self.zero_grad()
             if self.torch_sched is not None:
                 self.sched_target.step()
                 self.torch_sched.step()
             self.last_step_seconds = time.perf_counter() - t0
+            if later:
+                self.acct.count("optimizer_shadow_budget_throttled")
+                self.finish_unfinished()
         shield(apply)
         return not skipped[0]
+
+    # ------------------------------------------------------------------ roll forward
+    # Note [roll forward]
+    # ~~~~~~~~~~~~~~~~~~~
+    # The commit decision is the vote after the norm (and every early step) is known: from
+    # there an update only has to be *finished*.  Groups whose shadows did not fit the
+    # budget (Note [shadow budget] in infinity/optim/step_txn.py) are stepped after the
+    # decision, a batch at a time into a transaction of their own that takes no undo
+    # copies, each batch committed (its extents swapped in) as soon as its writes
+    # completed, so the shadows after the decision are a batch's, not the model's.  Their
+    # gradients are kept until their batch is committed.  When a batch fails (an I/O
+    # error), its shadows are dropped -- the homes still hold the last values -- and the
+    # rest of the update stays pending (``unfinished``): the error is raised, and the next
+    # engine call (or close()) finishes it before anything else reads or writes a home.
+    # Only where that cannot work -- a host-resident state updated in place part-way (no
+    # undo copy after the decision), a non-finite result, an error other than I/O --
+    # does the engine enter FAILED.
+    unfinished = None
+    #: ``fn({old extent: new extent})``: owners of extent masters follow a batch's commit
+    on_extents_moved = None
+
+    def finish_unfinished(self) -> None:
+        """Step and commit the groups of the decided update not written yet (Note [roll
+        forward]), a batch at a time within the shadow budget.  Raises what a batch
+        raised; the groups not committed then stay pending (``unfinished``) unless it
+        cannot be finished (``_infinity_state_lost`` on the error)."""
+        from infinity.optim.step_txn import StepTxn
+        u = self.unfinished
+        if u is None:
+            return
+        by_key = {self.key(g): g for g in self.groups}
+        while u.keys:
+            mini = StepTxn(host_undo=False)   # host states: in place, no undo copy
+            batch = []
+            for key in sorted(u.keys, key=lambda k: by_key[k].gid):
+                if not self.store.prepare(mini, key, force=not batch):
+                    break
+                batch.append(self._item(by_key[key], u.lrs, u.wds, u.overrides))
+            try:
+                bad = self.store.step(batch, txn=mini, **u.hp)
+                if bad:
+                    self._lost_update(bad, u.hp["step"])
+                moved = self.store.commit(mini)
+            except BaseException as e:
+                keys = {it.key for it in batch}
+                lost = getattr(e, "_infinity_state_lost", False) or mini.unrestorable \
+                    or not isinstance(e, OSError)
+                if not lost:                     # shadows only: the homes are intact
+                    self.store.rollback(mini)
+                    if u.on_undo is not None:
+                        u.on_undo(keys)          # copies updated in hand are stale
+                    e.add_note(f"infinity: the update of global step {u.hp['step']} was decided "
+                               f"(every gradient finite, every rank agreed); "
+                               f"{len(u.keys)} parameter group(s) are not written yet and keep "
+                               f"their gradients: the next engine call (or close()) finishes "
+                               f"it, nothing else changes meanwhile (Note [roll forward])")
+                else:
+                    try:
+                        e._infinity_state_lost = True
+                    except AttributeError:
+                        pass
+                    e.add_note(f"infinity: the decided update of global step {u.hp['step']} "
+                               f"cannot be finished (host-resident states were updated in "
+                               f"place part-way, or the result is not finite): load the last "
+                               f"checkpoint (load_checkpoint) into a new engine")
+                raise
+            if moved and self.on_extents_moved is not None:
+                self.on_extents_moved(moved)
+            for it in batch:
+                self.count_master_in_hand(it)
+                u.keys.discard(it.key)
+                self.release_grad(by_key[it.key])
+            self.acct.count("optimizer_groups_after_decision", len(batch))
+        self.unfinished = None
+        self.zero_grad()
+        self.last_step_seconds = time.perf_counter() - u.t0
 
     def _group_names(self, keys) -> tuple:
         names = {self.key(g): g.name for g in self.groups}
@@ -388,8 +489,9 @@ class EngineOptimizer(GradAccumulation):
         result is finite (one process: its own)."""
         return ok, finite
 
-    def _item(self, g: GroupRecord, lrs: list[float], wds: list[float]):
+    def _item(self, g: GroupRecord, lrs: list[float], wds: list[float], overrides=None):
         from infinity.optim.offload_step import StepItem
+        overrides = self._overrides if overrides is None else overrides
         segs = []
         pos = 0
         for s in g.slots:
@@ -399,7 +501,7 @@ class EngineOptimizer(GradAccumulation):
                 pgi = self._pg_of.get(id(s.param))
                 if pgi is None:  # tied duplicate dropped by param_groups: same tensor, first name
                     pgi = 0
-                ov = self._overrides[pgi] if pgi < len(self._overrides) else None
+                ov = overrides[pgi] if pgi < len(overrides) else None
                 segs.append((s.offset, s.numel, lrs[pgi], wds[pgi], ov))
             else:
                 segs.append((s.offset, s.numel, 0.0, 0.0))

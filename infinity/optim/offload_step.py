@@ -170,6 +170,11 @@ class OptimizerStateStore:
         self._host_state_bytes = 0
         self._spare: Dict[int, Any] = {}   # id(backing) -> its shadow extent (Note [commit point])
         self._spare_lock = threading.Lock()   # prepare() vs commit/rollback, not vs step()
+        # Note [shadow budget] (StepTxn): NVMe bytes of shadow extents allowed at once (idle
+        # spares and those in transactions); None: one per extent-backed state tensor
+        self.shadow_budget: Optional[int] = None
+        self._shadow_bytes = 0             # shadow extents allocated now
+        self.shadow_peak = 0               # the most allocated at once
         self._slots = self._alloc_ring()
         self._ring_bytes = sum(b.numel() * b.element_size() for s in self._slots for b in s.bufs.values())
         if self._ring_bytes and accounting is not None:
@@ -307,22 +312,58 @@ class OptimizerStateStore:
                                offset=b.offset(tile, self.tile_numel))
 
     # -- transactions (Note [commit point] in StepTxn) ------------------------------
-    def prepare(self, txn: StepTxn, key: str) -> None:
+    def prepare(self, txn: StepTxn, key: str, *, force: bool = False) -> bool:
         """Give every extent-backed state tensor of ``key`` its shadow in ``txn`` (allocated
         once, then reused window after window).  Call on the thread that owns the swap
         accounting (the engine's main thread), before ``step(..., txn=txn)``.  It does not
         wait for a running step (the overlapped step prepares group k+1 while group k's
-        step runs): it touches only the spare shadows and ``txn``'s entries for ``key``."""
+        step runs): it touches only the spare shadows and ``txn``'s entries for ``key``.
+
+        Note [shadow budget]: with :attr:`shadow_budget` set, the shadows allocated at once
+        stay within it (idle spares of other tensors are freed to make room); returns False,
+        taking nothing, when ``key``'s do not fit -- unless ``force`` (one group must always
+        be writable: the budget never goes below the largest group's states)."""
         with self._spare_lock:
             part = self._part(key)
-            for b in part.backing.values():
-                if b.extent is None or id(b) in txn.writes:
-                    continue
+            todo = [b for b in part.backing.values()
+                    if b.extent is not None and id(b) not in txn.writes]
+            need = sum(b.nbytes for b in todo if id(b) not in self._spare)
+            budget = self.shadow_budget
+            if need and budget is not None and self._shadow_bytes + need > budget:
+                self._free_spares(self._shadow_bytes + need - budget, keep={id(b) for b in todo})
+                if self._shadow_bytes + need > budget and not force:
+                    return False
+            for b in todo:
                 shadow = self._spare.get(id(b))   # (interrupt-safe order: never lost)
                 if shadow is None:
-                    shadow = self._spare[id(b)] = self.swap.allocate(b.nbytes)
+                    shadow = self.swap.allocate(b.nbytes)
+                    self._spare[id(b)] = shadow
+                    self._shadow_bytes += b.nbytes
+                    self.shadow_peak = max(self.shadow_peak, self._shadow_bytes)
                 txn.writes[id(b)] = [b, shadow, set()]
                 del self._spare[id(b)]
+            return True
+
+    def _free_spares(self, nbytes: int, keep=frozenset()) -> None:
+        """Free idle shadow extents (not ``keep``'s) until ``nbytes`` are freed or none is
+        left (Note [shadow budget])."""
+        sizes = {id(b): b.nbytes for p in self._parts.values() for b in p.backing.values()}
+        for bid in [k for k in self._spare if k not in keep]:
+            if nbytes <= 0:
+                return
+            ext = self._spare.pop(bid)
+            size = sizes.get(bid, 0)
+            self._shadow_bytes -= size
+            nbytes -= size
+            self.swap.free(ext)
+
+    def shadow_bytes_allocated(self) -> int:
+        """NVMe bytes of shadow extents allocated now (Note [shadow budget])."""
+        return self._shadow_bytes
+
+    def shadow_need(self, key: str) -> int:
+        """NVMe bytes ``key``'s shadows take (one per extent-backed state tensor)."""
+        return sum(b.nbytes for b in self._part(key).backing.values() if b.extent is not None)
 
     def host_state_bytes(self, key: str, master_in_hand: bool = False) -> int:
         """Bytes of ``key``'s state that live in host tensors (what a transactional step
@@ -697,6 +738,7 @@ class OptimizerStateStore:
             for p in self._parts.values():
                 self._release(p.backing.values())
             self._parts.clear()
+            self._shadow_bytes = 0
             for ext in self._spare.values():
                 try:
                     self.swap.free(ext)

@@ -653,8 +653,28 @@ class PartitionedOptimizer(EngineOptimizer):
         else:
             self.finish_backward()   # no-op when backward already flushed
         self.gathered_on_device = set()
-        applied = super().boundary_step(done, **kw)
-        if applied and self.stage in (1, 2):
+        self._in_boundary = True
+        try:
+            applied = super().boundary_step(done, **kw)
+        finally:
+            self._in_boundary = False
+        if applied:
+            self._publish()
+        return applied
+
+    def finish_unfinished(self) -> None:
+        """Note [roll forward]: finishing the decided update ends as the step would have:
+        stages 1-2 gather the updated parameters (the other ranks wait in that gather)."""
+        pending = self.unfinished is not None
+        super().finish_unfinished()
+        if pending and not self._in_boundary:
+            self._publish()
+
+    _in_boundary = False
+
+    def _publish(self) -> None:
+        """Stages 1-2: every rank's updated shard to every rank."""
+        if self.stage in (1, 2):
             for g in self.groups:
                 lo, hi = self.shard(g)
                 if self._separate_mirror(g):
@@ -665,7 +685,6 @@ class PartitionedOptimizer(EngineOptimizer):
                 buf = g.host_buf if g.host_buf is not None else g.device_buf
                 self.comm.all_gather_into(buf, buf[lo:hi], group="default",
                                           name=f"updated parameters of group {g.gid}")
-        return applied
 
     def _separate_mirror(self, g: GroupRecord) -> bool:
         """A trainable group resident on separate device memory, updated on its host mirror."""
@@ -712,9 +731,9 @@ class PartitionedOptimizer(EngineOptimizer):
             return super()._param_target(g)   # the sink writes shard-relative offsets to g.extent
         return self._param_shard(g), None
 
-    def _item(self, g: GroupRecord, lrs: list[float], wds: list[float]):
+    def _item(self, g: GroupRecord, lrs: list[float], wds: list[float], overrides=None):
         from infinity.optim.offload_step import StepItem
-        it = super()._item(g, lrs, wds)
+        it = super()._item(g, lrs, wds, overrides)
         lo, hi = self.shard(g)
         segs = clip_segments(it.segments, lo, hi)
         grad = g.grad_buf[lo:hi] if self.stage == 1 else g.grad_buf
