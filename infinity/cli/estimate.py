@@ -118,6 +118,9 @@ def register(sub):
     k.add_argument("--prefetch-depth", type=int, help="groups fetched ahead (default 2)")
     k.add_argument("--grad-accum", type=int, help="gradient accumulation steps (default 1)")
     k.add_argument("--host-cap", type=float, metavar="GB", help="offload.host_memory_gb cap")
+    k.add_argument("--commit-shadow-gb", type=float, metavar="GB",
+                   help="offload.commit_shadow_gb: NVMe per rank for the shadows of all-or-nothing "
+                        "updates (default: automatic, every shadow where the NVMe has room)")
     k.add_argument("--tile-numel", type=int, help="optimizer tile elements (default 4194304)")
     k.add_argument("--state-dtype", choices=("fp32", "bf16"),
                    help="optimizer.state_dtype: Adam moments in fp32 (default, or the config's) or bf16 "
@@ -233,6 +236,7 @@ def run(args):
                        config=args.config, precision=precision, zero_stage=args.zero_stage,
                        prefetch_depth=args.prefetch_depth, grad_accum=args.grad_accum,
                        host_cap_gb=args.host_cap, tile_numel=args.tile_numel,
+                       commit_shadow_gb=args.commit_shadow_gb,
                        state_dtype=args.state_dtype, grouping=args.grouping,
                        grad_spill=args.grad_spill, activation_model=args.activations,
                        activation_home=act_home, activation_scope=act_scope,
@@ -273,6 +277,7 @@ def plan_inputs(args):
         precision = "bf16"
     knobs = _knobs_from(args.config, dict(precision=precision, zero_stage=args.zero_stage,
                                           host_cap_gb=args.host_cap, tile_numel=args.tile_numel,
+                                          commit_shadow_gb=args.commit_shadow_gb,
                                           state_dtype=args.state_dtype, grouping=args.grouping,
                                           grad_spill=args.grad_spill,
                                           activation_model=args.activations))

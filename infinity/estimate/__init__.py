@@ -236,7 +236,8 @@ def _knobs_from(config, overrides):
                   qwz=cfg.zero_pp.quantized_weights, hpz=cfg.zero_pp.hpz_partition_size,
                   qgz=cfg.zero_pp.quantized_gradients,
                   tiling_max_group_gb=cfg.tiling.max_group_gb,
-                  reuse_gb=cfg.prefetch.reuse_gb)
+                  reuse_gb=cfg.prefetch.reuse_gb,
+                  commit_shadow_gb=cfg.offload.commit_shadow_gb)
     kw.update({k: v for k, v in overrides.items() if v is not None})
     k = Knobs(**kw)
     if k.precision not in ("fp32", "bf16", "fp16"):
@@ -279,7 +280,7 @@ def estimate(model=None, *, params=None, layers=None, hidden=None, seq=2048, bat
              prefetch_depth=None, grad_accum=None, host_cap_gb=None, tile_numel=None,
              state_dtype=None, grouping=None, grad_spill=None, activation_model=None, configs=None,
              gradient_clipping=None, activation_home=None, activation_scope=None,
-             grad_accum_dtype=None, tiling_max_group_gb=None):
+             grad_accum_dtype=None, tiling_max_group_gb=None, commit_shadow_gb=None):
     """Estimate memory per tier and step time for every valid offload configuration.
 
     model: an ``nn.Module`` (ideally built on the meta device), a factory (callable or
@@ -295,6 +296,8 @@ def estimate(model=None, *, params=None, layers=None, hidden=None, seq=2048, bat
         and, on NVMe, traffic per micro-batch (:func:`.memory_plan.offload_activations`).
     grad_accum_dtype: ``gradient_accumulation_dtype`` ("bf16": the NVMe gradient home's
         partial sums in bf16).
+    commit_shadow_gb: ``offload.commit_shadow_gb`` (None: automatic, as the engine sizes
+        it from the NVMe left: :func:`.memory_plan.size_shadows`).
     tiling_max_group_gb: ``tiling.max_group_gb``: groups above it that tiling can split
         (``nn.Linear``/``nn.Embedding``, one rank) put one tile on the device per fetch.
     grad_spill: where the fp32 gradients live: ``"auto"`` (default) as the engine decides
@@ -339,7 +342,8 @@ def estimate(model=None, *, params=None, layers=None, hidden=None, seq=2048, bat
                                      tiling_max_group_gb=tiling_max_group_gb,
                                      activation_home=activation_home,
                                      activation_scope=activation_scope,
-                                     grad_accum_dtype=grad_accum_dtype))
+                                     grad_accum_dtype=grad_accum_dtype,
+                                     commit_shadow_gb=commit_shadow_gb))
     valid = valid_configs(knobs)
     if configs is not None:
         want = [tuple(c) for c in configs]

@@ -100,6 +100,8 @@ class Knobs:
     hpz: int = 1                       # [zero_pp.hpz_partition_size]
     qgz: bool = False                  # [zero_pp.quantized_gradients]
     reuse_gb: float | None = None      # [prefetch.reuse_gb] (None: automatic, as the engine)
+    commit_shadow_gb: float | None = None  # [offload.commit_shadow_gb] per rank (None:
+                                       # automatic from the NVMe left, as the engine)
 
     def __post_init__(self):
         if self.grad_spill is True or self.grad_spill is False:   # the old boolean form
@@ -490,7 +492,36 @@ def plan_memory(spec, machine, knobs, params_home, optimizer_home):
     act_model = knobs.activation_model or ("eager" if machine.cpu_only else "megatron")
     pl.activations = activation_items(spec, knobs, act_model)
     offload_activations(pl, spec, machine, knobs, act_model)
+    if shadow:
+        size_shadows(pl, machine, knobs, r * shadow, r * -(-shadow * G // max(1, shard)) // max(1, R))
     return pl
+
+
+SHADOW_ITEM = "commit shadows (all-or-nothing updates)"
+
+
+def size_shadows(pl, machine, knobs, full: int, ring: int) -> None:
+    """Note [shadow budget] (infinity/memory/shadow_budget.py, as the engine sizes it):
+    ``offload.commit_shadow_gb`` per rank, or automatic -- every shadow where the NVMe
+    has room beside everything else and the free-space headroom, else what is left (at
+    least the largest group's: ``ring``).  Groups beyond the budget are written after the
+    commit decision; the step-time model does not credit the optimizer's overlap with
+    backward, so it prices no loss for them (docs/estimator.md)."""
+    from infinity.memory.shadow_budget import nvme_headroom, shadow_budget
+    item = next((it for it in pl.items if it.name == SHADOW_ITEM), None)
+    if item is None:
+        return
+    r = machine.ranks_per_node
+    others = pl.tier_total("nvme") - item.nbytes
+    have = int(machine.nvme_gb * GB) if machine.nvme_gb else None
+    free = None if have is None else (have, nvme_headroom(have))
+    per_rank = shadow_budget(knobs.commit_shadow_gb, -(-full // r), -(-ring // r),
+                             -(-others // r), free, r)
+    if per_rank is not None:
+        item.nbytes = r * per_rank
+        item.formula = ("r*commit_shadow_gb" if knobs.commit_shadow_gb is not None else
+                        "NVMe left beside the rest and the headroom (automatic)") + \
+            " (< one shadow per state tensor: groups beyond it are finished after the decision)"
 
 
 def undo_items(pl, machine, knobs, shard, states, params_home, optimizer_home):

@@ -90,6 +90,8 @@ class Choice:
         off = {"params": self.params_home, "optimizer": self.optimizer_home}
         if self.host_cap_gb is not None:
             off["host_memory_gb"] = round(self.host_cap_gb, 3)
+        if k.commit_shadow_gb is not None:
+            off["commit_shadow_gb"] = k.commit_shadow_gb
         cfg = {"precision": k.precision, "zero_stage": k.zero_stage, "offload": off,
                "prefetch": {"depth": k.prefetch_depth},
                "gradient_accumulation_steps": k.grad_accum,

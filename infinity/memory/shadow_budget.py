@@ -25,14 +25,15 @@ __all__ = ["SHADOW_LINE", "NVME_HEADROOM_FRACTION", "NVME_HEADROOM_MIN", "nvme_h
 #: the placement plan's line for the shadows (ZeRO scales it to one rank's share)
 SHADOW_LINE = "commit shadows (all-or-nothing updates)"
 #: free space the automatic budget leaves on the swap file systems: 2 % of their size,
-#: at least 1 GB (the file system's own reserve, logs, checkpoints written beside)
+#: at least 1 GB (logs, checkpoints written beside; a small file system: a tenth of it)
 NVME_HEADROOM_FRACTION = 0.02
 NVME_HEADROOM_MIN = 1 * GB
 
 
 def nvme_headroom(total_bytes: int) -> int:
     """Bytes the automatic budget keeps free on a file system of ``total_bytes``."""
-    return max(int(total_bytes * NVME_HEADROOM_FRACTION), NVME_HEADROOM_MIN)
+    return max(int(total_bytes * NVME_HEADROOM_FRACTION),
+               min(NVME_HEADROOM_MIN, total_bytes // 10))
 
 
 def free_swap_bytes(paths) -> tuple[int, int] | None:

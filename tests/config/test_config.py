@@ -11,7 +11,7 @@ from infinity.config import (AioConfig, ConfigError, InfinityConfig, LossScaleCo
 DESIGN_DEFAULTS = {
     "precision": "fp32", "zero_stage": 3,
     "offload": {"params": "none", "optimizer": "none", "nvme_paths": ["./infinity-swap"],
-                "host_memory_gb": None, "device_memory_gb": None},
+                "host_memory_gb": None, "device_memory_gb": None, "commit_shadow_gb": None},
     "prefetch": {"depth": 2, "reuse_gb": None},     # reuse_gb: issue 22 (not yet in DESIGN.md)
     "aio": {"engine": "auto", "block_size": 1048576, "queue_depth": 32, "threads": 1},
     "optimizer": {"type": "adamw", "lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8,
@@ -182,7 +182,7 @@ def test_top_level_must_be_mapping():
 FULL = {
     "precision": "bf16", "zero_stage": 3,
     "offload": {"params": "nvme", "optimizer": "nvme", "nvme_paths": ["/mnt/nvme0", "/mnt/nvme1"],
-                "host_memory_gb": 16.5, "device_memory_gb": 20},
+                "host_memory_gb": 16.5, "device_memory_gb": 20, "commit_shadow_gb": 2.5},
     "prefetch": {"depth": 3, "reuse_gb": 0.5},
     "aio": {"engine": "uring", "block_size": 262144, "queue_depth": 64, "threads": 2},
     "optimizer": {"type": "adam", "lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-6,
@@ -232,6 +232,7 @@ offload:
   nvme_paths: [/mnt/nvme0, /mnt/nvme1]
   host_memory_gb: 16.5
   device_memory_gb: 20
+  commit_shadow_gb: 2.5
 prefetch: {depth: 3, reuse_gb: 0.5}
 aio: {engine: uring, block_size: 262144, queue_depth: 64, threads: 2}
 optimizer:
