@@ -10,8 +10,11 @@ Model states counted as DeepSpeed does for mixed precision: fp32 master + Adam m
 (12 B/param) + bf16 params + bf16 grads (4 B/param) = 16 B/param.
 
 Refuses (exit 2, clear message) when the NVMe path lacks the free space the run needs:
-engine homes (bf16 params 2 B + fp32 master/m/v 12 B + their commit shadows 12 B + spilled
-fp32 grads 4 B per param) plus the Init copy (4 B/param, freed as it is adopted).
+engine homes (bf16 params 2 B + fp32 master/m/v 12 B + spilled fp32 grads 4 B per param)
+plus the Init copy (4 B/param, freed as it is adopted); the commit shadows take what
+``--commit-shadow-gb`` says (default: automatic, what the free space leaves, up to 12 B/param;
+Note [shadow budget]).  Reports the budget chosen, the most the shadows took and the groups
+written after the commit decision.
 
 ``--ab``: alternate the optimizer step overlapped with backward (gradients streamed: each
 group updated as its gradient arrives, Note [Streamed gradients]) and the serial step
@@ -86,6 +89,8 @@ def main(argv=None) -> int:
     ap.add_argument("--device-gb", type=float, default=1.5, help="offload.device_memory_gb")
     ap.add_argument("--prefetch", type=int, default=2)
     ap.add_argument("--dry-run", action="store_true", help="print the plan and checks only")
+    ap.add_argument("--commit-shadow-gb", type=float, default=None,
+                    help="offload.commit_shadow_gb (default: automatic from the free space)")
     ap.add_argument("--ab", action="store_true",
                     help="alternate overlapped (even steps) and serial (odd steps) optimizer steps")
     ap.add_argument("--json", action="store_true", help="print one JSON line at the end")
@@ -104,8 +109,11 @@ def main(argv=None) -> int:
     n = count_params(a)
     states = 16 * n
     ram = mem_total()
-    states_b = 12 if a.state_dtype == "fp32" else 8     # master + m + v (+ their commit shadows)
-    need_disk = int(1.05 * (2 + 2 * states_b + 4 + 4) * n)
+    states_b = 12 if a.state_dtype == "fp32" else 8     # master + m + v
+    shadows = states_b * n if a.commit_shadow_gb is None else \
+        min(states_b * n, int(a.commit_shadow_gb * 1e9))
+    need_disk = int(1.05 * (2 + states_b + 4 + 4) * n) + \
+        (0 if a.commit_shadow_gb is None else shadows)       # (automatic: what is left)
     os.makedirs(a.nvme_path, exist_ok=True)
     free = shutil.disk_usage(a.nvme_path).free
     print(f"model: Llama {a.layers} layers, hidden {a.hidden}, intermediate {a.intermediate}, "
@@ -115,7 +123,8 @@ def main(argv=None) -> int:
     print(f"NVMe: needs {need_disk / 1e9:.1f} GB free at {a.nvme_path}, has {free / 1e9:.1f} GB")
     if free < need_disk:
         print(f"refusing: {a.nvme_path} has {free / 1e9:.1f} GB free but this run needs "
-              f"{need_disk / 1e9:.1f} GB (engine homes 30 B/param + Init copy 4 B/param + 5%); "
+              f"{need_disk / 1e9:.1f} GB (engine homes 18 B/param + Init copy 4 B/param + 5% "
+              f"+ the commit shadows asked for); "
               f"free space, pick another --nvme-path, or shrink the model (--layers/--hidden)",
               file=sys.stderr)
         return 2
@@ -130,7 +139,8 @@ def main(argv=None) -> int:
 
     cfg = {"precision": "bf16", "zero_stage": 3,
            "offload": {"params": "nvme", "optimizer": "nvme", "nvme_paths": [a.nvme_path],
-                       "host_memory_gb": a.host_gb, "device_memory_gb": a.device_gb},
+                       "host_memory_gb": a.host_gb, "device_memory_gb": a.device_gb,
+                       "commit_shadow_gb": a.commit_shadow_gb},
            "prefetch": {"depth": a.prefetch},
            "optimizer": {"type": "adamw", "lr": 1e-4, "weight_decay": 0.01,
                          "state_dtype": a.state_dtype}}
@@ -158,6 +168,11 @@ def main(argv=None) -> int:
     res["rss_peak_after_initialize"] = rss_peak()
     res["grads_spilled"] = bool(getattr(getattr(eng, "zero", None), "spill", False)) or \
         getattr(eng.placement, "grad_home", "host") == "nvme"
+    res["commit_shadow_budget_bytes"] = eng.stats()["commit_shadow_budget_bytes"]
+    res["optimizer_state_bytes"] = states_b * n
+    print(f"commit shadows: budget {res['commit_shadow_budget_bytes'] / 1e9:.2f} GB = "
+          f"{res['commit_shadow_budget_bytes'] / (states_b * n):.2f}x the optimizer states",
+          flush=True)
     print(f"initialize (adopt) in {res['initialize_s']:.1f} s, peak RSS "
           f"{res['rss_peak_after_initialize'] / 2**30:.2f} GiB, grads spilled: "
           f"{res['grads_spilled']}", flush=True)
@@ -199,14 +214,21 @@ def main(argv=None) -> int:
                   "groups_overlapped": s1.get("optimizer_groups_overlapped", 0)
                   - s0.get("optimizer_groups_overlapped", 0),
                   "stream_waits": s1.get("optimizer_stream_waits", 0)
-                  - s0.get("optimizer_stream_waits", 0)}
+                  - s0.get("optimizer_stream_waits", 0),
+                  "groups_after_decision": s1["optimizer_groups_after_decision"]
+                  - s0["optimizer_groups_after_decision"]}
             steps.append(st)
             print(f"step {i}: loss {st['loss']:.4f}, {st['step_s']:.1f} s (fwd {st['forward_s']:.1f}, "
                   f"bwd {st['backward_s']:.1f}, opt {st['optimizer_s']:.1f}), NVMe read "
                   f"{st['nvme_read_bytes'] / 1e9:.2f} GB (kernel {st['kernel_read_bytes'] / 1e9:.2f}), written "
                   f"{st['nvme_write_bytes'] / 1e9:.2f} GB (kernel {st['kernel_write_bytes'] / 1e9:.2f}), "
                   f"peak RSS {st['rss_peak'] / 2**30:.2f} GiB, groups stepped during backward "
-                  f"{st['groups_overlapped']}", flush=True)
+                  f"{st['groups_overlapped']}, after the decision {st['groups_after_decision']}",
+                  flush=True)
+        res["commit_shadow_peak_bytes"] = eng.stats()["commit_shadow_peak_bytes"]
+        print(f"commit shadows: at most {res['commit_shadow_peak_bytes'] / 1e9:.2f} GB = "
+              f"{res['commit_shadow_peak_bytes'] / (states_b * n):.2f}x the optimizer states "
+              f"beyond the homes", flush=True)
     finally:
         eng.close()
     if a.fio:

@@ -472,7 +472,7 @@ class EngineOptimizer(GradAccumulation):
                 shield(undo_one)
                 item = self._item(g, lrs, wds)   # (after on_undo: a cached master is gone)
                 item.grad, item.grad_dtype = buf, torch.float32
-                self.store.prepare(txn, key)
+                self.store.prepare(txn, key, force=True)   # (its spares, just returned)
                 # a kept buffer holds the loss-scaled sum; a recovered one was unscaled
                 gs = clip_coef / scale if kept is not None else clip_coef
                 shield(lambda item=item, gs=gs: self.store.step([item], grad_scale=gs,

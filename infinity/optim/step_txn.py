@@ -26,6 +26,14 @@ class StepTxn:
     host: the undo copies of the groups stepped in the window (``undo_bytes``).
     Shadows are allocated on the caller's thread by :meth:`OptimizerStateStore.prepare`.
 
+    Note [shadow budget]: the store's ``shadow_budget`` (``offload.commit_shadow_gb``,
+    infinity/memory/shadow_budget.py) bounds the shadow extents allocated at once, idle
+    spares included: ``prepare`` frees other tensors' idle spares to make room and
+    returns False when a group's shadows still do not fit.  Such a group is not stepped
+    speculatively (it waits for the decision); at the boundary it is left out of the
+    window's transaction and written after the commit decision (Note [roll forward] in
+    infinity/optim/driver.py), a batch at a time into transactions of their own.
+
     Note [finish only]: past the commit decision (the norm is known and finite, nothing
     left to vote on) one process with no swap space has nothing that can fail half-way but
     a bug: :meth:`finish_only` then stops taking undo copies (they cost as much memory
