@@ -328,7 +328,9 @@ def plan_for(out, dry, *, homes, global_batch=None, micro_batch=None, grad_accum
         machine = measured_machine(out, dry, b)
         plan = make_plan(spec, machine, knobs, global_batch=global_batch, micro_batch=micro_batch,
                          grad_accum=grad_accum, checkpointing=True,
-                         activations=(("none", "checkpoints"),), homes=[homes])
+                         activations=(("none", "checkpoints"),), homes=[homes],
+                         nvme_headroom=0.0, host_headroom=0.0, nvme_derate=1.0, clip=0.0)
+        # (predicts the run as configured: measured rates, no clipping, no headroom)
         if plan.best is None or plan.best.micro_batch == b:
             break
     return plan

@@ -111,6 +111,12 @@ def register(sub):
                    help="collective GB/s per GPU to other nodes (default: --interconnect-gbps)")
     h.add_argument("--cpu-adam-gps", type=float, help="CPU Adam 10^9 params/s per node (default 4)")
     h.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
+    h.add_argument("--host-mem-gbps", type=float,
+                   help="GPU nodes: host DRAM GB/s per node that NVMe DMA, PCIe copies and CPU "
+                        "Adam share (default 200)")
+    h.add_argument("--gpus-per-pcie-link", type=int,
+                   help="GPUs sharing one PCIe link to the host (default 2 on a node of 8+ GPUs, "
+                        "else 1)")
     k = p.add_argument_group("infinity settings")
     k.add_argument("--config", metavar="FILE", help="infinity config (JSON/YAML) to take settings from")
     k.add_argument("--precision", choices=("fp32", "bf16", "fp16"), help="default bf16 (or the config's)")
@@ -118,6 +124,9 @@ def register(sub):
     k.add_argument("--prefetch-depth", type=int, help="groups fetched ahead (default 2)")
     k.add_argument("--grad-accum", type=int, help="gradient accumulation steps (default 1)")
     k.add_argument("--host-cap", type=float, metavar="GB", help="offload.host_memory_gb cap")
+    k.add_argument("--tiling-max-group-gb", type=float, metavar="GB",
+                   help="tiling.max_group_gb: groups above it computed tile by tile (default: "
+                        "the config's, or no tiling; --plan tries tiles itself)")
     k.add_argument("--commit-shadow-gb", type=float, metavar="GB",
                    help="offload.commit_shadow_gb: NVMe per rank for the shadows of all-or-nothing "
                         "updates (default: automatic, every shadow where the NVMe has room)")
@@ -152,6 +161,19 @@ def register(sub):
                     help="with --plan: sequences per optimizer step across all ranks (default: "
                          "--batch x --grad-accum x ranks when both are given, else 262144 tokens "
                          "rounded up to whole sequences per rank)")
+    pl.add_argument("--nvme-headroom", type=float, default=0.10, metavar="FRACTION",
+                    help="with --plan: NVMe kept free (default 0.10)")
+    pl.add_argument("--host-headroom", type=float, default=0.10, metavar="FRACTION",
+                    help="with --plan: host memory kept free (default 0.10)")
+    pl.add_argument("--nvme-derate", type=float, default=None, metavar="FACTOR",
+                    help="with --plan: drive bandwidth times FACTOR (default 0.8; 1 with --bench-io: "
+                         "measured here)")
+    pl.add_argument("--no-clip", action="store_true",
+                    help="with --plan: plan without gradient clipping (default: 1.0 unless the "
+                         "config sets it)")
+    pl.add_argument("--drive-tbw", type=float, metavar="TB",
+                    help="with --plan: the node's drives' rated total TB written (all drives), for "
+                         "their life in steps and tokens")
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="print one JSON object")
     o.add_argument("--explain", action="store_true",
@@ -199,7 +221,8 @@ def _machine(args):
     for arg, field in (("nvme_gbps", "nvme_gbps"), ("nvme_write_gbps", "nvme_write_gbps"),
                        ("pcie_gbps", "pcie_gbps"), ("tflops", "tflops"),
                        ("interconnect_gbps", "interconnect_gbps"), ("cpu_adam_gps", "cpu_adam_gparams"),
-                       ("inter_node_gbps", "inter_node_gbps")):
+                       ("inter_node_gbps", "inter_node_gbps"), ("host_mem_gbps", "host_mem_gbps"),
+                       ("gpus_per_pcie_link", "gpus_per_pcie_link")):
         v = getattr(args, arg)
         if v is not None:
             kw[field] = v
@@ -217,8 +240,10 @@ def run(args):
 
     if args.plan:
         return run_plan(args)
-    if args.allow_lossy or args.global_batch is not None:
-        raise CLIError("--allow-lossy and --global-batch go with --plan")
+    if args.allow_lossy or args.global_batch is not None or args.no_clip \
+            or args.drive_tbw is not None or args.nvme_derate is not None:
+        raise CLIError("--allow-lossy, --global-batch, --no-clip, --drive-tbw and --nvme-derate "
+                       "go with --plan")
     if args.batch is None:
         args.batch = 1
     try:
@@ -237,6 +262,7 @@ def run(args):
                        prefetch_depth=args.prefetch_depth, grad_accum=args.grad_accum,
                        host_cap_gb=args.host_cap, tile_numel=args.tile_numel,
                        commit_shadow_gb=args.commit_shadow_gb,
+                       tiling_max_group_gb=args.tiling_max_group_gb,
                        state_dtype=args.state_dtype, grouping=args.grouping,
                        grad_spill=args.grad_spill, activation_model=args.activations,
                        activation_home=act_home, activation_scope=act_scope,
@@ -278,6 +304,7 @@ def plan_inputs(args):
     knobs = _knobs_from(args.config, dict(precision=precision, zero_stage=args.zero_stage,
                                           host_cap_gb=args.host_cap, tile_numel=args.tile_numel,
                                           commit_shadow_gb=args.commit_shadow_gb,
+                                          tiling_max_group_gb=args.tiling_max_group_gb,
                                           state_dtype=args.state_dtype, grouping=args.grouping,
                                           grad_spill=args.grad_spill,
                                           activation_model=args.activations))
@@ -301,20 +328,24 @@ def run_plan(args):
         spec, machine, knobs = plan_inputs(args)
         plan = make_plan(spec, machine, knobs, global_batch=args.global_batch,
                          micro_batch=args.batch, grad_accum=args.grad_accum,
-                         allow_lossy=args.allow_lossy)
+                         allow_lossy=args.allow_lossy, nvme_headroom=args.nvme_headroom,
+                         host_headroom=args.host_headroom, nvme_derate=args.nvme_derate,
+                         clip=0.0 if args.no_clip else 1.0, drive_tbw=args.drive_tbw)
     except (EstimateError, ConfigError) as e:
         raise CLIError(str(e)) from e
     limit = None
     if plan.best is None and plan.closest is not None:
         c = plan.closest
         limit = binding_limit(c.estimate.totals, c.variant, plan.machine, c.knobs)
+    given = plan.assumptions.get("machine", plan.machine)
     if args.json:
-        d = {"machine": plan.machine.as_dict(), **plan.as_dict()}
+        d = {"machine": given.as_dict(), "planned_machine": plan.machine.as_dict(),
+             **plan.as_dict()}
         if limit is not None:
             d["closest"]["binding_limit"] = limit
         print(json.dumps(d))
     else:
-        print("\n".join(machine_lines(plan.machine)) + "\n")
+        print("\n".join(machine_lines(given)) + "\n")
         text = plan.text()
         if plan.best is None:
             head, _, rest = text.partition("\n")

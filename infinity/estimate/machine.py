@@ -26,6 +26,8 @@ DEFAULT_INTERCONNECT_GBPS = 100.0      # per GPU collective bus bandwidth (NVLin
 DEFAULT_CPU_ADAM_GPARAMS = 4.0         # 10^9 params/s per node: ~120 GB/s of DRAM / ~30 B touched per param
 DEFAULT_GPU_RESERVE_GB = 2.0           # CUDA context, cuBLAS workspace, allocator slack per GPU
 DEFAULT_HOST_COPY_GBPS = 4.0           # one thread's copy into a fresh page-aligned host buffer
+DEFAULT_HOST_MEM_GBPS = 200.0          # sustained DRAM bandwidth of a GPU node (2 sockets)
+PCIE_LINK_SHARING_GPUS = 8             # from this many GPUs per node, 2 share a host link
 
 
 @dataclass
@@ -47,6 +49,11 @@ class Machine:
     host_copy_gbps: float = DEFAULT_HOST_COPY_GBPS
     gpu_reserve_gb: float | None = None  # None: DEFAULT_GPU_RESERVE_GB with GPUs, 0 without
     nodes: int = 1
+    # GPU nodes: host DRAM bandwidth that NVMe DMA, PCIe copies and CPU Adam share (None:
+    # DEFAULT_HOST_MEM_GBPS), and GPUs behind one PCIe link to the host (None: 2 on a node
+    # of 8 or more GPUs -- a PCIe switch per pair -- else 1)
+    host_mem_gbps: float | None = None
+    gpus_per_pcie_link: int | None = None
     #: where each value came from, by field name: "described" (a flag), "detected" (this
     #: machine), "default" or "measured (...)"; printed with the machine (machine_lines)
     sources: dict = field(default_factory=dict, compare=False, repr=False)
@@ -59,7 +66,7 @@ class Machine:
                                     f"{0 if name == 'gpus' else 1}, got {v!r}")
         for name in ("gpu_mem_gb", "host_mem_gb", "nvme_gb", "pcie_gbps", "interconnect_gbps",
                      "cpu_adam_gparams", "host_copy_gbps", "nvme_gbps", "nvme_write_gbps", "tflops", "gpu_reserve_gb",
-                     "inter_node_gbps"):
+                     "inter_node_gbps", "host_mem_gbps"):
             v = getattr(self, name)
             if v is None:
                 continue
@@ -75,6 +82,13 @@ class Machine:
             self.tflops = DEFAULT_TFLOPS_GPU if self.gpus else DEFAULT_TFLOPS_CPU
         if self.gpu_reserve_gb is None:
             self.gpu_reserve_gb = DEFAULT_GPU_RESERVE_GB if self.gpus else 0.0
+        if self.host_mem_gbps is None:
+            self.host_mem_gbps = DEFAULT_HOST_MEM_GBPS
+        if self.gpus_per_pcie_link is None:
+            self.gpus_per_pcie_link = 2 if self.gpus >= PCIE_LINK_SHARING_GPUS else 1
+        v = self.gpus_per_pcie_link
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise EstimateError(f"machine.gpus_per_pcie_link must be an integer >= 1, got {v!r}")
         for name in ("nvme_gbps", "nvme_write_gbps", "tflops", "pcie_gbps", "cpu_adam_gparams",
                      "inter_node_gbps", "host_copy_gbps"):
             if not getattr(self, name) > 0:
@@ -91,6 +105,11 @@ class Machine:
     @property
     def cpu_only(self) -> bool:
         return self.gpus == 0
+
+    @property
+    def pcie_share(self) -> int:
+        """GPUs sharing one host link (their transfers run at once: each gets a share)."""
+        return max(1, min(self.gpus_per_pcie_link, self.ranks_per_node)) if self.gpus else 1
 
     def as_dict(self):
         return asdict(self)
@@ -132,7 +151,9 @@ def machine_lines(m):
         f"{m.tflops:g} TFLOPS/rank achieved{tag('tflops')}",
         f"         collectives {m.interconnect_gbps:g} GB/s/GPU{tag('interconnect_gbps')}, "
         f"CPU Adam {m.cpu_adam_gparams:g} G params/s/node{tag('cpu_adam_gparams')}"
-        + (f", host copies {m.host_copy_gbps:g} GB/s{tag('host_copy_gbps')}" if not m.gpus else ""),
+        + (f", host copies {m.host_copy_gbps:g} GB/s{tag('host_copy_gbps')}" if not m.gpus else
+           f", host memory {m.host_mem_gbps:g} GB/s{tag('host_mem_gbps')}, "
+           f"{m.gpus_per_pcie_link} GPU(s) per PCIe link{tag('gpus_per_pcie_link')}"),
     ]
 
 

@@ -359,10 +359,17 @@ def plan_memory(spec, machine, knobs, params_home, optimizer_home):
     # the engine's optimizer runs on the CPU whatever offload.optimizer says ("none" keeps
     # its states in host memory like "cpu"): gradients always leave the device
     if gpu and stage >= 2 and R > 1:  # reduce-scattered on the device: each rank copies its 1/R
-        # (the engine reserves more here today -- full fp32 buffers of the groups being
-        # reduced, infinity/zero/distributed.py -- a known gap until gradients are bucketed)
-        add(Item("device", "grads of groups in backward", 2 * G * lp, "2*Gmax*lp"))
-        add(Item("pinned", "GPU->host grad staging", r * 2 * -(-G // R) * lp, "r*2*Gmax/R*lp"))
+        # as the engine reserves (infinity/zero/distributed.py partition_placement): full
+        # fp32 buffers of the groups being assembled and reduced (k = MAX_INFLIGHT_REDUCTIONS
+        # in flight, + 3), the reduced shards, and their D2H staging; a tiled group's
+        # gradient moves a tile at a time (Gf)
+        from infinity.zero.partitioned_optimizer import MAX_INFLIGHT_REDUCTIONS as kr
+        Gg = Gf if gname == "Gf" else G
+        add(Item("device", "grads of groups in backward", (kr + 3) * Gg * 4
+                 + (2 * kr + 1) * -(-Gg // R) * 4,
+                 f"({kr}+3)*{gname}*4 + (2*{kr}+1)*{gname}/R*4 (fp32, as the engine reserves)"))
+        add(Item("pinned", "GPU->host grad staging", r * kr * -(-Gg // R) * 4,
+                 f"r*{kr}*{gname}/R*4"))
     elif gpu:
         # engine (GradD2H, the placement plan's "gradient D2H sources"): the group being
         # assembled and one open across backward, and the sources of the copies in flight

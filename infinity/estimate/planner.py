@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from .machine import GB, fmt_seconds
 from .memory_plan import HOMES, host_reserve_bytes, valid_configs
 from .model_spec import EstimateError
-from .step_time import bound_text, phase_text
+from .step_time import bound_text, model_flops_per_token, phase_text
 
 #: activation placements searched: (activation_offload.home, .scope)
 ACTIVATION_CHOICES = (("none", "checkpoints"), ("cpu", "checkpoints"), ("cpu", "all"),
@@ -146,6 +146,42 @@ class Plan:
     searched: str = ""
     candidates: list = field(default_factory=list)   # every fitting choice, fastest first
     rejected: list = field(default_factory=list)     # every choice that does not fit
+    # what the plan assumed (:func:`planned_machine`): headroom, derate, clipping, the
+    # machine as given and the drives' rating (None: not given)
+    assumptions: dict = field(default_factory=dict)
+
+    def mfu(self, choice=None):
+        """Model FLOPs utilization (../shared/DESIGN.md §3.5): model FLOPs per second (6*N
+        + attention per token, recompute not counted) over the devices' rate."""
+        b = choice or self.best
+        if b is None:
+            return None
+        return b.step.tokens_per_s * model_flops_per_token(self.model) / \
+            (self.machine.ranks * self.machine.tflops * 1e12)
+
+    def hfu(self, choice=None):
+        """Hardware FLOPs utilization: the same with the recomputed forward counted."""
+        b = choice or self.best
+        if b is None:
+            return None
+        return b.step.tokens_per_s * model_flops_per_token(
+            self.model, checkpointing=b.checkpointing, hardware=True) / \
+            (self.machine.ranks * self.machine.tflops * 1e12)
+
+    def wear(self):
+        """Drive wear of the best plan: TB written per step and per million tokens, and
+        (with a rating) the drives' life in steps and tokens."""
+        b = self.best
+        if b is None:
+            return None
+        tb = b.step.traffic.get("nvme_write", 0) / 1e12
+        tokens = self.global_batch * self.model.seq
+        out = {"tb_written_per_step": tb, "tb_written_per_million_tokens": tb * 1e6 / tokens}
+        tbw = self.assumptions.get("drive_tbw")
+        if tbw and tb > 0:
+            out["drive_life_steps"] = tbw / tb
+            out["drive_life_tokens"] = tbw / tb * tokens
+        return out
 
     def reasons(self) -> list:
         """One sentence per choice of the best plan, with the number that decided it
@@ -169,9 +205,9 @@ class Plan:
             return (f"No plan fits: nothing of {self.searched} fits "
                     f"{self.machine.ranks} rank(s) at global batch {self.global_batch}{why}")
         b, s = self.best, self.best.step
-        cb = self.compute_bound()
-        return (f"Plan: {b.describe()}: step {fmt_seconds(s.step_s)} s, {100 * s.tokens_per_s / cb:.1f} % "
-                f"of compute-bound ({cb:.4g} tokens/s), {s.tokens_per_s:.4g} tokens/s")
+        return (f"Plan: MFU {100 * self.mfu():.1f} % (hardware FLOPs utilization "
+                f"{100 * self.hfu():.1f} %{', recompute counted' if b.checkpointing else ''}): "
+                f"{b.describe()}: step {fmt_seconds(s.step_s)} s, {s.tokens_per_s:.4g} tokens/s")
 
     def as_dict(self):
         b = self.best
@@ -187,11 +223,55 @@ class Plan:
                                 for a in self.alternatives],
                "activation_checkpointing": None if b is None else b.checkpointing,
                "global_batch": self.global_batch, "seq": self.model.seq,
-               "evaluated": self.evaluated, "fitting": self.fitting}
+               "evaluated": self.evaluated, "fitting": self.fitting,
+               "mfu": self.mfu(), "hardware_flops_utilization": self.hfu(),
+               "nvme_used_fraction": self.nvme_used_fraction(),
+               "nvme_derate": self.assumptions.get("nvme_derate"),
+               "nvme_headroom": self.assumptions.get("nvme_headroom"),
+               "host_headroom": self.assumptions.get("host_headroom"),
+               "gradient_clipping": None if b is None else b.knobs.gradient_clipping,
+               "drive_tb_written_per_step": None if b is None else self.wear()["tb_written_per_step"]}
+        if b is not None:
+            out["drive_wear"] = self.wear()
         if b is None and self.closest is not None:
             out["closest"] = self.closest.as_dict()
             out["closest"]["problems"] = list(self.closest.problems)
         return out
+
+    def nvme_used_fraction(self):
+        """NVMe the best plan uses over the drives' whole capacity (as given)."""
+        b = self.best
+        given = self.assumptions.get("machine", self.machine)
+        if b is None or not given.nvme_gb:
+            return None
+        t, v = b.estimate.totals, b.variant
+        used = t["nvme"] + (t[f"activation_offload_{v}"] if b.knobs.activation_home == "nvme" else 0)
+        return used / (given.nvme_gb * GB)
+
+    def assumption_lines(self) -> list:
+        a, m = self.assumptions, self.machine
+        if not a:
+            return []
+        g = a["machine"]
+        lines = [f"  assumptions: NVMe {100 * a['nvme_headroom']:g} % kept free ({m.nvme_gb:,.2f} of "
+                 f"{g.nvme_gb:,.2f} GB usable, --nvme-headroom), host memory "
+                 f"{100 * a['host_headroom']:g} % kept free ({m.host_mem_gb:,.2f} of "
+                 f"{g.host_mem_gb:,.2f} GB, --host-headroom); drives at {a['nvme_derate']:g} of "
+                 f"{'the measured' if a['nvme_measured'] else 'the given'} figures "
+                 f"({m.nvme_gbps:g} / {m.nvme_write_gbps:g} GB/s read / write, --nvme-derate); "
+                 f"gradient clipping {a['gradient_clipping']:g}"
+                 + (" (--no-clip to plan without)" if a["gradient_clipping"] else "")]
+        w = self.wear()
+        if w is not None:
+            txt = (f"  drive wear: {w['tb_written_per_step']:,.2f} TB written per step, "
+                   f"{w['tb_written_per_million_tokens']:,.2f} TB per million tokens")
+            if "drive_life_steps" in w:
+                txt += (f"; rated {a['drive_tbw']:,.0f} TB written: {w['drive_life_steps']:,.0f} "
+                        f"steps, {w['drive_life_tokens'] / 1e9:,.2f} B tokens")
+            else:
+                txt += " (--drive-tbw TB for the drives' life)"
+            lines.append(txt)
+        return lines
 
     def text(self):
         """The headline, its derivation, then the config block."""
@@ -207,7 +287,8 @@ class Plan:
                      f"{self.model.seq} tokens = {self.global_batch * self.model.seq:,} tokens "
                      f"per step")
         if b is None:
-            return "\n".join(lines) + "\n"
+            return "\n".join(lines + self.assumption_lines()) + "\n"
+        lines.extend(self.assumption_lines())
         c, v = b.estimate, b.variant
         t = c.totals
         dev = t[f"device_{v}"]
@@ -224,9 +305,8 @@ class Plan:
                      f"{(t['nvme'] + (t[f'activation_offload_{v}'] if b.knobs.activation_home == 'nvme' else 0)) / GB:,.2f}"
                      f" of {m.nvme_gb:,.2f} GB")
         s = b.step
-        lines.append(f"  step = A x t(fwd+bwd) + t(optimizer) = {b.grad_accum} x "
-                     f"{fmt_seconds(s.fwd_bwd.seconds)} s + {fmt_seconds(s.optimizer.seconds)} s = {fmt_seconds(s.step_s)} s, "
-                     f"{bound_text(s.bound)} (lower bound: perfect overlap)")
+        lines.append(f"  step = {s.formula(b.grad_accum)}, {bound_text(s.bound)} (lower bound: "
+                     f"perfect overlap)")
         for ph in (s.fwd_bwd, s.optimizer):
             lines.append(f"    {phase_text(ph)}")
             for d in ph.derivation:
@@ -249,6 +329,37 @@ class Plan:
                         ", without activation checkpointing") + "):")
         lines.append(json.dumps(b.config(), indent=2))
         return "\n".join(lines) + "\n"
+
+
+#: planning defaults: NVMe and host memory kept free, drive bandwidth derated (unless
+#: measured on this machine), gradient clipping of fine-tuning runs
+NVME_HEADROOM = 0.10
+HOST_HEADROOM = 0.10
+NVME_DERATE = 0.8
+PLAN_CLIP = 1.0
+
+
+def planned_machine(machine, nvme_headroom=NVME_HEADROOM, host_headroom=HOST_HEADROOM,
+                    nvme_derate=None):
+    """The machine a plan is made for: ``nvme_headroom`` / ``host_headroom`` of NVMe and RAM
+    kept free, drive bandwidth times ``nvme_derate`` (None: 0.8, or 1 when measured here:
+    ``--bench-io``).  Returns ``(machine, assumptions)``."""
+    for name, v in (("nvme_headroom", nvme_headroom), ("host_headroom", host_headroom)):
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 <= v < 1:
+            raise EstimateError(f"{name} must be a fraction in [0, 1), got {v!r}")
+    measured = str((machine.sources or {}).get("nvme_gbps", "")).startswith("measured")
+    if nvme_derate is None:
+        nvme_derate = 1.0 if measured else NVME_DERATE
+    if not isinstance(nvme_derate, (int, float)) or isinstance(nvme_derate, bool) \
+            or not 0 < nvme_derate <= 1:
+        raise EstimateError(f"nvme_derate must be in (0, 1], got {nvme_derate!r}")
+    m = dataclasses.replace(machine, nvme_gb=machine.nvme_gb * (1 - nvme_headroom),
+                            host_mem_gb=machine.host_mem_gb * (1 - host_headroom),
+                            nvme_gbps=machine.nvme_gbps * nvme_derate,
+                            nvme_write_gbps=machine.nvme_write_gbps * nvme_derate)
+    return m, {"machine": machine, "nvme_headroom": nvme_headroom,
+               "host_headroom": host_headroom, "nvme_derate": nvme_derate,
+               "nvme_measured": measured}
 
 
 def default_global_batch(seq, ranks, tokens=DEFAULT_TOKENS_PER_STEP):
@@ -298,7 +409,8 @@ def _key(ch):
 
 def make_plan(spec, machine, knobs, *, global_batch=None, micro_batch=None, grad_accum=None,
               allow_lossy=False, checkpointing=None, activations=ACTIVATION_CHOICES,
-              depths=DEPTHS, alternatives=5, homes=None):
+              depths=DEPTHS, alternatives=5, homes=None, nvme_headroom=NVME_HEADROOM,
+              host_headroom=HOST_HEADROOM, nvme_derate=None, clip=PLAN_CLIP, drive_tbw=None):
     """Search the configurations (module docstring) and return a :class:`Plan`.
 
     spec: a ModelSpec (its ``batch`` is ignored); knobs: the base Knobs (precision,
@@ -308,9 +420,18 @@ def make_plan(spec, machine, knobs, *, global_batch=None, micro_batch=None, grad
     across all ranks (default: :func:`default_global_batch`, or ``micro_batch *
     grad_accum * R`` when both are given); ``micro_batch`` / ``grad_accum`` pin one of
     them.  ``checkpointing``: None searches both, True/False pins it.  ``homes``: only
-    these ``(params, optimizer)`` pairs (default: every valid pair).
+    these ``(params, optimizer)`` pairs (default: every valid pair).  ``nvme_headroom``,
+    ``host_headroom``, ``nvme_derate``: :func:`planned_machine`; ``clip``: the gradient
+    clipping planned when ``knobs`` has none (0: none); ``drive_tbw``: the node's drives'
+    rated TB written (drive life in :meth:`Plan.wear`).
     """
     from . import _evaluate  # the estimator's per-configuration evaluation
+
+    machine, assumptions = planned_machine(machine, nvme_headroom, host_headroom, nvme_derate)
+    if clip and not knobs.gradient_clipping:
+        knobs = dataclasses.replace(knobs, gradient_clipping=float(clip))
+    assumptions["gradient_clipping"] = knobs.gradient_clipping
+    assumptions["drive_tbw"] = drive_tbw
 
     R = machine.ranks
     if global_batch is None:
@@ -420,4 +541,5 @@ def make_plan(spec, machine, knobs, *, global_batch=None, micro_batch=None, grad
                                                        ch.knobs.activation_scope)]))
     model = dataclasses.replace(spec, batch=best.micro_batch if best else 1)
     return Plan(model, machine, global_batch, allow_lossy, best, alts, closest, evaluated,
-                len(found), searched, candidates=found, rejected=rejected)
+                len(found), searched, candidates=found, rejected=rejected,
+                assumptions=assumptions)

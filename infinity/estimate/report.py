@@ -132,9 +132,7 @@ def format_config(est, c):
             lines.append(f"  does NOT fit {label}: " + "; ".join(c.problems[v]))
     s = c.steps["checkpointing"]
     A = est.knobs.grad_accum
-    lines.append(f"  step time (with checkpointing) = {A} x {fmt_seconds(s.fwd_bwd.seconds)} s + "
-                 f"{fmt_seconds(s.optimizer.seconds)} s = {fmt_seconds(s.step_s)} s, "
-                 f"{s.tokens_per_s:.3g} tokens/s")
+    lines.append(f"  step time (with checkpointing) = {s.formula(A)}, {s.tokens_per_s:.3g} tokens/s")
     for ph in (s.fwd_bwd, s.optimizer):
         lines.append(f"    {phase_text(ph)}")
         for d in ph.derivation:

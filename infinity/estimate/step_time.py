@@ -77,6 +77,17 @@ class StepEstimate:
     tokens_per_s: float
     bound: str               # what limits the step as a whole
     checkpointing: bool
+    # the last micro-batch with the optimizer overlapped with its backward (None: serial)
+    last_s: float | None = None
+
+    def formula(self, A: int) -> str:
+        """``"A x t(fwd+bwd) + t(optimizer) = ..."`` (or the overlapped form)."""
+        if self.last_s is None:
+            return (f"A x t(fwd+bwd) + t(optimizer) = {A} x {fmt_seconds(self.fwd_bwd.seconds)} s "
+                    f"+ {fmt_seconds(self.optimizer.seconds)} s = {fmt_seconds(self.step_s)} s")
+        return (f"(A-1) x t(fwd+bwd) + t(last micro-batch with the optimizer overlapped) = "
+                f"{A - 1} x {fmt_seconds(self.fwd_bwd.seconds)} s + {fmt_seconds(self.last_s)} s "
+                f"= {fmt_seconds(self.step_s)} s")
 
     def as_dict(self):
         d = asdict(self)
@@ -92,7 +103,8 @@ def _fmt_b(n):
     return f"{n:.0f} B"
 
 
-BOUND_NAMES = {"compute": "compute", "nvme": "NVMe", "cpu_adam": "CPU Adam", "pcie": "PCIe",
+BOUND_NAMES = {"host_memory": "host memory", "compute": "compute", "nvme": "NVMe",
+               "cpu_adam": "CPU Adam", "pcie": "PCIe",
                "collectives": "collectives"}
 
 
@@ -368,14 +380,57 @@ def collective_traffic(N, machine, knobs, mb, opt, reused=0.0):
         inter.append(("grads all-reduce to other nodes", int(2 * N * lp * off)))
 
 
-def _with_activations(parts, plan, checkpointing):
-    """Activation offload to NVMe: written in forward and read back in backward, per
-    micro-batch."""
+def _with_activations(parts, plan, checkpointing, machine=None):
+    """Activation offload: to NVMe written in forward and read back in backward, per
+    micro-batch; on a GPU node every offloaded byte also crosses PCIe, D2H in forward and
+    H2D in backward (per GPU: the node's bytes over its ranks)."""
     it = plan.activation_offload.get("checkpointing" if checkpointing else "none")
     if it is not None and it.tier == "nvme":
         parts["mb"]["nvme_write"].append(("activations " + it.formula, it.nbytes))
         parts["mb"]["nvme_read"].append(("activations " + it.formula, it.nbytes))
+    if it is not None and it.nbytes and machine is not None and not machine.cpu_only:
+        per_gpu = it.nbytes // machine.ranks_per_node
+        parts["mb"]["d2h"].append(("offloaded activations", per_gpu))
+        parts["mb"]["h2d"].append(("offloaded activations", per_gpu))
     return parts
+
+
+def _recompute_tiles(parts, spec, machine, knobs, plan, checkpointing):
+    """Activation checkpointing re-runs a tiled layer's forward (infinity.runtime.tiling
+    re-reads its tiles): one more read of every tiled group per micro-batch, from NVMe and
+    over PCIe (untiled groups are read once for recompute and backward together)."""
+    if not checkpointing or plan.params_home != "nvme":
+        return
+    tiled = tiled_groups(spec, machine, knobs, plan)
+    n = sum(n * c for n, _, c in tiled)
+    if not n:
+        return
+    lp, r = knobs.lp, machine.ranks_per_node
+    parts["mb"]["nvme_read"].append(("tiled groups re-read for recompute sum(n)*lp",
+                                     n * lp * r))
+    if not machine.cpu_only:
+        parts["mb"]["h2d"].append(("tiled groups re-read for recompute", n * lp))
+
+
+#: bytes of host memory traffic per parameter the CPU optimizer moves (reads grad, master,
+#: m, v; writes master, m, v and the low-precision copy: the basis of DEFAULT_CPU_ADAM_GPARAMS)
+ADAM_HOST_BYTES_PER_PARAM = 30
+
+
+def _host_memory(machine, links, lines, what="", n_node_adam: int = 0) -> float:
+    """GPU nodes: NVMe DMA, PCIe copies and CPU Adam all go through host DRAM, at
+    ``host_mem_gbps`` per node (modelled, not validated: docs/estimator.md)."""
+    if machine.cpu_only or not machine.host_mem_gbps:
+        return 0.0
+    r = machine.ranks_per_node
+    b = links["nvme_read"] + links["nvme_write"] + r * (links["h2d"] + links["d2h"]) \
+        + ADAM_HOST_BYTES_PER_PARAM * n_node_adam
+    if not b:
+        return 0.0
+    t = b / (machine.host_mem_gbps * GB)
+    lines.append(f"host memory: NVMe + PCIe{' + CPU Adam 30 B/param' if n_node_adam else ''} "
+                 f"{_fmt_b(b)} / {machine.host_mem_gbps:g} GB/s = {fmt_seconds(t)} s")
+    return t
 
 
 #: saved tensors per layer that activation offload moves, by scope (measured on the shipped
@@ -414,18 +469,46 @@ def _what(parts, link):
     return " + ".join(w for w, _ in parts[link])
 
 
+def attention_flops_per_token(spec) -> int:
+    """Attention-score FLOPs per token of forward + backward as PaLM's MFU counts them:
+    ``12 * layers * hidden * seq`` (QK^T and AV, 2 FLOP per multiply-add, x3 for backward)."""
+    if not spec.layers or not spec.hidden:
+        return 0
+    return 12 * spec.layers * spec.hidden * spec.seq
+
+
+def model_flops_per_token(spec, *, checkpointing: bool = False, hardware: bool = False) -> float:
+    """Model FLOPs per token (../shared/DESIGN.md §3.5, "MFU"): ``6*N`` + attention.  With
+    ``hardware`` and activation checkpointing the recomputed forward counts too
+    (``8*N`` + 4/3 of the attention): the hardware FLOPs the device executes."""
+    if hardware and checkpointing:
+        return 8 * spec.params + attention_flops_per_token(spec) * 4 // 3
+    return 6 * spec.params + attention_flops_per_token(spec)
+
+
+#: ranks whose optimizer step the engine overlaps with the last micro-batch's backward
+#: (infinity.engine.overlap.eligible: fp32/bf16, one process or ZeRO stage 3)
+def overlaps_optimizer(machine, knobs) -> bool:
+    return knobs.precision in ("fp32", "bf16") and (machine.ranks == 1 or knobs.zero_stage == 3)
+
+
 def estimate_step(spec, machine, knobs, plan, *, checkpointing):
-    parts = _with_activations(traffic_per_step(spec, machine, knobs, plan), plan, checkpointing)
+    parts = _with_activations(traffic_per_step(spec, machine, knobs, plan), plan, checkpointing,
+                              machine)
+    _recompute_tiles(parts, spec, machine, knobs, plan, checkpointing)
     mb, opt = _sum(parts["mb"]), _sum(parts["opt"])
     A = knobs.grad_accum
     total = {k: A * mb[k] + opt[k] for k in mb}
     rd, wr = machine.nvme_gbps * GB, machine.nvme_write_gbps * GB
-    pcie, ic = machine.pcie_gbps * GB, machine.interconnect_gbps * GB
-    flops_per_token = 8 if checkpointing else 6
+    share_pcie = machine.pcie_share
+    pcie, ic = machine.pcie_gbps * GB / share_pcie, machine.interconnect_gbps * GB
+    fpt = model_flops_per_token(spec, checkpointing=checkpointing, hardware=True)
     tokens = spec.seq * spec.batch
-    flops = flops_per_token * spec.params * tokens
+    flops = fpt * tokens
     t_comp = flops / (machine.tflops * 1e12)
-    d1 = [f"compute: {flops_per_token}*N*S*B = {flops:.3g} FLOP / {machine.tflops:g} TFLOPS = {fmt_seconds(t_comp)} s"]
+    what = ("8*N + 16*L*H*S" if checkpointing else "6*N + 12*L*H*S") \
+        if attention_flops_per_token(spec) else ("8*N" if checkpointing else "6*N")
+    d1 = [f"compute: ({what})*S*B = {flops:.3g} FLOP / {machine.tflops:g} TFLOPS = {fmt_seconds(t_comp)} s"]
     t_nvme = mb["nvme_read"] / rd + mb["nvme_write"] / wr
     if t_nvme:
         txt = f"NVMe: read {_fmt_b(mb['nvme_read'])} ({_what(parts['mb'], 'nvme_read')}) / {machine.nvme_gbps:g} GB/s"
@@ -434,9 +517,11 @@ def estimate_step(spec, machine, knobs, plan, *, checkpointing):
                     f"{machine.nvme_write_gbps:g} GB/s")
         d1.append(txt + f" = {fmt_seconds(t_nvme)} s")
     t_pcie = max(mb["h2d"], mb["d2h"]) / pcie
+    shared = f" / {share_pcie} GPUs per link" if share_pcie > 1 else ""
     if t_pcie:
         d1.append(f"PCIe per GPU: max(H2D {_fmt_b(mb['h2d'])}, D2H {_fmt_b(mb['d2h'])}) / "
-                  f"{machine.pcie_gbps:g} GB/s = {fmt_seconds(t_pcie)} s")
+                  f"({machine.pcie_gbps:g} GB/s{shared}) = {fmt_seconds(t_pcie)} s")
+    t_mem = _host_memory(machine, mb, d1, "")
     xb = machine.inter_node_gbps * GB
     t_coll = (mb["allgather"] + mb["reduce_scatter"] - mb["inter_node"]) / ic + mb["inter_node"] / xb
     if t_coll:
@@ -446,8 +531,8 @@ def estimate_step(spec, machine, knobs, plan, *, checkpointing):
                   f"{machine.interconnect_gbps:g} GB/s = {fmt_seconds(t_coll)} s")
     t_act = _activation_copies(spec, machine, knobs, plan, checkpointing, d1)
     fb = _phase("forward+backward (one micro-batch)",
-                {"compute": t_comp + t_act, "nvme": t_nvme, "pcie": t_pcie, "collectives": t_coll},
-                d1)
+                {"compute": t_comp + t_act, "nvme": t_nvme, "pcie": t_pcie, "collectives": t_coll,
+                 "host_memory": t_mem}, d1)
 
     d2 = []
     t_onvme = opt["nvme_read"] / rd + opt["nvme_write"] / wr
@@ -464,14 +549,37 @@ def estimate_step(spec, machine, knobs, plan, *, checkpointing):
     d2.append(f"CPU Adam: {n_node:.3g} params / {machine.cpu_adam_gparams:g} G params/s = {fmt_seconds(t_adam)} s")
     t_opcie = opt["h2d"] / pcie
     if t_opcie:
-        d2.append(f"PCIe: updated params H2D {_fmt_b(opt['h2d'])} / {machine.pcie_gbps:g} GB/s = {fmt_seconds(t_opcie)} s")
+        d2.append(f"PCIe: updated params H2D {_fmt_b(opt['h2d'])} / ({machine.pcie_gbps:g} GB/s"
+                  f"{shared}) = {fmt_seconds(t_opcie)} s")
+    t_omem = _host_memory(machine, opt, d2, n_node_adam=machine.ranks_per_node
+                          * -(-spec.params // machine.ranks))
     t_ocoll = (opt["allgather"] - opt["inter_node"]) / ic + opt["inter_node"] / xb
     if t_ocoll:
         d2.append(f"collectives: all-gather updated params {_fmt_b(opt['allgather'])} / "
                   f"{machine.interconnect_gbps:g} GB/s = {fmt_seconds(t_ocoll)} s")
     op = _phase("optimizer", {"nvme": t_onvme, "cpu_adam": t_adam, "pcie": t_opcie,
-                              "collectives": t_ocoll}, d2)
+                              "collectives": t_ocoll, "host_memory": t_omem}, d2)
     step = A * fb.seconds + op.seconds
+    last_s = None
+    if not machine.cpu_only and op.seconds and overlaps_optimizer(machine, knobs):
+        # the engine steps each group as its gradient is final during the last
+        # micro-batch's backward (Note [Streamed gradients]): the optimizer's work shares
+        # that micro-batch's links and starts after its forward
+        fwd = t_comp / (4 if checkpointing else 3)
+        last = {"compute": t_comp + t_act, "nvme": t_nvme + t_onvme, "pcie": t_pcie + t_opcie,
+                "collectives": t_coll + t_ocoll, "host_memory": t_mem + t_omem,
+                "optimizer after forward": fwd + op.seconds}
+        t_last = max(last.values())
+        last_s = None
+        if t_last < fb.seconds + op.seconds:
+            step = (A - 1) * fb.seconds + t_last
+            last_s = t_last
+            op.derivation.append(
+                f"overlapped with the last micro-batch's backward (as the engine streams it; "
+                f"assumes updates below the clip norm): last micro-batch + optimizer = "
+                f"max(compute, NVMe {fmt_seconds(last['nvme'])} s, PCIe, collectives, host "
+                f"memory, forward + optimizer {fmt_seconds(last['optimizer after forward'])} s)"
+                f" = {fmt_seconds(t_last)} s, {max(last, key=last.get)}-bound")
     # the resource that accounts for most of the step
     share = {}
     if fb.seconds:
@@ -481,4 +589,4 @@ def estimate_step(spec, machine, knobs, plan, *, checkpointing):
     bound = max(share, key=share.get) if share else "none"
     tps = A * machine.ranks * tokens / step if step > 0 else float("inf")
     return StepEstimate(traffic=total, fwd_bwd=fb, optimizer=op, step_s=step, tokens_per_s=tps,
-                        bound=bound, checkpointing=checkpointing)
+                        bound=bound, checkpointing=checkpointing, last_s=last_s)

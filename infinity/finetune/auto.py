@@ -245,8 +245,11 @@ def make_auto_plan(opts, cfg, *, seq_len, global_batch, allow_lossy=False):
         if tflops is not None:
             kw["tflops"] = tflops
         try:
+            # this machine as it is now (MemAvailable, free space, measured rates; the
+            # engine keeps its own reserves), and the run's own clipping: nothing added
             out = make_plan(spec, Machine(**kw), knobs, global_batch=global_batch,
-                            allow_lossy=allow_lossy)
+                            allow_lossy=allow_lossy, nvme_headroom=0.0, host_headroom=0.0,
+                            nvme_derate=1.0, clip=0.0)
         except EstimateError as e:
             raise ValueError(f"--auto: {e}") from e
         if out.best is None:

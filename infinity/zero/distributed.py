@@ -148,7 +148,12 @@ def partition_placement(placement, zero: "ZeroSetup | None") -> None:
         # across backward) and in flight, the reduced shards, and their D2H staging
         from infinity.memory.pool import ALIGN, round_up
         from infinity.zero.partitioned_optimizer import MAX_INFLIGHT_REDUCTIONS as k
-        full = round_up(4 * max(g.padded_numel for g in placement.groups if g.trainable),
+
+        def grad_numel(g):     # a tiled group's gradient moves a tile of rows at a time
+            tb = placement.tile_bytes.get(g.gid)      # (Note [Tile gradients across ranks])
+            return g.padded_numel if not tb else min(g.padded_numel,
+                                                     tb // max(1, g.nbytes // g.padded_numel))
+        full = round_up(4 * max(grad_numel(g) for g in placement.groups if g.trainable),
                         ALIGN)
         shard = round_up(-(-full // w), ALIGN)
         placement.device.pop("gradient D2H sources", None)

@@ -17,7 +17,8 @@ def _machine(nvme_gb):
 
 
 def _plan(nvme_gb, **kw):
-    est = estimate(machine=_machine(nvme_gb), configs=[("nvme", "nvme")], **kw, **MODEL)
+    est = estimate(machine=_machine(nvme_gb), configs=[("nvme", "nvme")], tiling_max_group_gb=1.31,
+                   **kw, **MODEL)
     (cfg,) = est.configs
     items = {it.name: it.nbytes for it in cfg.plan.items if it.tier == "nvme"}
     return cfg, items

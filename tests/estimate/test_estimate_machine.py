@@ -11,7 +11,8 @@ from infinity.cli.main import main
 
 ONE_T = ["--params", "1T", "--layers", "128", "--hidden", "25600", "--vocab", "51200",
          "--heads", "160"]
-NODE = ["--gpus", "8", "--gpu-mem", "80", "--host-mem", "2000", "--nvme-gb", "30000"]
+NODE = ["--gpus", "8", "--gpu-mem", "80", "--host-mem", "2000", "--nvme-gb", "30000",
+        "--tiling-max-group-gb", "1.31"]   # (untiled, stage 3 gradients overflow 80 GB)
 SMALL = ["estimate", "--params", "125M", "--layers", "12", "--hidden", "768"]
 
 
@@ -63,7 +64,8 @@ def test_no_plan_fits_names_the_binding_limit_and_exits_1(capsys):
     out = capsys.readouterr().out
     assert out.startswith("machine:")
     head = next(line for line in out.splitlines() if line.startswith("No plan fits"))
-    assert "the closest plan is held back by NVMe: needs " in head and "has 3,000 GB" in head
+    # (10 % of the NVMe kept free: 2,700 of its 3,000 GB usable)
+    assert "the closest plan is held back by NVMe: needs " in head and "has 2,700 GB" in head
     assert main(args + ["--json"]) == 1
     d = json.loads(capsys.readouterr().out)
     assert d["plan"] is None and d["closest"]["problems"]
@@ -104,4 +106,4 @@ def test_no_exponent_in_any_printed_step_time(capsys):
         out = capsys.readouterr().out
         assert not re.search(r"\de[+-]?\d+ s\b", out), (mode, re.findall(r".*\de[+-]?\d+ s\b.*", out))
     assert main(args + ["--plan"]) == 0
-    assert "step 14000 s" in capsys.readouterr().out
+    assert "step 20849 s" in capsys.readouterr().out

@@ -38,9 +38,10 @@ def test_nvme_nvme_two_gpus_every_line():
     # N=1e6, R=r=2, lp=2, sb=4, Gmax=50000, d=2 (window d+2), shard=500000
     assert items(pl) == {
         ("device", "fetched groups (in use + prefetch)"): (2 + 2) * 50_000 * 2,
-        ("device", "grads of groups in backward"): 2 * 50_000 * 2,
+        # as the engine reserves: (4+3) full fp32 buffers + (2*4+1) fp32 shards of Gmax
+        ("device", "grads of groups in backward"): 7 * 50_000 * 4 + 9 * 25_000 * 4,
         ("pinned", "NVMe->GPU staging (prefetch window)"): 2 * (2 + 2) * 25_000 * 2,
-        ("pinned", "GPU->host grad staging"): 2 * 2 * 25_000 * 2,
+        ("pinned", "GPU->host grad staging"): 2 * 4 * 25_000 * 4,
         ("pinned", "optimizer tile ring"): 2 * 3 * 1000 * (4 + 4 + 4 + 4 + 2),
         ("pageable", "grad accumulation (fp32, host)"): 2 * 500_000 * 4,
         ("nvme", "param home (NVMe)"): 2 * 500_000 * 2,
@@ -61,8 +62,8 @@ def test_device_homes_stage3_and_stage1():
     assert items(pl) == {
         ("device", "param shard"): 500_000 * 2,
         ("device", "gathered groups (all-gather window)"): 4 * 50_000 * 2,
-        ("device", "grads of groups in backward"): 2 * 50_000 * 2,
-        ("pinned", "GPU->host grad staging"): 2 * 2 * 25_000 * 2,
+        ("device", "grads of groups in backward"): 7 * 50_000 * 4 + 9 * 25_000 * 4,
+        ("pinned", "GPU->host grad staging"): 2 * 4 * 25_000 * 4,
         ("pageable", "grad accumulation (fp32, host)"): 2 * 500_000 * 4,
         ("pageable", "optimizer: master + m + v (host)"): 2 * 500_000 * 12,
     }
@@ -157,15 +158,16 @@ def test_valid_configs():
 
 
 def test_fit_boundary_on_device():
-    # device with checkpointing: 400000 + 200000 + 91136 = 691136 B; without: 600000 + 299008
-    m = Machine(gpus=2, gpu_mem_gb=691_136 / GB, host_mem_gb=10, nvme_gb=1, gpu_reserve_gb=0)
+    # device with checkpointing: 400000 + 2300000 (gradients: 7 full fp32 buffers + 9 fp32
+    # shards, as the engine reserves) + 91136 = 2791136 B; without: 2700000 + 299008
+    m = Machine(gpus=2, gpu_mem_gb=2_791_136 / GB, host_mem_gb=10, nvme_gb=1, gpu_reserve_gb=0)
     est = estimate(small_spec(), machine=m, precision="bf16", tile_numel=1000,
                    configs=[("nvme", "nvme")])
     c = est.configs[0]
-    assert c.totals["device_checkpointing"] == 691_136 and c.totals["device_none"] == 899_008
+    assert c.totals["device_checkpointing"] == 2_791_136 and c.totals["device_none"] == 2_999_008
     assert c.fits == {"checkpointing": True, "none": False}
     assert "device: needs" in c.problems["none"][0]
-    m.gpu_mem_gb = 691_135 / GB
+    m.gpu_mem_gb = 2_791_135 / GB
     est = estimate(small_spec(), machine=m, precision="bf16", tile_numel=1000, configs=[("nvme", "nvme")])
     assert est.configs[0].fits["checkpointing"] is False and est.best is None
     assert est.verdict().startswith("No:")
@@ -191,7 +193,8 @@ def test_traffic_and_step_time_nvme_nvme():
         t32 = e32.configs[0].steps["none"].traffic
         assert t32["nvme_read"] == 2 * N * 4 and t32["nvme_write"] == N * 4
     assert s.traffic["h2d"] == 0 and s.traffic["allgather"] == 0   # CPU-only, one rank
-    t_comp = 6 * N * 16 * 2 / 1e12
+    attn = 12 * 4 * 64 * 16             # attention FLOPs per token: 12*L*H*S
+    t_comp = (6 * N + attn) * 16 * 2 / 1e12
     t_nvme_mb = 4 * N / 1e9
     t_opt = 12 * N / 1e9 + 14 * N / 0.5e9
     t_adam = N / 1e6
@@ -199,9 +202,9 @@ def test_traffic_and_step_time_nvme_nvme():
     assert s.optimizer.seconds == pytest.approx(max(t_opt, t_adam))
     assert s.step_s == pytest.approx(2 * max(t_comp, t_nvme_mb) + max(t_opt, t_adam))
     assert s.optimizer.bound == "cpu_adam" and s.bound == "cpu_adam"
-    # checkpointing adds one forward: 8*N*S*B FLOPs
+    # checkpointing adds one forward: (8*N + 16*L*H*S)*S*B FLOPs
     sc = est.configs[0].steps["checkpointing"]
-    assert sc.fwd_bwd.terms["compute"] == pytest.approx(8 * N * 32 / 1e12)
+    assert sc.fwd_bwd.terms["compute"] == pytest.approx((8 * N + attn * 4 // 3) * 32 / 1e12)
 
 
 def test_infinity_estimate_is_callable_both_ways():

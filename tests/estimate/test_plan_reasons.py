@@ -33,7 +33,9 @@ def _est(plan, **over):
     """The estimator's answer for the chosen configuration with ``over`` changed."""
     b = plan.best
     k = b.knobs
-    kw = dict(batch=b.micro_batch, machine=MACHINE, precision="bf16", grad_accum=b.grad_accum,
+    # (the machine the plan was made for: headroom kept free, drives derated)
+    kw = dict(batch=b.micro_batch, machine=plan.machine, precision="bf16", grad_accum=b.grad_accum,
+              gradient_clipping=k.gradient_clipping,
               prefetch_depth=k.prefetch_depth, activation_home=k.activation_home,
               activation_scope=k.activation_scope, host_cap_gb=k.host_cap_gb,
               tiling_max_group_gb=k.tiling_max_group_gb)
