@@ -67,6 +67,9 @@ def register(sub):
                         "prefetch depth; the plan overrides those keys of --config")
     p.add_argument("--allow-lossy", action="store_true",
                    help="with --auto: the plan may use bf16 Adam moments and bf16 gradient partial sums")
+    p.add_argument("--drive-tbw", type=float, metavar="TB",
+                   help="the swap drives' rated total TB written: the summary gives their life "
+                        "in steps and tokens at this run's rate (always: TB written per step)")
     p.add_argument("--no-bench-io", action="store_true",
                    help="ignore a saved `infinity bench-io --sweep --save` result")
     p.set_defaults(func=run)
@@ -86,7 +89,8 @@ def run(args):
                            profile_skip=args.profile_skip, json_lines=args.json,
                            seed=args.seed, use_bench_io=not args.no_bench_io,
                            tokenizer=args.tokenizer, auto=args.auto,
-                           allow_lossy=args.allow_lossy, curriculum=args.curriculum)
+                           allow_lossy=args.allow_lossy, curriculum=args.curriculum,
+                           drive_tbw=args.drive_tbw)
     if args.allow_lossy and not args.auto:
         raise CLIError("--allow-lossy goes with --auto")
     try:

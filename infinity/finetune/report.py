@@ -53,12 +53,25 @@ def _finite(x):
     return x is not None and isinstance(x, (int, float)) and math.isfinite(x)
 
 
+def wear_text(written_per_step: float, tokens_per_step: float, drive_tbw=None) -> str:
+    """NVMe TB written per step and per million tokens; with the drives' rating (total TB
+    written), their life in steps and tokens at this rate."""
+    tb = written_per_step / 1e12
+    out = f"{tb:.4g} TB written per step, {tb * 1e6 / max(1, tokens_per_step):.4g} TB per million tokens"
+    if drive_tbw and tb > 0:
+        steps = drive_tbw / tb
+        out += (f"; rated {drive_tbw:g} TB written: {steps:,.0f} steps, "
+                f"{steps * tokens_per_step / 1e9:,.3g} B tokens")
+    return out
+
+
 class Reporter:
     """Collects per-step records; prints them as the mode asks."""
 
     def __init__(self, *, total_steps, json_lines=False, enabled=True, stdout=None, stderr=None,
-                 progress=None):
+                 progress=None, drive_tbw=None):
         self.total_steps = total_steps
+        self.drive_tbw = drive_tbw      # the drives' rated TB written (None: not given)
         self.json_lines = json_lines
         self.enabled = enabled
         self.stdout = stdout or sys.stdout
@@ -195,6 +208,9 @@ class Reporter:
                 if b:
                     rows.append((f"{link}", f"{_fmt_bytes(b)} total, {b / wall / 1e9:.3f} GB/s "
                                  "over step time"))
+            written = sum(r["bytes"].get("nvme_write", 0) for r in recs)
+            if written:
+                rows.append(("drive wear", wear_text(written / n, tokens / n, self.drive_tbw)))
         else:
             rows.append(("steps", "none completed"))
         for key, val in (extra or {}).items():

@@ -49,6 +49,7 @@ class FinetuneOptions:
     auto: bool = False              # plan homes, activations, micro-batch x accumulation (finetune/auto.py)
     allow_lossy: bool = False       # --auto may choose bf16 Adam moments / bf16 gradient partial sums
     curriculum: str = None          # "seqlen:START:STEPS[:linear|root|discrete]" (infinity.curriculum)
+    drive_tbw: float = None         # the drives' rated TB written (the summary gives their life)
 
 
 def dist_env():
@@ -70,6 +71,9 @@ def _validate(opts):
         v = getattr(opts, name)
         if v < 0:
             raise FinetuneError(f"--{name.replace('_', '-')} must be >= 0, got {v}")
+    if opts.drive_tbw is not None and not (isinstance(opts.drive_tbw, (int, float))
+                                           and opts.drive_tbw > 0):
+        raise FinetuneError(f"--drive-tbw must be a positive number of TB, got {opts.drive_tbw!r}")
     if (opts.save_every or opts.keep_last) and not opts.save:
         raise FinetuneError("--save-every/--keep-last need --save DIR")
     if opts.resume and not opts.save:
@@ -133,7 +137,7 @@ def finetune(opts, *, reporter_streams=None):
         raise FinetuneError(str(e)) from e
     streams = reporter_streams or {}
     reporter = Reporter(total_steps=opts.steps, json_lines=opts.json_lines, enabled=(rank == 0),
-                        **streams)
+                        drive_tbw=opts.drive_tbw, **streams)
     for n in notes:
         reporter.info(n)
     auto = _auto_plan(opts, cfg, world) if opts.auto else None
