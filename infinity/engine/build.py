@@ -192,9 +192,8 @@ def assemble(engine, lr_scheduler) -> None:
     placement.stream_grads = cfg.precision in ("fp32", "bf16") and (
         engine.zero is None or engine.zero.stage == 3)
     # Note [Speculative clipping]: streamed sums are written for a redo unless it redoes
-    # from the moments (fp32 moments, one process: Note [Redo from moments])
-    placement.clipping = float(cfg.gradient_clipping) > 0 and (
-        state_dtype != torch.float32 or engine.zero is not None)
+    # from the moments (fp32 moments: Note [Redo from moments])
+    placement.clipping = float(cfg.gradient_clipping) > 0 and state_dtype != torch.float32
     placement.compute(engine.gas)
     if cfg.host_memory_bytes is not None and placement.host_total > cfg.host_memory_bytes \
             and engine.swap is not None and engine.zero is None:

@@ -80,8 +80,10 @@ log = logging.getLogger("infinity.engine")
 # autograd ends land while the overlap is open).  Across ranks (ZeRO stage 3, the fp32
 # shards spilled to NVMe: infinity/zero/shard_stream.py) the same holds for the averaged
 # shard when its reduce-scatter landed on the last micro-step: kept in the buffer it landed
-# in, stepped early, never written nor read back; with clipping it is written after its
-# step (a redo across ranks rolls the whole window back and re-reads every shard).
+# in, stepped early, never written nor read back (with clipping and bf16 moments it is
+# written after its step: their redo rolls the whole window back and re-reads every shard;
+# with fp32 moments each rank redoes its own shards from the moments, Note [Redo from
+# moments]).
 #
 # Note [Speculative clipping]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~

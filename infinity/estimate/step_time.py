@@ -283,8 +283,8 @@ def traffic_per_step(spec, machine, knobs, plan):
         g = "fp32 grads N*4" + (" (minus the part in host memory)" if plan.grad_host_bytes else "")
         # streamed (Note [Streamed gradients]): the last micro-batch's final sums are stepped
         # from memory, not written (with clipping they are, for a redo, unless it redoes
-        # from fp32 moments: one process only, Note [Redo from moments]) nor read back
-        keep = knobs.gradient_clipping and (knobs.state_dtype != "fp32" or R > 1)
+        # from fp32 moments: Note [Redo from moments], on every rank) nor read back
+        keep = knobs.gradient_clipping and knobs.state_dtype != "fp32"
         last = 0 if plan.grads_streamed and not keep else gn
         if knobs.grad_accum_dtype == "bf16" and A > 1:
             # bf16 partial sums between micro-batches, fp32 written by the last one

@@ -458,9 +458,9 @@ class EngineOptimizer(GradAccumulation):
         for gid in done:
             g = by_gid[gid]
             key = self.key(g)
-            kept = g.grad_buf if not self.lazy_grads and not self._on_nvme(g) else None
+            kept = self._kept_for_redo(g)
             buf = kept if kept is not None else \
-                self.host_pool.lease(g.padded_numel * 4, torch.float32)
+                self.host_pool.lease(self.store.numel(key) * 4, torch.float32)
             try:
                 def undo_one(g=g, key=key, buf=buf, kept=kept):
                     if kept is None:
@@ -480,6 +480,11 @@ class EngineOptimizer(GradAccumulation):
             finally:
                 if kept is None:
                     self.host_pool.give_back(buf)
+
+    def _kept_for_redo(self, g: GroupRecord):
+        """``g``'s gradient still in host memory for a clipped redo (Note [Redo from
+        moments]), or None (then it is recovered from the moments)."""
+        return g.grad_buf if not self.lazy_grads and not self._on_nvme(g) else None
 
     #: the commit vote is this process's own (no other rank can fail the update)
     LOCAL_VOTE = True

@@ -14,7 +14,8 @@ of about ``ulp(m') / (1-b1)``, far inside the 1e-5 parity of the tests), and the
 rolled back and stepped again with ``g`` and coefficient ``c``.  Costs arise only in
 clipped windows: ``m'`` and ``m`` read (8 B/param on NVMe) and one group-sized fp32 buffer
 at a time.  With bf16 moments ``m'`` is rounded to 8 bits: the recovered gradient would
-be noise, so those keep the gradients as before.
+be noise, so those keep the gradients as before.  Across ranks (ZeRO) each rank redoes its
+own shards the same way (the clip decision is the global norm's, the same on every rank).
 """
 from __future__ import annotations
 

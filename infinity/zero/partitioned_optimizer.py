@@ -60,9 +60,16 @@ MAX_INFLIGHT_REDUCTIONS = 4
 
 
 class PartitionedOptimizer(EngineOptimizer):
-    # Note [Redo from moments] is wired for one process: across ranks a clipped redo rolls
-    # the whole transaction back and steps again from the kept gradient shards
-    redo_from_moments = False
+    # Note [Redo from moments] across ranks too (fp32 moments): each rank redoes its own
+    # shards of the early-stepped groups, from the shard still in host memory or
+    # recovered from its moments; a streamed (spilled) shard need not be written for it
+
+    def _kept_for_redo(self, g: GroupRecord):
+        """This rank's shard of ``g``'s averaged gradient in host memory (stages 2-3: the
+        shard accumulation; spilled: the kept final sum, gone once stepped), or None."""
+        if self.stage == 1:
+            return None
+        return self.grad_in_hand(g)
 
     def __init__(self, model, cfg, groups: list[GroupRecord], names: dict[int, str], *,
                  comm: Comm, stage: int, store, swap, host_pool, accounting, timeline=None,

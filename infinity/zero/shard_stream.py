@@ -9,9 +9,10 @@ landed in (:attr:`held`) and the group's early step reads it, so its final sum i
 written to NVMe nor read back by the optimizer.  The same interface as the one-process
 NVMe gradient home (:class:`infinity.grads.nvme_store.NvmeGradStore`): a kept shard the
 overlapped step does not step after all is written as usual (:meth:`flush_held`); with
-clipping it is written after its speculative step (:meth:`write_held`, on the step's
-worker) so that a redo (across ranks: the whole window, Note [Speculative clipping]) reads
-it from the extent.
+clipping and bf16 moments it is written after its speculative step (:meth:`write_held`, on
+the step's worker) so that a redo (the whole window, Note [Speculative clipping]) reads it
+from the extent; with fp32 moments a redo recovers it from the moments (Note [Redo from
+moments]) and nothing is written.
 """
 from __future__ import annotations
 
