@@ -329,7 +329,8 @@ class Engine:
         if self._worker is None:
             from concurrent.futures import ThreadPoolExecutor
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="infinity-commit")
-        return run_shielded(self._worker, fn)
+        # (the hand-over holds signals: Note [held interrupts]; delivered at the call's end)
+        return run_shielded(self._worker, fn, hold=self.gate.quiet())
 
     def _new_txn(self):
         """A transaction for the coming window when anything the step writes can fail

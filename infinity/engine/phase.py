@@ -21,6 +21,8 @@ commit is held until the commit has ended, then re-raised.
 """
 from __future__ import annotations
 
+import contextlib
+
 import _thread
 import enum
 from concurrent.futures import ThreadPoolExecutor
@@ -62,11 +64,14 @@ def wait_done(fut) -> None:
     gate.acquire()
 
 
-def run_shielded(executor: ThreadPoolExecutor, fn, *args):
+def run_shielded(executor: ThreadPoolExecutor, fn, *args, hold=None):
     """Run ``fn(*args)`` on ``executor``'s worker and wait for it; a ``KeyboardInterrupt``
     raised in this (main) thread while waiting is held until ``fn`` has returned, then
-    re-raised (``fn``'s own exception wins, chained to it)."""
-    fut = executor.submit(fn, *args)
+    re-raised (``fn``'s own exception wins, chained to it).  ``hold``: a context that holds
+    signals while the task is handed over (an interrupt inside ``submit`` -- its worker
+    thread starting -- would otherwise leave ``fn`` running unwaited for)."""
+    with (hold if hold is not None else contextlib.nullcontext()):
+        fut = executor.submit(fn, *args)
     interrupted = None
     while True:
         try:
