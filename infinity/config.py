@@ -23,8 +23,8 @@ from typing import Any, Mapping
 from infinity.config_sections import (  # noqa: F401 (re-exported)
     ACTIVATION_SCOPES, AIO_ENGINES, GB, GRAD_ACCUM_DTYPES, ActivationOffloadConfig, OFFLOAD_HOMES, OPTIMIZER_TYPES, PARAM_GROUP_KEYS, PRECISIONS,
     SCHEDULER_TYPES, STATE_DTYPES, ZERO_STAGES, AioConfig, ConfigError, LossScaleConfig, OffloadConfig,
-    OptimizerConfig, PrefetchConfig, SchedulerConfig, TilingConfig, _check_unknown, _choice,
-    _float, _fmt, _int, _section, MAX_ACCUMULATION_STEPS, MAX_AIO_BLOCK, NONFINITE_POLICIES,
+    OptimizerConfig, PrefetchConfig, SchedulerConfig, TilingConfig, check_unknown_keys, parse_choice,
+    parse_float, fmt_value, parse_int, parse_section, MAX_ACCUMULATION_STEPS, MAX_AIO_BLOCK, NONFINITE_POLICIES,
     INTRA_NODE_TRANSPORTS, MAX_DIST_TIMEOUT_S, MAX_GB, MAX_HPZ_PARTITION, MAX_PREFETCH_DEPTH,
     MAX_STEPS,
     max_aio_threads, ZeroPPConfig, CURRICULUM_SCHEDULES, CURRICULUM_TYPES, CurriculumConfig,
@@ -83,27 +83,27 @@ class InfinityConfig:
             if isinstance(sec, cls):
                 sec.validate()
             else:
-                setattr(self, name, _section(cls, name + ".", sec))
-        self.precision = _choice("precision", self.precision, PRECISIONS)
-        self.zero_stage = _choice("zero_stage", _int("zero_stage", self.zero_stage),
+                setattr(self, name, parse_section(cls, name + ".", sec))
+        self.precision = parse_choice("precision", self.precision, PRECISIONS)
+        self.zero_stage = parse_choice("zero_stage", parse_int("zero_stage", self.zero_stage),
                                   ZERO_STAGES, lower=False)
-        self.gradient_clipping = _float("gradient_clipping", self.gradient_clipping, lo=0.0,
+        self.gradient_clipping = parse_float("gradient_clipping", self.gradient_clipping, lo=0.0,
                                         what=">= 0 (0 turns clipping off)")
-        self.gradient_accumulation_steps = _int("gradient_accumulation_steps",
+        self.gradient_accumulation_steps = parse_int("gradient_accumulation_steps",
                                                 self.gradient_accumulation_steps, lo=1,
                                                 hi=MAX_ACCUMULATION_STEPS,
                                                 what=f">= 1 and <= {MAX_ACCUMULATION_STEPS}")
-        self.nonfinite_grads = _choice("nonfinite_grads", self.nonfinite_grads, NONFINITE_POLICIES)
-        self.gradient_accumulation_dtype = _choice(
+        self.nonfinite_grads = parse_choice("nonfinite_grads", self.nonfinite_grads, NONFINITE_POLICIES)
+        self.gradient_accumulation_dtype = parse_choice(
             "gradient_accumulation_dtype", self.gradient_accumulation_dtype, GRAD_ACCUM_DTYPES)
-        self.dist_timeout_s = _float("dist_timeout_s", self.dist_timeout_s,
+        self.dist_timeout_s = parse_float("dist_timeout_s", self.dist_timeout_s,
                                      lo=0.0, lo_open=True, hi=MAX_DIST_TIMEOUT_S,
                                      what=f"> 0 and <= {MAX_DIST_TIMEOUT_S} (seconds; one week)")
-        self.intra_node_transport = _choice("intra_node_transport", self.intra_node_transport,
+        self.intra_node_transport = parse_choice("intra_node_transport", self.intra_node_transport,
                                             INTRA_NODE_TRANSPORTS)
         if self.offload.params != "none" and self.zero_stage != 3:
             raise ConfigError(
-                f"offload.params: {_fmt(self.offload.params)} needs zero_stage 3 (parameters "
+                f"offload.params: {fmt_value(self.offload.params)} needs zero_stage 3 (parameters "
                 f"are only partitioned, and so only offloadable, at stage 3), got zero_stage "
                 f"{self.zero_stage}; set zero_stage to 3 or offload.params to \"none\"")
         zpp = self.zero_pp
@@ -143,11 +143,11 @@ class InfinityConfig:
             raise ConfigError(f"config: expected a mapping (dict) at the top level, got "
                               f"{type(d).__name__}")
         names = [f.name for f in dataclasses.fields(cls)]
-        _check_unknown("", d, names)
+        check_unknown_keys("", d, names)
         kwargs = {}
         for k, v in d.items():
             if k in _SECTIONS:
-                v = _section(_SECTIONS[k], k + ".", v)
+                v = parse_section(_SECTIONS[k], k + ".", v)
             kwargs[k] = v
         return cls(**kwargs)
 

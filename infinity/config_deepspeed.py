@@ -10,8 +10,8 @@ import logging
 import os
 from typing import Any, Mapping
 
-from infinity.config_sections import (OFFLOAD_HOMES, ConfigError, OptimizerConfig, _float, _fmt,
-                                      _int)
+from infinity.config_sections import (OFFLOAD_HOMES, ConfigError, OptimizerConfig, parse_float, fmt_value,
+                                      parse_int)
 
 log = logging.getLogger("infinity.config")
 
@@ -201,14 +201,14 @@ def _ds_section(ds: Mapping, key: str, prefix: str = "") -> Mapping:
     if v is None:
         return {}
     if not isinstance(v, Mapping):
-        raise _ds_err(prefix + key, f"expected a mapping, got {_fmt(v)}")
+        raise _ds_err(prefix + key, f"expected a mapping, got {fmt_value(v)}")
     return v
 
 
 def _ds_bool(sec: Mapping, key: str, default: bool, where: str) -> bool:
     v = sec.get(key, default)
     if not isinstance(v, bool):
-        raise _ds_err(f"{where}.{key}", f"expected true or false, got {_fmt(v)}")
+        raise _ds_err(f"{where}.{key}", f"expected true or false, got {fmt_value(v)}")
     return v
 
 
@@ -225,7 +225,7 @@ def _ds_device(sec: Mapping, where: str) -> str:
     dev = sec.get("device", "none")
     dev = "none" if dev is None else dev
     if not isinstance(dev, str) or dev.lower() not in OFFLOAD_HOMES:
-        raise _ds_err(f"{where}.device", f'expected "none", "cpu" or "nvme", got {_fmt(dev)}')
+        raise _ds_err(f"{where}.device", f'expected "none", "cpu" or "nvme", got {fmt_value(dev)}')
     return dev.lower()
 
 
@@ -280,14 +280,14 @@ def deepspeed_to_dict(ds: Any, *, approximate_schedules: bool = False,
     cdt = ds.get("communication_data_type")
     if cdt not in (None, "fp32", "float32"):
         raise _ds_err("communication_data_type", f"infinity reduces gradients in fp32; got "
-                      f"{_fmt(cdt)}; remove the key")
+                      f"{fmt_value(cdt)}; remove the key")
     gad = _ds_section(ds, "data_types").get("grad_accum_dtype")
     _ds_unknown(_ds_section(ds, "data_types"), ("grad_accum_dtype",), "data_types")
     if gad in ("bf16", "bfloat16"):     # lossy, opted into: partial sums kept in bf16
         put("gradient_accumulation_dtype", "bf16", "data_types.grad_accum_dtype")
     elif gad not in (None, "fp32", "float32"):
         raise _ds_err("data_types.grad_accum_dtype", f"infinity accumulates gradients in fp32 "
-                      f"or (when asked) bf16; got {_fmt(gad)}; use \"fp32\" or \"bf16\"")
+                      f"or (when asked) bf16; got {fmt_value(gad)}; use \"fp32\" or \"bf16\"")
     if ds.get("sparse_gradients"):
         raise _ds_err("sparse_gradients", "sparse gradients are not supported; remove the key")
 
@@ -302,7 +302,7 @@ def deepspeed_to_dict(ds: Any, *, approximate_schedules: bool = False,
     for k, neutral in (("zero_quantized_nontrainable_weights", False), ("mics_shard_size", -1),
                        ("mics_hierarchical_params_gather", False)):
         if k in zo and zo[k] != neutral and not (k == "mics_shard_size" and zo[k] in (0, -1)):
-            raise _ds_err(f"zero_optimization.{k}", f"got {_fmt(zo[k])}: MiCS and quantized "
+            raise _ds_err(f"zero_optimization.{k}", f"got {fmt_value(zo[k])}: MiCS and quantized "
                           f"frozen weights are not supported (they change partitioning or "
                           f"numerics); remove the key")
     for k, ikey in (("zero_quantized_weights", "quantized_weights"),
@@ -312,7 +312,7 @@ def deepspeed_to_dict(ds: Any, *, approximate_schedules: bool = False,
             put(f"zero_pp.{ikey}", zo[k], f"zero_optimization.{k}")
     stage = zo.get("stage", 0)
     if isinstance(stage, bool) or not isinstance(stage, int) or stage not in (0, 1, 2, 3):
-        raise _ds_err("zero_optimization.stage", f"expected 0, 1, 2 or 3, got {_fmt(stage)}")
+        raise _ds_err("zero_optimization.stage", f"expected 0, 1, 2 or 3, got {fmt_value(stage)}")
     if stage == 0:
         log.info("DeepSpeed zero_optimization.stage 0 (no ZeRO) translated to zero_stage 1: "
                  "same numerics, optimizer states partitioned")
@@ -327,7 +327,7 @@ def deepspeed_to_dict(ds: Any, *, approximate_schedules: bool = False,
         _ds_unknown(sec, ("device", "nvme_path") + extra + DS_IGNORED_OFFLOAD_KEYS, where)
         ignored += [f"{where}.{k}" for k in sec if k in DS_IGNORED_OFFLOAD_KEYS]
         if "ratio" in sec and sec["ratio"] != 1 and sec["ratio"] != 1.0:
-            raise _ds_err(f"{where}.ratio", f"partial optimizer offload ({_fmt(sec['ratio'])}) is "
+            raise _ds_err(f"{where}.ratio", f"partial optimizer offload ({fmt_value(sec['ratio'])}) is "
                           f"not supported; remove it (infinity offloads all optimizer states)")
         dev = _ds_device(sec, where)
         if sec:
@@ -335,7 +335,7 @@ def deepspeed_to_dict(ds: Any, *, approximate_schedules: bool = False,
         if dev == "nvme":
             path = sec.get("nvme_path", DS_DEFAULT_NVME_PATH)
             if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
-                raise _ds_err(f"{where}.nvme_path", f"expected a directory path, got {_fmt(path)}")
+                raise _ds_err(f"{where}.nvme_path", f"expected a directory path, got {fmt_value(path)}")
             path = os.fspath(path)
             if "nvme_path" not in sec:
                 log.info("DeepSpeed %s.nvme_path not set: using DeepSpeed's default %s",
@@ -348,7 +348,7 @@ def deepspeed_to_dict(ds: Any, *, approximate_schedules: bool = False,
             continue
         if not isinstance(zo[legacy], bool):
             raise _ds_err(f"zero_optimization.{legacy}",
-                          f"expected true or false, got {_fmt(zo[legacy])}")
+                          f"expected true or false, got {fmt_value(zo[legacy])}")
         if zo[legacy]:
             if out.get("offload", {}).get(ikey, "none") == "nvme":
                 raise _ds_err(f"zero_optimization.{legacy}", "conflicts with an nvme offload "
@@ -390,10 +390,10 @@ def deepspeed_to_dict(ds: Any, *, approximate_schedules: bool = False,
                           "weights; remove the key")
         ls = fp16.get("loss_scale", 0)
         if ls not in (0, 0.0):
-            raise _ds_err("fp16.loss_scale", f"static loss scale {_fmt(ls)} is not supported; "
+            raise _ds_err("fp16.loss_scale", f"static loss scale {fmt_value(ls)} is not supported; "
                           f"use 0 (dynamic; tune initial_scale_power) or bf16")
         if "initial_scale_power" in fp16:
-            p_ = _int("DeepSpeed fp16.initial_scale_power", fp16["initial_scale_power"],
+            p_ = parse_int("DeepSpeed fp16.initial_scale_power", fp16["initial_scale_power"],
                       lo=0, hi=127)
             put("fp16.initial_scale", float(2 ** p_), "fp16.initial_scale_power")
         if "loss_scale_window" in fp16:
@@ -419,14 +419,14 @@ def deepspeed_to_dict(ds: Any, *, approximate_schedules: bool = False,
         typ = opt.get("type", "AdamW")
         if not isinstance(typ, str) or typ.lower() not in ("adam", "adamw"):
             raise _ds_err("optimizer.type", f"only Adam and AdamW are supported, got "
-                          f"{_fmt(typ)}; use \"AdamW\"")
+                          f"{fmt_value(typ)}; use \"AdamW\"")
         params = _ds_section(opt, "params", "optimizer.")
         _ds_unknown(params, ("lr", "betas", "eps", "weight_decay", "adam_w_mode", "torch_adam",
                              "bias_correction", "amsgrad", "fused", "foreach"), "optimizer.params")
         adam_w_mode = params.get("adam_w_mode", opt.get("adam_w_mode", True))
         if not isinstance(adam_w_mode, bool):
             raise _ds_err("optimizer.params.adam_w_mode",
-                          f"expected true or false, got {_fmt(adam_w_mode)}")
+                          f"expected true or false, got {fmt_value(adam_w_mode)}")
         is_w = typ.lower() == "adamw" or adam_w_mode
         put("optimizer.type", "adamw" if is_w else "adam", "optimizer.type")
         if not _ds_bool(params, "bias_correction", True, "optimizer.params"):
@@ -479,7 +479,7 @@ def _ds_scheduler(sch: Mapping, out: dict, put, approximate: bool) -> None:
     params = _ds_section(sch, "params", "scheduler.")
     kinds = {"WarmupLR": "constant", "WarmupDecayLR": "linear", "WarmupCosineLR": "cosine"}
     if typ not in kinds:
-        raise _ds_err("scheduler.type", f"{_fmt(typ)} has no infinity equivalent; supported: "
+        raise _ds_err("scheduler.type", f"{fmt_value(typ)} has no infinity equivalent; supported: "
                       f"WarmupLR, WarmupDecayLR, WarmupCosineLR (or use infinity's own "
                       f"scheduler.type constant/linear/cosine)")
     kind = kinds[typ]
@@ -494,8 +494,8 @@ def _ds_scheduler(sch: Mapping, out: dict, put, approximate: bool) -> None:
                       "through infinity checkpoints; remove the key")
     wtype = params.get("warmup_type", "log")
     if wtype not in ("log", "linear"):
-        raise _ds_err("scheduler.params.warmup_type", f'expected "log" or "linear", got {_fmt(wtype)}')
-    warm = _int("DeepSpeed scheduler.params.warmup_num_steps",
+        raise _ds_err("scheduler.params.warmup_type", f'expected "log" or "linear", got {fmt_value(wtype)}')
+    warm = parse_int("DeepSpeed scheduler.params.warmup_num_steps",
                 params.get("warmup_num_steps", 1000), lo=0)
     # DeepSpeed clamps warmup_num_steps to >= 2 and warms up as min + delta * step / warm
     warm = max(2, warm)
@@ -511,14 +511,14 @@ def _ds_scheduler(sch: Mapping, out: dict, put, approximate: bool) -> None:
         wmr = params.get("warmup_min_ratio", 0.0)
         if wmr not in (0, 0.0):
             raise _ds_err("scheduler.params.warmup_min_ratio", f"infinity warms up from lr 0; "
-                          f"got {_fmt(wmr)}; set it to 0")
+                          f"got {fmt_value(wmr)}; set it to 0")
         if "total_num_steps" not in params:
             raise _ds_err("scheduler.params.total_num_steps", "required for WarmupCosineLR")
         put("scheduler.total_steps", params["total_num_steps"], "scheduler.params.total_num_steps")
-        cmr = _float("DeepSpeed scheduler.params.cos_min_ratio",
+        cmr = parse_float("DeepSpeed scheduler.params.cos_min_ratio",
                      params.get("cos_min_ratio", 0.0001), lo=0.0, hi=1.0)
         lr = out.get("optimizer", {}).get("lr", OptimizerConfig.lr)
-        lr = _float("DeepSpeed optimizer.params.lr", lr, lo=0.0)
+        lr = parse_float("DeepSpeed optimizer.params.lr", lr, lo=0.0)
         put("scheduler.min_lr", lr * cmr, "scheduler.params.cos_min_ratio")
         msg = ("DeepSpeed's WarmupCosineLR cosine phase runs one step ahead of infinity's "
                "(it reaches min_lr at total_num_steps - 1)")
@@ -530,7 +530,7 @@ def _ds_scheduler(sch: Mapping, out: dict, put, approximate: bool) -> None:
     wmin = params.get("warmup_min_lr", 0.0)
     if wmin not in (0, 0.0):
         raise _ds_err("scheduler.params.warmup_min_lr", f"infinity warms up from lr 0; got "
-                      f"{_fmt(wmin)}; set it to 0")
+                      f"{fmt_value(wmin)}; set it to 0")
     wmax = params.get("warmup_max_lr", 0.001)
     opt_lr = out.get("optimizer", {}).get("lr")
     if opt_lr is not None and opt_lr != wmax:

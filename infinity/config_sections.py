@@ -45,51 +45,51 @@ class ConfigError(ValueError):
 # value checkers: each takes the dotted key, returns the normalised value or raises
 # --------------------------------------------------------------------------------------
 
-def _fmt(value: Any) -> str:
+def fmt_value(value: Any) -> str:
     if isinstance(value, str):
         return json.dumps(value)
     return repr(value)
 
 
-def _choice(key: str, value: Any, choices: tuple, *, lower: bool = True) -> Any:
+def parse_choice(key: str, value: Any, choices: tuple, *, lower: bool = True) -> Any:
     if lower and isinstance(value, str):
         value = value.strip().lower()
     if value not in choices or isinstance(value, bool):
-        opts = ", ".join(_fmt(c) for c in choices)
+        opts = ", ".join(fmt_value(c) for c in choices)
         hint = ""
         if isinstance(value, str):
             close = difflib.get_close_matches(value, [str(c) for c in choices], n=1)
             if close:
-                hint = f" (did you mean {_fmt(close[0])}?)"
-        raise ConfigError(f"{key}: expected one of {opts}, got {_fmt(value)}{hint}")
+                hint = f" (did you mean {fmt_value(close[0])}?)"
+        raise ConfigError(f"{key}: expected one of {opts}, got {fmt_value(value)}{hint}")
     return value
 
 
-def _int(key: str, value: Any, *, lo: int | None = None, hi: int | None = None,
+def parse_int(key: str, value: Any, *, lo: int | None = None, hi: int | None = None,
          what: str = "", example: int | None = None) -> int:
     """``example``: the value the hint suggests (the default; else the lower bound if > 0,
     else 1) -- never a value that silently turns a feature off, such as a depth of 0."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         if example is None:
             example = lo if lo else 1
-        raise ConfigError(f"{key}: expected an integer, got {_fmt(value)} "
+        raise ConfigError(f"{key}: expected an integer, got {fmt_value(value)} "
                           f"({type(value).__name__}); write a plain number such as {example}")
     if isinstance(value, float):
         if not math.isfinite(value) or not value.is_integer():
-            raise ConfigError(f"{key}: expected an integer, got {_fmt(value)}; "
+            raise ConfigError(f"{key}: expected an integer, got {fmt_value(value)}; "
                               f"use a whole number")
         value = int(value)
     if (lo is not None and value < lo) or (hi is not None and value > hi):
         rng = what or (f"in [{lo}, {hi}]" if lo is not None and hi is not None
                        else f">= {lo}" if lo is not None else f"<= {hi}")
-        raise ConfigError(f"{key}: expected an integer {rng}, got {_fmt(value)}")
+        raise ConfigError(f"{key}: expected an integer {rng}, got {fmt_value(value)}")
     return value
 
 
-def _float(key: str, value: Any, *, lo: float | None = None, lo_open: bool = False,
+def parse_float(key: str, value: Any, *, lo: float | None = None, lo_open: bool = False,
            hi: float | None = None, hi_open: bool = False, what: str = "") -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(f"{key}: expected a number, got {_fmt(value)} "
+        raise ConfigError(f"{key}: expected a number, got {fmt_value(value)} "
                           f"({type(value).__name__}); write it without quotes, e.g. 1e-3")
     value = float(value)
     bad = not math.isfinite(value)
@@ -105,7 +105,7 @@ def _float(key: str, value: Any, *, lo: float | None = None, lo_open: bool = Fal
             if hi is not None:
                 parts.append(f"{'<' if hi_open else '<='} {hi:g}")
             what = " and ".join(parts) if parts else "finite"
-        raise ConfigError(f"{key}: expected a number {what}, got {_fmt(value)}")
+        raise ConfigError(f"{key}: expected a number {what}, got {fmt_value(value)}")
     return value
 
 
@@ -113,7 +113,7 @@ def _opt_positive_float(key: str, value: Any) -> float | None:
     """A size in 10^9 bytes: > 0 and <= :data:`MAX_GB`, or None (automatic)."""
     if value is None:
         return None
-    return _float(key, value, lo=0.0, lo_open=True, hi=MAX_GB,
+    return parse_float(key, value, lo=0.0, lo_open=True, hi=MAX_GB,
                   what=f"> 0 and <= {MAX_GB} (one petabyte; or null to size it automatically)")
 
 
@@ -130,8 +130,8 @@ def _path_list(key: str, value: Any) -> list[str]:
         norm = os.path.normpath(os.path.abspath(os.path.expanduser(v)))
         if norm in seen:
             j = seen[norm]
-            raise ConfigError(f"{key}[{i}]: {_fmt(v)} is the same directory as {key}[{j}] "
-                              f"({_fmt(paths[j])}, both {norm}); list each directory once (several "
+            raise ConfigError(f"{key}[{i}]: {fmt_value(v)} is the same directory as {key}[{j}] "
+                              f"({fmt_value(paths[j])}, both {norm}); list each directory once (several "
                               f"entries stripe the swap over several drives)")
         seen[norm] = i
     return paths
@@ -141,21 +141,21 @@ def _str_list(key: str, value: Any, *, allow_str: bool, allow_empty: bool) -> li
     if isinstance(value, (str, os.PathLike)) and allow_str:
         value = [value]
     if not isinstance(value, (list, tuple)):
-        raise ConfigError(f"{key}: expected a list of strings, got {_fmt(value)} "
+        raise ConfigError(f"{key}: expected a list of strings, got {fmt_value(value)} "
                           f"({type(value).__name__})")
     out = []
     for i, v in enumerate(value):
         if isinstance(v, os.PathLike):
             v = os.fspath(v)
         if not isinstance(v, str) or not v:
-            raise ConfigError(f"{key}[{i}]: expected a non-empty string, got {_fmt(v)}")
+            raise ConfigError(f"{key}[{i}]: expected a non-empty string, got {fmt_value(v)}")
         out.append(v)
     if not out and not allow_empty:
         raise ConfigError(f"{key}: expected at least one entry, got an empty list")
     return out
 
 
-def _check_unknown(prefix: str, d: Mapping, known: list[str]) -> None:
+def check_unknown_keys(prefix: str, d: Mapping, known: list[str]) -> None:
     for k in d:
         if k not in known:
             where = f"{prefix}{k}"
@@ -165,7 +165,7 @@ def _check_unknown(prefix: str, d: Mapping, known: list[str]) -> None:
             raise ConfigError(f"{where}: unknown key; {hint}")
 
 
-def _section(cls, prefix: str, value: Any):
+def parse_section(cls, prefix: str, value: Any):
     """Turn a dict (or an instance) into a validated section dataclass."""
     if isinstance(value, cls):
         return value  # already validated by its __post_init__ / validate()
@@ -173,9 +173,9 @@ def _section(cls, prefix: str, value: Any):
         return cls()
     if not isinstance(value, Mapping):
         raise ConfigError(f"{prefix.rstrip('.')}: expected a mapping (dict) of keys, got "
-                          f"{_fmt(value)} ({type(value).__name__})")
+                          f"{fmt_value(value)} ({type(value).__name__})")
     names = [f.name for f in dataclasses.fields(cls)]
-    _check_unknown(prefix, value, names)
+    check_unknown_keys(prefix, value, names)
     return cls(**dict(value))
 
 
@@ -200,8 +200,8 @@ class FrozenWeightsConfig:
 
     def validate(self) -> None:
         p = "offload.frozen_weights."
-        self.dtype = _choice(p + "dtype", self.dtype, (None,) + FROZEN_WEIGHT_DTYPES)
-        self.group_size = _int(p + "group_size", self.group_size, lo=1, hi=65536,
+        self.dtype = parse_choice(p + "dtype", self.dtype, (None,) + FROZEN_WEIGHT_DTYPES)
+        self.group_size = parse_int(p + "group_size", self.group_size, lo=1, hi=65536,
                                what=">= 1 and <= 65536 (elements per quantization block)",
                                example=FrozenWeightsConfig.group_size)
         if self.dtype == "nf4" and self.group_size % 2:
@@ -209,7 +209,7 @@ class FrozenWeightsConfig:
                               f"size must be even, got {self.group_size}")
         if not isinstance(self.double_quant, bool):
             raise ConfigError(f"{p}double_quant: expected true or false, got "
-                              f"{_fmt(self.double_quant)}")
+                              f"{fmt_value(self.double_quant)}")
 
 
 @dataclass
@@ -230,16 +230,16 @@ class OffloadConfig:
 
     def validate(self) -> None:
         p = "offload."
-        self.frozen_weights = _section(FrozenWeightsConfig, p + "frozen_weights.",
+        self.frozen_weights = parse_section(FrozenWeightsConfig, p + "frozen_weights.",
                                        self.frozen_weights)
-        self.params = _choice(p + "params", self.params, OFFLOAD_HOMES)
-        self.optimizer = _choice(p + "optimizer", self.optimizer, OFFLOAD_HOMES)
+        self.params = parse_choice(p + "params", self.params, OFFLOAD_HOMES)
+        self.optimizer = parse_choice(p + "optimizer", self.optimizer, OFFLOAD_HOMES)
         self.nvme_paths = _path_list(p + "nvme_paths", self.nvme_paths)
         self.host_memory_gb = _opt_positive_float(p + "host_memory_gb", self.host_memory_gb)
         self.device_memory_gb = _opt_positive_float(p + "device_memory_gb",
                                                     self.device_memory_gb)
         if self.commit_shadow_gb is not None:
-            self.commit_shadow_gb = _float(
+            self.commit_shadow_gb = parse_float(
                 p + "commit_shadow_gb", self.commit_shadow_gb, lo=0.0, hi=MAX_GB,
                 what=f">= 0 and <= {MAX_GB} (GB of NVMe for commit shadows per rank; 0: none "
                      f"beyond one group's; or null to size it from the free space)")
@@ -260,8 +260,8 @@ class ActivationOffloadConfig:
 
     def validate(self) -> None:
         p = "activation_offload."
-        self.home = _choice(p + "home", self.home, OFFLOAD_HOMES)
-        self.scope = _choice(p + "scope", self.scope, ACTIVATION_SCOPES)
+        self.home = parse_choice(p + "home", self.home, OFFLOAD_HOMES)
+        self.scope = parse_choice(p + "scope", self.scope, ACTIVATION_SCOPES)
 
 
 @dataclass
@@ -285,8 +285,8 @@ class ZeroPPConfig:
         for k in ("quantized_weights", "quantized_gradients"):
             v = getattr(self, k)
             if not isinstance(v, bool):
-                raise ConfigError(f"{p}{k}: expected true or false, got {_fmt(v)}")
-        self.hpz_partition_size = _int(p + "hpz_partition_size", self.hpz_partition_size,
+                raise ConfigError(f"{p}{k}: expected true or false, got {fmt_value(v)}")
+        self.hpz_partition_size = parse_int(p + "hpz_partition_size", self.hpz_partition_size,
                                        lo=1, hi=MAX_HPZ_PARTITION,
                                        what=f">= 1 and <= {MAX_HPZ_PARTITION} (1 turns hpZ "
                                        f"off; N: groups of N consecutive ranks, typically the "
@@ -312,11 +312,11 @@ class PrefetchConfig:
         self.validate()
 
     def validate(self) -> None:
-        self.depth = _int("prefetch.depth", self.depth, lo=0, hi=MAX_PREFETCH_DEPTH,
+        self.depth = parse_int("prefetch.depth", self.depth, lo=0, hi=MAX_PREFETCH_DEPTH,
                           what=f">= 0 and <= {MAX_PREFETCH_DEPTH} (groups fetched ahead of "
                           f"compute; 0: on demand only)", example=PrefetchConfig.depth)
         if self.reuse_gb is not None:
-            self.reuse_gb = _float("prefetch.reuse_gb", self.reuse_gb, lo=0.0, hi=MAX_GB,
+            self.reuse_gb = parse_float("prefetch.reuse_gb", self.reuse_gb, lo=0.0, hi=MAX_GB,
                                    what=f">= 0 and <= {MAX_GB} (0: off; null: automatic)")
 
 
@@ -364,8 +364,8 @@ class AioConfig:
 
     def validate(self) -> None:
         p = "aio."
-        self.engine = _choice(p + "engine", self.engine, AIO_ENGINES)
-        bs = _int(p + "block_size", self.block_size, lo=4096, hi=MAX_AIO_BLOCK,
+        self.engine = parse_choice(p + "engine", self.engine, AIO_ENGINES)
+        bs = parse_int(p + "block_size", self.block_size, lo=4096, hi=MAX_AIO_BLOCK,
                   what=f"that is a power of two >= 4096 and <= {MAX_AIO_BLOCK} (1 GiB)",
                   example=AioConfig.block_size)
         if bs & (bs - 1):
@@ -373,10 +373,10 @@ class AioConfig:
             raise ConfigError(f"{p}block_size: expected a power of two >= 4096, got {bs}; "
                               f"use {lower} or {lower * 2}")
         self.block_size = bs
-        self.queue_depth = _int(p + "queue_depth", self.queue_depth, lo=1, hi=1024,
+        self.queue_depth = parse_int(p + "queue_depth", self.queue_depth, lo=1, hi=1024,
                                 example=AioConfig.queue_depth)
         hi = max_aio_threads()
-        self.threads = _int(p + "threads", self.threads, lo=1, hi=hi,
+        self.threads = parse_int(p + "threads", self.threads, lo=1, hi=hi,
                             what=f">= 1 and <= {hi} (4 per CPU this process may use, at most 256)")
 
 
@@ -386,9 +386,9 @@ PARAM_GROUP_KEYS = ("params", "lr", "weight_decay", "betas", "eps")
 def _betas(key: str, b: Any) -> tuple[float, float]:
     if not isinstance(b, (list, tuple)) or len(b) != 2:
         raise ConfigError(f"{key}: expected a list of two numbers in [0, 1), "
-                          f"e.g. [0.9, 0.999], got {_fmt(b)}")
-    return (_float(key + "[0]", b[0], lo=0.0, hi=1.0, hi_open=True),
-            _float(key + "[1]", b[1], lo=0.0, hi=1.0, hi_open=True))
+                          f"e.g. [0.9, 0.999], got {fmt_value(b)}")
+    return (parse_float(key + "[0]", b[0], lo=0.0, hi=1.0, hi_open=True),
+            parse_float(key + "[1]", b[1], lo=0.0, hi=1.0, hi_open=True))
 
 
 def _param_groups(key: str, value: Any) -> list[dict]:
@@ -399,28 +399,28 @@ def _param_groups(key: str, value: Any) -> list[dict]:
         return []
     if not isinstance(value, (list, tuple)):
         raise ConfigError(f"{key}: expected a list of groups such as "
-                          f'[{{"params": ["*lora_*"], "lr": 1e-3}}], got {_fmt(value)} '
+                          f'[{{"params": ["*lora_*"], "lr": 1e-3}}], got {fmt_value(value)} '
                           f"({type(value).__name__})")
     out = []
     for i, g in enumerate(value):
         k = f"{key}[{i}]"
         if not isinstance(g, Mapping):
             raise ConfigError(f"{k}: expected a mapping with a \"params\" list of name "
-                              f"patterns, got {_fmt(g)} ({type(g).__name__})")
-        _check_unknown(k + ".", g, list(PARAM_GROUP_KEYS))
+                              f"patterns, got {fmt_value(g)} ({type(g).__name__})")
+        check_unknown_keys(k + ".", g, list(PARAM_GROUP_KEYS))
         if "params" not in g:
             raise ConfigError(f"{k}.params: missing; list the name patterns of the parameters "
                               f"in this group, e.g. [\"*lora_*\"]")
         d: dict = {"params": _str_list(k + ".params", g["params"], allow_str=True,
                                        allow_empty=False)}
         if "lr" in g:
-            d["lr"] = _float(k + ".lr", g["lr"], lo=0.0)
+            d["lr"] = parse_float(k + ".lr", g["lr"], lo=0.0)
         if "weight_decay" in g:
-            d["weight_decay"] = _float(k + ".weight_decay", g["weight_decay"], lo=0.0)
+            d["weight_decay"] = parse_float(k + ".weight_decay", g["weight_decay"], lo=0.0)
         if "betas" in g:
             d["betas"] = list(_betas(k + ".betas", g["betas"]))
         if "eps" in g:
-            d["eps"] = _float(k + ".eps", g["eps"], lo=0.0, lo_open=True)
+            d["eps"] = parse_float(k + ".eps", g["eps"], lo=0.0, lo_open=True)
         out.append(d)
     return out
 
@@ -444,15 +444,15 @@ class OptimizerConfig:
 
     def validate(self) -> None:
         p = "optimizer."
-        self.type = _choice(p + "type", self.type, OPTIMIZER_TYPES)
-        self.lr = _float(p + "lr", self.lr, lo=0.0)
+        self.type = parse_choice(p + "type", self.type, OPTIMIZER_TYPES)
+        self.lr = parse_float(p + "lr", self.lr, lo=0.0)
         self.betas = _betas(p + "betas", self.betas)
-        self.eps = _float(p + "eps", self.eps, lo=0.0, lo_open=True)
-        self.weight_decay = _float(p + "weight_decay", self.weight_decay, lo=0.0)
+        self.eps = parse_float(p + "eps", self.eps, lo=0.0, lo_open=True)
+        self.weight_decay = parse_float(p + "weight_decay", self.weight_decay, lo=0.0)
         self.no_decay = _str_list(p + "no_decay", self.no_decay,
                                   allow_str=False, allow_empty=True)
         self.param_groups = _param_groups(p + "param_groups", self.param_groups)
-        self.state_dtype = _choice(p + "state_dtype", self.state_dtype, STATE_DTYPES)
+        self.state_dtype = parse_choice(p + "state_dtype", self.state_dtype, STATE_DTYPES)
 
 
 @dataclass
@@ -468,17 +468,17 @@ class SchedulerConfig:
 
     def validate(self) -> None:
         p = "scheduler."
-        self.type = _choice(p + "type", self.type, SCHEDULER_TYPES)
-        self.warmup_steps = _int(p + "warmup_steps", self.warmup_steps, lo=0, hi=MAX_STEPS,
+        self.type = parse_choice(p + "type", self.type, SCHEDULER_TYPES)
+        self.warmup_steps = parse_int(p + "warmup_steps", self.warmup_steps, lo=0, hi=MAX_STEPS,
                                  what=f">= 0 and <= {MAX_STEPS} (optimizer updates)")
         if self.total_steps is not None:
-            self.total_steps = _int(p + "total_steps", self.total_steps, lo=1, hi=MAX_STEPS,
+            self.total_steps = parse_int(p + "total_steps", self.total_steps, lo=1, hi=MAX_STEPS,
                                     what=f">= 1 and <= {MAX_STEPS} (optimizer updates)")
-        self.min_lr = _float(p + "min_lr", self.min_lr, lo=0.0)
+        self.min_lr = parse_float(p + "min_lr", self.min_lr, lo=0.0)
         if self.type in ("linear", "cosine"):
             if self.total_steps is None:
                 raise ConfigError(
-                    f"{p}total_steps: required for scheduler.type {_fmt(self.type)} (the step "
+                    f"{p}total_steps: required for scheduler.type {fmt_value(self.type)} (the step "
                     f"at which the lr reaches min_lr); set it to the number of optimizer "
                     f"updates of the run, or use scheduler.type \"constant\"")
             if self.total_steps <= self.warmup_steps:
@@ -508,15 +508,15 @@ class LossScaleConfig:
 
     def validate(self) -> None:
         p = "fp16."
-        self.initial_scale = _float(p + "initial_scale", self.initial_scale,
+        self.initial_scale = parse_float(p + "initial_scale", self.initial_scale,
                                     lo=0.0, lo_open=True)
-        self.growth_interval = _int(p + "growth_interval", self.growth_interval, lo=1,
+        self.growth_interval = parse_int(p + "growth_interval", self.growth_interval, lo=1,
                                     hi=MAX_STEPS, what=f">= 1 and <= {MAX_STEPS} (updates)")
-        self.backoff_factor = _float(p + "backoff_factor", self.backoff_factor,
+        self.backoff_factor = parse_float(p + "backoff_factor", self.backoff_factor,
                                      lo=0.0, lo_open=True, hi=1.0, hi_open=True)
-        self.growth_factor = _float(p + "growth_factor", self.growth_factor,
+        self.growth_factor = parse_float(p + "growth_factor", self.growth_factor,
                                     lo=1.0, lo_open=True)
-        self.min_scale = _float(p + "min_scale", self.min_scale, lo=0.0, lo_open=True)
+        self.min_scale = parse_float(p + "min_scale", self.min_scale, lo=0.0, lo_open=True)
         if self.min_scale > self.initial_scale:
             raise ConfigError(f"fp16.min_scale: must be <= fp16.initial_scale "
                               f"({self.initial_scale:g}), got {self.min_scale:g}")
@@ -537,8 +537,8 @@ MAX_ROOT_DEGREE = 1000
 def _curriculum_int_list(key: str, value: Any, *, lo: int, hi: int, what: str) -> list[int]:
     if not isinstance(value, (list, tuple)) or not value:
         raise ConfigError(f"{key}: expected a non-empty list of integers ({what}), got "
-                          f"{_fmt(value)}")
-    return [_int(f"{key}[{i}]", v, lo=lo, hi=hi) for i, v in enumerate(value)]
+                          f"{fmt_value(value)}")
+    return [parse_int(f"{key}[{i}]", v, lo=lo, hi=hi) for i, v in enumerate(value)]
 
 
 @dataclass
@@ -565,10 +565,10 @@ class CurriculumConfig:
     def validate(self) -> None:
         p = "curriculum_learning."
         if not isinstance(self.enabled, bool):
-            raise ConfigError(f"{p}enabled: expected true or false, got {_fmt(self.enabled)}")
-        self.curriculum_type = _choice(p + "curriculum_type", self.curriculum_type,
+            raise ConfigError(f"{p}enabled: expected true or false, got {fmt_value(self.enabled)}")
+        self.curriculum_type = parse_choice(p + "curriculum_type", self.curriculum_type,
                                        CURRICULUM_TYPES)
-        self.schedule_type = _choice(p + "schedule_type", self.schedule_type,
+        self.schedule_type = parse_choice(p + "schedule_type", self.schedule_type,
                                      CURRICULUM_SCHEDULES)
         on = self.enabled
         for k in ("min_difficulty", "max_difficulty"):
@@ -580,7 +580,7 @@ class CurriculumConfig:
                                       f"sequence length, in tokens), e.g. "
                                       f"{64 if k == 'min_difficulty' else 1024}")
                 continue
-            setattr(self, k, _int(p + k, v, lo=1, hi=MAX_SEQLEN,
+            setattr(self, k, parse_int(p + k, v, lo=1, hi=MAX_SEQLEN,
                                   what=f">= 1 and <= {MAX_SEQLEN} (a sequence length in tokens)"))
         if on and self.max_difficulty < self.min_difficulty:
             raise ConfigError(f"{p}max_difficulty: must be >= curriculum_learning.min_difficulty "
@@ -594,21 +594,21 @@ class CurriculumConfig:
             sc = {}
         if not isinstance(sc, Mapping):
             raise ConfigError(f"{p.rstrip('.')}: expected a mapping (dict) of keys, got "
-                              f"{_fmt(sc)} ({type(sc).__name__})")
-        _check_unknown(p, sc, list(CURRICULUM_SCHEDULE_KEYS))
+                              f"{fmt_value(sc)} ({type(sc).__name__})")
+        check_unknown_keys(p, sc, list(CURRICULUM_SCHEDULE_KEYS))
         out: dict = {}
         if "total_curriculum_step" in sc:
-            out["total_curriculum_step"] = _int(
+            out["total_curriculum_step"] = parse_int(
                 p + "total_curriculum_step", sc["total_curriculum_step"], lo=1, hi=MAX_STEPS,
                 what=f">= 1 and <= {MAX_STEPS} (optimizer steps from min_difficulty to "
                 f"max_difficulty)")
         if "difficulty_step" in sc:
-            out["difficulty_step"] = _int(
+            out["difficulty_step"] = parse_int(
                 p + "difficulty_step", sc["difficulty_step"], lo=1, hi=MAX_SEQLEN,
                 what=f">= 1 and <= {MAX_SEQLEN} (every length is a multiple of it; 8 suits "
                 f"fp16/bf16 tensor cores)", example=8)
         if "root_degree" in sc:
-            out["root_degree"] = _int(p + "root_degree", sc["root_degree"], lo=1,
+            out["root_degree"] = parse_int(p + "root_degree", sc["root_degree"], lo=1,
                                       hi=MAX_ROOT_DEGREE,
                                       what=f">= 1 and <= {MAX_ROOT_DEGREE} (2: square root; "
                                       f"1: linear)", example=2)
@@ -633,7 +633,7 @@ class CurriculumConfig:
             for k in need:
                 if k not in sc:
                     raise ConfigError(f"{p}{k}: required for curriculum_learning.schedule_type "
-                                      f"{_fmt(typ)} (schedule_config needs "
+                                      f"{fmt_value(typ)} (schedule_config needs "
                                       f"{', '.join(need)})")
             step = sc["difficulty_step"]
             if self.min_difficulty % step:

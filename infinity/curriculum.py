@@ -138,7 +138,7 @@ class SeqlenSchedule:
     # ------------------------------------------------------------------ state
     def state_dict(self, step: int) -> dict:
         """What a checkpoint records: the block, the step and the length at it."""
-        return {"config": _config_dict(self.config), "global_step": int(step),
+        return {"config": config_dict(self.config), "global_step": int(step),
                 "seqlen": self.length(step)}
 
     def load_state_dict(self, state: Mapping) -> int:
@@ -150,10 +150,10 @@ class SeqlenSchedule:
                              f"{state!r}")
         step = int(state["global_step"])
         saved = state.get("config")
-        if saved is not None and saved != _config_dict(self.config):
+        if saved is not None and saved != config_dict(self.config):
             log.warning("curriculum_learning changed since the checkpoint (saved %s, now %s): "
                         "the new schedule applies from step %d (length %d)", saved,
-                        _config_dict(self.config), step, self.length(step))
+                        config_dict(self.config), step, self.length(step))
         return step
 
     def describe(self) -> str:
@@ -191,13 +191,13 @@ def _block(cfg: Any) -> CurriculumConfig:
     if isinstance(cfg, Mapping):
         if "curriculum_learning" in cfg:
             cfg = cfg["curriculum_learning"]
-        from infinity.config_sections import _section
-        return _section(CurriculumConfig, "curriculum_learning.", cfg)
+        from infinity.config_sections import parse_section
+        return parse_section(CurriculumConfig, "curriculum_learning.", cfg)
     raise ConfigError(f"curriculum_learning: expected a CurriculumConfig, an InfinityConfig or "
                       f"a mapping, got {type(cfg).__name__}")
 
 
-def _config_dict(c: CurriculumConfig) -> dict:
+def config_dict(c: CurriculumConfig) -> dict:
     return {"enabled": c.enabled, "curriculum_type": c.curriculum_type,
             "min_difficulty": c.min_difficulty, "max_difficulty": c.max_difficulty,
             "schedule_type": c.schedule_type, "schedule_config": copy.deepcopy(c.schedule_config)}

@@ -212,3 +212,38 @@ def test_the_graph_is_not_empty():
     """The checks above found the code (a wrong ROOT would pass them vacuously)."""
     assert "infinity.engine.core" in MODULES or "infinity.engine" in MODULES
     assert sum(len(t) for t in GRAPH.values()) > 50
+
+
+def _private_imports(mod: str, path: Path) -> list[str]:
+    """``from <infinity module> import _name`` in ``mod`` where ``_name`` is not a module
+    (the C extensions ``_aio``, ``_cpu_adam``, ``_quant`` are modules of the package)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    pkg = mod.split(".") if path.name == "__init__.py" else mod.split(".")[:-1]
+    out = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        if node.level:
+            base = pkg[:len(pkg) - (node.level - 1)]
+            base_name = ".".join(base + ([node.module] if node.module else []))
+        else:
+            base_name = node.module or ""
+        if not (base_name == "infinity" or base_name.startswith("infinity.")):
+            continue
+        for a in node.names:
+            name = a.name
+            if not name.startswith("_") or name.startswith("__"):
+                continue
+            sub = ROOT.parent / Path(*f"{base_name}.{name}".split("."))
+            if sub.with_suffix(".py").exists() or sub.is_dir() or \
+                    any(sub.parent.glob(f"{name}.*.so")):
+                continue          # a private *module* of the package (a C extension)
+            out.append(f"{mod}:{node.lineno}: from {base_name} import {name}")
+    return out
+
+
+def test_no_module_imports_another_modules_private_names():
+    """A name with a leading underscore is its module's own: a module that needs it from
+    elsewhere gets a public name (or the helper moves where both can use it)."""
+    bad = [line for m, p in MODULES.items() for line in _private_imports(m, p)]
+    assert not bad, "private names imported across modules:\n" + "\n".join(bad)

@@ -315,13 +315,13 @@ def measured_machine(out, dry, micro_batch):
 def plan_for(out, dry, *, homes, global_batch=None, micro_batch=None, grad_accum=None,
              size=None):
     """The planner's choice for these homes with activation checkpointing on (the run's)."""
-    from infinity.estimate import _knobs_from
+    from infinity.estimate import knobs_from
     from infinity.estimate.planner import make_plan
 
     import llama_bench as lb
     m = "dry" if dry else "gpu"
     spec = _meta_spec(lb, size or SIZE[m], SEQ[m])
-    knobs = _knobs_from(run_config(homes, 1, swap_root() if "nvme" in homes else None), {})
+    knobs = knobs_from(run_config(homes, 1, swap_root() if "nvme" in homes else None), {})
     plan = None
     for _ in range(2):   # plan at the default rate, then at the block rate of the chosen micro-batch
         b = micro_batch or (plan.best.micro_batch if plan is not None and plan.best else 1)

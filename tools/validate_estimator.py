@@ -89,14 +89,14 @@ def planned_configs(model, seq=64, caps=PLANNED_CAPS, global_batch=PLANNED_GLOBA
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from infinity.estimate import Machine, _knobs_from, spec_from_module
+    from infinity.estimate import Machine, knobs_from, spec_from_module
     from infinity.estimate.planner import make_plan
     with torch.device("meta"):
         meta = GPT2LMHeadModel(GPT2Config(**model))
     spec = spec_from_module(meta, seq=seq)
     rows = []
     for cap in caps:
-        knobs = _knobs_from({"precision": "fp32", "offload": {"host_memory_gb": cap}}, {})
+        knobs = knobs_from({"precision": "fp32", "offload": {"host_memory_gb": cap}}, {})
         b = make_plan(spec, Machine(gpus=0, host_mem_gb=1000, nvme_gb=1000), knobs,
                       global_batch=global_batch, clip=0.0).best   # (the runs do not clip)
         if b is None:

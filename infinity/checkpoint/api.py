@@ -172,7 +172,7 @@ def _dist_info():
     return 0, 1
 
 
-def _dist_device():
+def dist_device():
     d = torch.distributed
     if d.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
@@ -180,13 +180,13 @@ def _dist_device():
 
 
 def _bcast_ints(vals, src=0):
-    t = torch.tensor(vals, dtype=torch.int64, device=_dist_device())
+    t = torch.tensor(vals, dtype=torch.int64, device=dist_device())
     torch.distributed.broadcast(t, src)
     return [int(x) for x in t.tolist()]
 
 
 def _all_ok(ok):
-    t = torch.tensor([1 if ok else 0], dtype=torch.int64, device=_dist_device())
+    t = torch.tensor([1 if ok else 0], dtype=torch.int64, device=dist_device())
     torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
     return bool(t.item())
 

@@ -286,7 +286,7 @@ def _activation_offload(args):
 
 def plan_inputs(args):
     """(ModelSpec, Machine, Knobs) of an `estimate` command line (for --plan)."""
-    from infinity.estimate import _knobs_from, spec_from_dims, spec_from_factory
+    from infinity.estimate import knobs_from, spec_from_dims, spec_from_factory
 
     machine = _machine(args)
     params = parse_count(args.params) if args.params is not None else None
@@ -301,7 +301,7 @@ def plan_inputs(args):
     precision = args.precision
     if precision is None and args.config is None:
         precision = "bf16"
-    knobs = _knobs_from(args.config, dict(precision=precision, zero_stage=args.zero_stage,
+    knobs = knobs_from(args.config, dict(precision=precision, zero_stage=args.zero_stage,
                                           host_cap_gb=args.host_cap, tile_numel=args.tile_numel,
                                           commit_shadow_gb=args.commit_shadow_gb,
                                           tiling_max_group_gb=args.tiling_max_group_gb,

@@ -123,12 +123,12 @@ def assemble(engine, lr_scheduler) -> None:
     rank = engine.zero.rank if engine.zero else 0
     param_home = _PARAM_HOME[cfg.offload.params]
     for p in model.parameters():
-        engine._orig_dtypes.setdefault(id(p), p.dtype)
+        engine.orig_dtypes.setdefault(id(p), p.dtype)
     # the device tier (budget: device_memory_gb, on CUDA default free memory) is made
     # before the plan: a separate device memory adds copies and host staging to it
     engine.device_budget = device_budget = device_budget_for(engine.device, cfg, model)
-    engine._dev_tier = make_device(engine.device, device_budget, engine.acct)
-    separate = not engine._dev_tier.zero_copy
+    engine.device_tier_to_own = make_device(engine.device, device_budget, engine.acct)
+    separate = not engine.device_tier_to_own.zero_copy
     engine.grouping = grouping = build_groups(model, engine.dtype, param_home, world_size=ws)
     if not grouping.groups:
         raise ValueError(f"initialize: {type(model).__name__} has no parameters")
@@ -158,7 +158,7 @@ def assemble(engine, lr_scheduler) -> None:
     needs_nvme = param_home == "nvme" or cfg.offload.optimizer == "nvme" or act_home == "nvme"
     if needs_nvme:
         from infinity.io import AioEngine, SwapSpace
-        engine._created_dirs = nvme_dirs_ok(cfg.offload.nvme_paths)
+        engine.created_dirs = nvme_dirs_ok(cfg.offload.nvme_paths)
         a = cfg.aio
         engine.aio = AioEngine(a.block_size, a.queue_depth, a.threads, a.engine)
         engine.swap = SwapSpace(cfg.offload.nvme_paths, engine.aio, rank=rank,
@@ -245,7 +245,7 @@ def assemble(engine, lr_scheduler) -> None:
     engine.host_pool = BufferPool("host", pool_budget, engine.acct)
     mm_kw = dict(device=engine.device, device_budget=device_budget,
                  host_pool=engine.host_pool, swap=engine.swap, accounting=engine.acct,
-                 timeline=engine.timeline, device_tier=engine._dev_tier)
+                 timeline=engine.timeline, device_tier=engine.device_tier_to_own)
     opt_kw = dict(store=engine.store, swap=engine.swap, host_pool=engine.host_pool,
                   accounting=engine.acct, timeline=engine.timeline, lr_scheduler=lr_scheduler)
     cache = bool(placement.param_cache_budget)
@@ -257,8 +257,8 @@ def assemble(engine, lr_scheduler) -> None:
     else:
         engine.mm = engine.zero.memory_manager(grouping.groups, cache=cache, **mm_kw)
         engine.opt = engine.zero.optimizer(model, cfg, grouping.groups, grouping.names, **opt_kw)
-    engine.opt.on_extents_moved = engine._follow_extents   # Note [roll forward]
-    engine._dev_tier = None                 # owned (and closed) by the manager now
+    engine.opt.on_extents_moved = engine.follow_extents   # Note [roll forward]
+    engine.device_tier_to_own = None                 # owned (and closed) by the manager now
     paged_nvme = [g for g in grouping.groups if g.home == "nvme"]
     from infinity.zero.init import adopting   # params built under infinity.Init
     with contextlib.ExitStack() as scope:
@@ -309,7 +309,7 @@ def assemble(engine, lr_scheduler) -> None:
             # landing, GradD2H.landed)
             after = engine.overlap.grad_arrived
     # (gradients enter only inside engine.backward: Note [foreign backward] in core.py)
-    on_grad = engine._grad_gate(grad_sink(engine.opt.accumulate, grouping.groups, after=after))
+    on_grad = engine.grad_gate(grad_sink(engine.opt.accumulate, grouping.groups, after=after))
     acts = None
     if act_home != "none":                  # saved activations on the host tier or NVMe
         from infinity.runtime.activations import ActivationOffload
@@ -321,8 +321,8 @@ def assemble(engine, lr_scheduler) -> None:
     if tile_specs:
         from infinity.runtime.tiling import Tiling
         engine.tiling = Tiling(tile_specs, engine.mm, engine.acct,
-                               accumulate=engine._grad_gate(engine.opt.accumulate),
-                               accumulate_rows=engine._grad_gate(engine.opt.accumulate_rows),
+                               accumulate=engine.grad_gate(engine.opt.accumulate),
+                               accumulate_rows=engine.grad_gate(engine.opt.accumulate_rows),
                                accepts_rows=engine.opt.accumulates_rows, after=after,
                                **_tiling_across_ranks(engine))
         engine.tiling.install(grouping)

@@ -463,10 +463,10 @@ def load_engine_checkpoint(engine, directory, tag=None, **kw):
 
 def _agree(ok, fingerprint=0):
     """All-reduce: (every rank ok, every rank has the same fingerprint)."""
-    from infinity.checkpoint.api import _dist_device
+    from infinity.checkpoint.api import dist_device
     import torch.distributed as dist
     t = torch.tensor([1 if ok else 0, fingerprint, -fingerprint], dtype=torch.int64,
-                     device=_dist_device())
+                     device=dist_device())
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
     v = [int(x) for x in t.tolist()]
     return v[0] == 1, v[1] == -v[2]

@@ -18,8 +18,7 @@ from torch import nn
 
 from infinity.config import InfinityConfig
 from infinity.engine.build import assemble
-from infinity.engine.phase import (NonFiniteGradientError, NonFiniteUpdateError, Phase,
-                                   PhaseError, run_shielded)
+from infinity.engine.phase import Phase, PhaseError, run_shielded
 from infinity.memory.accounting import Accounting
 from infinity.memory.device import choose_device
 from infinity.memory.plan import remove_if_empty
@@ -92,7 +91,7 @@ class Engine:
         self.overlap = self.tiling = None
         self.device_budget: int | None = None
         self.undo_budget: int | None = None
-        self._created_dirs: list = []
+        self.created_dirs: list = []
         self._last_on_demand = 0          # on-demand fetches of the last step / so far
         self._od_at_last_step = 0
         # overlap each group's optimizer update with backward where that cannot change
@@ -101,8 +100,8 @@ class Engine:
         # Note [commit point]: updates are transactions (all-or-nothing); False restores
         # the in-place updates for A/B benchmarks only (tools/bench_e2e.py --no-commit-point)
         self.commit_point = True
-        self._orig_dtypes: dict[int, torch.dtype] = {}
-        self._dev_tier = None
+        self.orig_dtypes: dict[int, torch.dtype] = {}
+        self.device_tier_to_own = None
         # signals are held across the hooks' bookkeeping (Note [held interrupts])
         from infinity.runtime.interrupts import InterruptGate
         self.gate = InterruptGate()
@@ -153,6 +152,11 @@ class Engine:
         return self.forward(*args, **kwargs)
 
     # ------------------------------------------------------------------ phases
+    def check_call(self, what: str) -> None:
+        """What a public entry point of a collaborator (weights out) checks first: the
+        engine is idle, a decided update is finished (Note [window abort])."""
+        self._enter(what)
+
     def _enter(self, what: str, accepts=(Phase.IDLE,)) -> None:
         """Check the phase a public method needs (Note [window abort])."""
         ph = self.phase
@@ -172,7 +176,7 @@ class Engine:
         raise PhaseError(f"engine.{what}: called while the engine is in {ph.value} (re-entrant "
                          f"call from a hook or another thread?); call it after that returns")
 
-    def _grad_gate(self, sink):
+    def grad_gate(self, sink):
         """``sink`` (a gradient sink of the hooks or of tiling), dropping what arrives outside
         engine.backward (Note [foreign backward])."""
         def gated(*args, **kwargs):
@@ -303,11 +307,11 @@ class Engine:
     def _after_commit(self, moved) -> None:
         """The transaction's shadows are the state now: NVMe-homed fp32 parameters (their
         home is the master) follow their extents; device mirrors are refreshed."""
-        self._follow_extents(moved)
+        self.follow_extents(moved)
         self.micro_steps += 1
         self._has_grads = False
 
-    def _follow_extents(self, moved) -> None:
+    def follow_extents(self, moved) -> None:
         for g in self.mm.groups if moved else ():
             if g.extent is not None and g.extent in moved:
                 g.extent = moved[g.extent]
@@ -543,27 +547,8 @@ class Engine:
         """An update skipped for inf/NaN gradients (fp32/bf16) or rolled back for an inf/NaN
         Adam result (Note [non-finite result]): warn (rate-limited) or raise."""
         import time as _time
-        groups = self.opt.last_nonfinite_groups
-        if groups:
-            what = (f"the Adam result of update {boundary} (global step {self.opt.step_count + 1}) "
-                    f"came out inf/NaN in parameter group(s) {', '.join(groups)} (an overflow from "
-                    f"finite gradients)")
-            err = NonFiniteUpdateError(
-                f"engine.step: {what}; the update was rolled back (weights, optimizer states, "
-                f"global_steps and the LR schedule are unchanged). Lower the learning rate or "
-                f"clip gradients (gradient_clipping); nonfinite_grads: \"skip\" skips such "
-                f"updates instead", groups=groups, rolled_back=True)
-            warning = (f"infinity: {what}; rolled back: weights and optimizer states unchanged "
-                       f"({self.opt.nonfinite_steps} skipped updates so far)")
-        else:
-            err = NonFiniteGradientError(
-                f"engine.step: the gradient norm of update {boundary} (global step "
-                f"{self.opt.step_count + 1}) is {self.opt.last_grad_norm}; the update was not "
-                f"applied (weights, optimizer states, global_steps and the LR schedule are "
-                f"unchanged). Set nonfinite_grads: \"skip\" to skip such updates instead")
-            warning = (f"infinity: update {boundary} skipped: the gradient norm is "
-                       f"{self.opt.last_grad_norm} (inf/NaN); weights and optimizer states "
-                       f"unchanged ({self.opt.nonfinite_steps} such updates so far)")
+        from infinity.engine.phase import nonfinite_report
+        err, warning = nonfinite_report(self.opt, boundary)
         if self.cfg.nonfinite_grads == "raise":
             raise err
         now = _time.monotonic()
@@ -761,7 +746,7 @@ class Engine:
                          ("hooks", getattr(self.hooks, "remove", None)),
                          ("tiling", getattr(self.tiling, "remove", None)),
                          ("memory", getattr(self.mm, "close", None)),
-                         ("device", getattr(self._dev_tier, "close", None)),
+                         ("device", getattr(self.device_tier_to_own, "close", None)),
                          ("optimizer", getattr(self.store, "close", None)),
                          ("swap", getattr(self.swap, "close", None)),
                          ("aio", getattr(self.aio, "close", None))):
@@ -779,7 +764,7 @@ class Engine:
                 self.zero.close()
             except Exception as e:
                 errors.append(("zero", e))
-        remove_if_empty(self._created_dirs)
+        remove_if_empty(self.created_dirs)
         if errors:
             what, e = errors[0]
             raise RuntimeError(f"engine.close: closing {what} failed: {e}") from e

@@ -87,3 +87,31 @@ def run_shielded(executor: ThreadPoolExecutor, fn, *args, hold=None):
     if interrupted is not None:
         raise interrupted
     return fut.result()
+
+
+def nonfinite_report(opt, boundary: int):
+    """``(error, warning)`` for an update skipped for inf/NaN gradients or rolled back for
+    an inf/NaN Adam result (Note [non-finite result]), from the step driver ``opt``."""
+    groups = opt.last_nonfinite_groups
+    if groups:
+        what = (f"the Adam result of update {boundary} (global step {opt.step_count + 1}) "
+                f"came out inf/NaN in parameter group(s) {', '.join(groups)} (an overflow from "
+                f"finite gradients)")
+        err = NonFiniteUpdateError(
+            f"engine.step: {what}; the update was rolled back (weights, optimizer states, "
+            f"global_steps and the LR schedule are unchanged). Lower the learning rate or "
+            f"clip gradients (gradient_clipping); nonfinite_grads: \"skip\" skips such "
+            f"updates instead", groups=groups, rolled_back=True)
+        warning = (f"infinity: {what}; rolled back: weights and optimizer states unchanged "
+                   f"({opt.nonfinite_steps} skipped updates so far)")
+        return err, warning
+    err = NonFiniteGradientError(
+        f"engine.step: the gradient norm of update {boundary} (global step "
+        f"{opt.step_count + 1}) is {opt.last_grad_norm}; the update was not "
+        f"applied (weights, optimizer states, global_steps and the LR schedule are "
+        f"unchanged). Set nonfinite_grads: \"skip\" to skip such updates instead")
+    warning = (f"infinity: update {boundary} skipped: the gradient norm is "
+               f"{opt.last_grad_norm} (inf/NaN); weights and optimizer states "
+               f"unchanged ({opt.nonfinite_steps} such updates so far)")
+    return err, warning
+

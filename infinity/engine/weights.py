@@ -55,7 +55,7 @@ class StreamedStateDict(Mapping):
         return key in self._params or key in self._buffers
 
     def __getitem__(self, key: str) -> torch.Tensor:
-        self.engine._enter("state_dict")
+        self.engine.check_call("state_dict")
         if key in self._params:
             return read_param(self.engine, self._params[key])
         if key in self._buffers:
@@ -74,7 +74,7 @@ def slot_of(engine, p) -> tuple[GroupRecord, ParamSlot]:
 def read_param(engine, p: torch.nn.Parameter) -> torch.Tensor:
     """The current value of ``p`` (its original dtype), read from where it lives."""
     zero = engine.zero
-    out_dtype = engine._orig_dtypes.get(id(p), torch.float32)
+    out_dtype = engine.orig_dtypes.get(id(p), torch.float32)
     if zero is not None and zero.world_size > 1:   # ZeRO shards: gather (collective)
         from infinity.zero.distributed import read_param_gathered
         return read_param_gathered(engine, p, out_dtype)
@@ -168,7 +168,7 @@ def _source(engine, sd: StreamedStateDict, name: str):
     t = sd._params.get(name)
     if t is None:
         t = sd._buffers[name]
-    return t, engine._orig_dtypes.get(id(t), t.dtype)
+    return t, engine.orig_dtypes.get(id(t), t.dtype)
 
 
 def _unique_names(sd: StreamedStateDict) -> list[str]:

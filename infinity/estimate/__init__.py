@@ -25,7 +25,7 @@ from .memory_plan import (GRAD_SPILL_MODES, HOMES, HOST_RESERVE_BASE_GB,  # noqa
                           host_reserve_bytes, plan_memory, valid_configs)
 from .model_spec import (GROUPINGS, EstimateError, ModelSpec, spec_from_dims, spec_from_factory,
                          spec_from_module)
-from .report import _num
+from .report import fmt_num
 from .step_time import StepEstimate, bound_text, estimate_step
 
 __all__ = ["estimate", "Estimate", "ConfigEstimate", "ModelSpec", "Machine", "Knobs",
@@ -99,7 +99,7 @@ class Estimate:
     def _answer(self):
         b = self.best
         if b is None:
-            out = (f"No: no offload configuration fits {_num(self.model.params)} parameters on "
+            out = (f"No: no offload configuration fits {fmt_num(self.model.params)} parameters on "
                    f"{self._where()}")
             near = self.closest()
             if near is None:
@@ -113,7 +113,7 @@ class Estimate:
         s = c.steps[v]
         ck = "with activation checkpointing" if v == "checkpointing" else "without activation checkpointing"
         grads = "; fp32 gradients on NVMe" if c.plan.grads_on_nvme else ""
-        return (f"Yes: {_num(self.model.params)} parameters fit on {self._where()} with {c.name} "
+        return (f"Yes: {fmt_num(self.model.params)} parameters fit on {self._where()} with {c.name} "
                 f"({ck}{grads}); estimated {fmt_seconds(s.step_s)} s per step, {s.tokens_per_s:.3g} tokens/s, "
                 f"{bound_text(s.bound)} (lower bound: perfect overlap).")
 
@@ -163,13 +163,13 @@ def _host_reserve(machine):
     return host_reserve_bytes(machine)
 
 
-def _evaluate(spec, machine, knobs, p, o):
+def evaluate_config(spec, machine, knobs, p, o):
     plan = plan_memory(spec, machine, knobs, p, o)
     # fp32 NVMe params under offload.host_memory_gb: released groups stay as clean host
-    # copies up to the cap (step_time._param_cache); they are resident host memory
+    # copies up to the cap (step_time.param_cache_reads); they are resident host memory
     from .memory_plan import Item
-    from .step_time import PARAM_CACHE_ITEM, _param_cache
-    cache = max(_param_cache(spec, machine, knobs, plan)[:3])
+    from .step_time import PARAM_CACHE_ITEM, param_cache_reads
+    cache = max(param_cache_reads(spec, machine, knobs, plan)[:3])
     if cache:   # it gives up its room to gradient buffers as they are leased: within the cap
         # (the cap is per rank, the plan's host items per node: r ranks)
         room = machine.ranks_per_node * int(knobs.host_cap_gb * GB) \
@@ -219,7 +219,7 @@ def _evaluate(spec, machine, knobs, p, o):
     return ConfigEstimate(p, o, plan, totals, fits, problems, steps)
 
 
-def _knobs_from(config, overrides):
+def knobs_from(config, overrides):
     kw = {}
     if config is not None:
         from infinity.config import InfinityConfig
@@ -333,7 +333,7 @@ def estimate(model=None, *, params=None, layers=None, hidden=None, seq=2048, bat
         machine = Machine(**machine)
     elif not isinstance(machine, Machine):
         raise EstimateError(f"machine must be a Machine, a dict or None, got {type(machine).__name__}")
-    knobs = _knobs_from(config, dict(precision=precision, zero_stage=zero_stage,
+    knobs = knobs_from(config, dict(precision=precision, zero_stage=zero_stage,
                                      prefetch_depth=prefetch_depth, grad_accum=grad_accum,
                                      host_cap_gb=host_cap_gb, tile_numel=tile_numel,
                                      state_dtype=state_dtype, grouping=grouping,
@@ -353,7 +353,7 @@ def estimate(model=None, *, params=None, layers=None, hidden=None, seq=2048, bat
                                 f"valid (params, optimizer) homes: {valid}")
         valid = want
     est = Estimate(spec, machine, knobs)
-    est.configs = [_evaluate(spec, machine, knobs, p, o) for p, o in valid]
+    est.configs = [evaluate_config(spec, machine, knobs, p, o) for p, o in valid]
     import dataclasses
     alt = None
     if knobs.grad_spill == "auto" and any(c.plan.grads_on_nvme for c in est.configs):
@@ -363,7 +363,7 @@ def estimate(model=None, *, params=None, layers=None, hidden=None, seq=2048, bat
     if alt is not None:
         k2 = dataclasses.replace(knobs, grad_spill=alt)
         est.what_if = Estimate(spec, machine, k2)
-        est.what_if.configs = [_evaluate(spec, machine, k2, p, o) for p, o in valid]
+        est.what_if.configs = [evaluate_config(spec, machine, k2, p, o) for p, o in valid]
     return est
 
 

@@ -425,7 +425,7 @@ def make_plan(spec, machine, knobs, *, global_batch=None, micro_batch=None, grad
     clipping planned when ``knobs`` has none (0: none); ``drive_tbw``: the node's drives'
     rated TB written (drive life in :meth:`Plan.wear`).
     """
-    from . import _evaluate  # the estimator's per-configuration evaluation
+    from . import evaluate_config  # the estimator's per-configuration evaluation
 
     machine, assumptions = planned_machine(machine, nvme_headroom, host_headroom, nvme_derate)
     if clip and not knobs.gradient_clipping:
@@ -498,7 +498,7 @@ def make_plan(spec, machine, knobs, *, global_batch=None, micro_batch=None, grad
                                                     host_cap_gb=host_cap)
                             if tile is not None:
                                 k = dataclasses.replace(k, tiling_max_group_gb=tile)
-                            ce = _evaluate(s, machine, k, p, o)
+                            ce = evaluate_config(s, machine, k, p, o)
                             evaluated += 1
                             for v in variants:
                                 if done[v]:

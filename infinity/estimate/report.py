@@ -16,7 +16,7 @@ def _gb(n):
     return f"{n / GB:,.2f}"
 
 
-def _num(n):
+def fmt_num(n):
     if n >= 1e12:
         return f"{n / 1e12:.4g}T"
     return f"{n / 1e9:.4g}B" if n >= 1e9 else (f"{n / 1e6:.4g}M" if n >= 1e6 else str(n))
@@ -26,12 +26,12 @@ def format_header(est):
     """The machine first (each value with its source), then the model and the settings."""
     s, m, k = est.model, est.machine, est.knobs
     lines = machine_lines(m) + [
-        f"model: {_num(s.params)} parameters ({s.source}), L={s.layers} H={s.hidden}"
+        f"model: {fmt_num(s.params)} parameters ({s.source}), L={s.layers} H={s.hidden}"
         + (f" V={s.vocab}" if s.vocab else "") + (f" heads={s.heads}" if s.heads else "")
         + f", S={s.seq} B={s.batch} per rank",
         f"infinity: precision {k.precision}, zero_stage {k.zero_stage}, prefetch depth {k.prefetch_depth}, "
         f"grad accumulation {k.grad_accum}, tile {k.tile_numel} x {k.pipeline_depth} slots, "
-        f"Adam states {k.state_dtype}, largest group {_num(s.group_numel(k.grouping))} params "
+        f"Adam states {k.state_dtype}, largest group {fmt_num(s.group_numel(k.grouping))} params "
         f"(grouping: {k.grouping})" + (f", host cap {k.host_cap_gb:g} GB" if k.host_cap_gb else ""),
     ]
     return lines

@@ -35,7 +35,7 @@ Bytes per step (node-level for NVMe, per GPU for PCIe and collectives):
   backward read (at ZeRO-3 across ranks a rank's slice of the gathered buffer): no master
   read at the step (an upper bound: the engine holds at most a few such buffers).
 * fp32 params on NVMe, CPU, ``offload.host_memory_gb`` above the plan: the parameter
-  cache keeps clean host copies in that headroom (:func:`_param_cache`); a cached group is
+  cache keeps clean host copies in that headroom (:func:`param_cache_reads`); a cached group is
   read neither by forward, backward nor the step.  Across ranks (ZeRO stage 3) each rank
   caches its own shards in its own cap's headroom (:func:`_shard_cache`).
 * grads spilled to NVMe (host too small): ``A*N*4`` written during backward, read back
@@ -135,7 +135,7 @@ def _phase(name, terms, derivation):
 PARAM_CACHE_ITEM = "parameter cache (clean host copies within offload.host_memory_gb)"
 
 
-def _param_cache(spec, machine, knobs, plan):
+def param_cache_reads(spec, machine, knobs, plan):
     """``(cached before forward, cached before backward, cached at the step, hand-off)``
     in bytes for the engine's fp32 NVMe-param shortcuts on one CPU process (see
     docs/architecture.md, "The step"): the overlapped step takes each group's master from
@@ -180,7 +180,7 @@ def _param_cache(spec, machine, knobs, plan):
 
 
 def _shard_cache(spec, machine, knobs, plan):
-    """:func:`_param_cache` at ZeRO stage 3 across ranks (node bytes, ``r`` ranks per
+    """:func:`param_cache_reads` at ZeRO stage 3 across ranks (node bytes, ``r`` ranks per
     node): a rank hands off its slice of the released gathered buffer as its master (Note
     [Overlap across ranks]), and with ``offload.host_memory_gb`` above its share of the
     plan keeps clean copies of its own shards, up to ``N/R*lp``, in that headroom (Note
@@ -252,7 +252,7 @@ def traffic_per_step(spec, machine, knobs, plan):
              "inter_node")
     mb = {k: [] for k in links}
     opt = {k: [] for k in links}
-    cache_fwd, cache_bwd, cache_master, handoff = _param_cache(spec, machine, knobs, plan)
+    cache_fwd, cache_bwd, cache_master, handoff = param_cache_reads(spec, machine, knobs, plan)
     k = reused_fraction(spec, machine, knobs, plan)
     if p == "nvme" and R > 1 and (cache_fwd or cache_bwd):
         # shards: forward reads what is not cached; backward what was neither kept from

@@ -208,7 +208,7 @@ def make_auto_plan(opts, cfg, *, seq_len, global_batch, allow_lossy=False):
     """Plan for this machine, ``global_batch`` sequences per optimizer step over all ranks
     (the run's): returns an :class:`AutoPlan` (or raises ``ValueError`` with
     the planner's reason when nothing fits)."""
-    from infinity.estimate import EstimateError, _knobs_from, spec_from_module
+    from infinity.estimate import EstimateError, knobs_from, spec_from_module
     from infinity.estimate.machine import Machine, detect_free_disk_gb, detect_gpus
     from infinity.estimate.planner import make_plan
     from infinity.finetune.model import build_model, load_model_config, parameters_on_meta
@@ -233,7 +233,7 @@ def make_auto_plan(opts, cfg, *, seq_len, global_batch, allow_lossy=False):
                                                    ("nvme_write_gbps", "nvme_write")) if c in ceil})
             except (OSError, ValueError) as e:
                 log.warning("auto: ignoring bench-io result %s: %s", found, e)
-    knobs = _knobs_from(cfg, {})
+    knobs = knobs_from(cfg, {})
 
     def rate(micro_batch):
         r = measure_model_tflops(config, spec, seq_len, micro_batch)

@@ -21,7 +21,7 @@ from typing import Any
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
-from infinity.curriculum import SeqlenSchedule, _config_dict
+from infinity.curriculum import SeqlenSchedule, config_dict
 
 log = logging.getLogger("infinity.integrations")
 
@@ -59,5 +59,5 @@ class CurriculumCallback(TrainerCallback, ExportableState):
     def state(self) -> dict:
         """For ``trainer_state.json``: ``args`` rebuild the callback, ``attributes`` the step
         and length it was at (the length follows from the step on resume)."""
-        return {"args": {"config": _config_dict(self.schedule.config)},
+        return {"args": {"config": config_dict(self.schedule.config)},
                 "attributes": {"global_step": self.global_step, "last_length": self.last_length}}

@@ -28,7 +28,7 @@ ADAMW_OPTIMS = ("adamw_torch", "adamw_torch_fused", "adamw_hf", "adamw_apex_fuse
 _DEFAULTS = InfinityConfig().to_dict()
 
 
-def _read(path: str) -> Mapping:
+def read_config_file(path: str) -> Mapping:
     ext = os.path.splitext(path)[1].lower()
     if ext not in (".json", ".yaml", ".yml"):
         raise ConfigError(f"infinity_config {path!r}: unsupported extension {ext!r}; use .json, "
@@ -122,7 +122,7 @@ def resolve_trainer_config(infinity_config, args, *, num_training_steps: int | N
     check_optim(args)
     raw = infinity_config
     if isinstance(raw, (str, os.PathLike)):
-        raw = _read(os.fspath(raw))
+        raw = read_config_file(os.fspath(raw))
     ds_sched = None
     if isinstance(raw, InfinityConfig):
         explicit, origin = _explicit_from_config(raw), {}

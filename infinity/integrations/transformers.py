@@ -530,8 +530,8 @@ def _init_config(infinity_config):
     from infinity.config import InfinityConfig
     src = infinity_config
     if isinstance(src, (str, os.PathLike)):
-        from infinity.integrations.trainer_config import _read
-        src = _read(os.fspath(src))
+        from infinity.integrations.trainer_config import read_config_file
+        src = read_config_file(os.fspath(src))
     if isinstance(src, dict) and "zero_optimization" in src:
         from infinity.config_deepspeed import deepspeed_to_dict
         ds = {k: src[k] for k in ("zero_optimization", "aio") if k in src}
@@ -547,8 +547,8 @@ def _curriculum_block(source):
     if isinstance(source, InfinityConfig):
         return source.curriculum_learning
     if isinstance(source, (str, os.PathLike)):
-        from infinity.integrations.trainer_config import _read
-        source = _read(os.fspath(source))
+        from infinity.integrations.trainer_config import read_config_file
+        source = read_config_file(os.fspath(source))
     if isinstance(source, dict):
         return source.get("curriculum_learning")
     return None

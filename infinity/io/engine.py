@@ -22,7 +22,7 @@ _probe_result = None  # cached errno of the io_uring probe (0 = works)
 _warned = set()
 
 
-def _warn_once(key, msg, *args):
+def warn_once(key, msg, *args):
     with _probe_lock:
         if key in _warned:
             return
@@ -70,10 +70,10 @@ def _choose_kind(engine):
                        f"engine='uring' was requested but io_uring cannot run: {why}",
                        hint="use engine='auto' or 'posix' to fall back to the POSIX engine")
     if not _aio.built_with_liburing():
-        _warn_once("no-liburing", "infinity was built without liburing (package liburing-dev missing): "
+        warn_once("no-liburing", "infinity was built without liburing (package liburing-dev missing): "
                    "using the slower POSIX I/O engine; install liburing-dev and rebuild")
     else:
-        _warn_once("uring-refused", "io_uring unavailable, using the POSIX I/O engine: %s", why)
+        warn_once("uring-refused", "io_uring unavailable, using the POSIX I/O engine: %s", why)
     return "posix"
 
 
@@ -162,7 +162,7 @@ class AioEngine:
                 raise AioError.from_os_error(e, f"cannot start the {kind} I/O engine") from None
             # the probe passed but these rings could not be set up (e.g. RLIMIT_MEMLOCK
             # for many or deep rings): auto means "whatever works here"
-            _warn_once(("uring-setup", block_size, queue_depth, threads),
+            warn_once(("uring-setup", block_size, queue_depth, threads),
                        "io_uring rings could not be created (%s): using the POSIX engine", e)
             kind = "posix"
             self._impl = _aio.Engine(kind, block_size, queue_depth, threads)
@@ -186,7 +186,7 @@ class AioEngine:
         except OSError as e:
             raise AioError.from_os_error(e, f"cannot open {path}") from None
         if f.direct_refused:
-            _warn_once(("buffered", os.path.dirname(os.path.abspath(path))),
+            warn_once(("buffered", os.path.dirname(os.path.abspath(path))),
                        "O_DIRECT is not supported for %s: using buffered I/O there (slower, uses page cache)",
                        path)
         return f

@@ -12,7 +12,7 @@ import threading
 import weakref
 
 from .. import _aio
-from .engine import AioEngine, _warn_once, tensor_span
+from .engine import AioEngine, warn_once, tensor_span
 from .errors import AioError
 from .extents import Extent, ExtentAllocator
 from .swap_dir import PrivateDir
@@ -124,7 +124,7 @@ class SwapSpace:
                 except OSError as e:
                     raise AioError.from_os_error(e, f"cannot create a swap file in {d.path}") from None
                 if f.direct_refused and engine.direct:   # once per directory and process
-                    _warn_once(("buffered", os.path.abspath(d.user_path)),
+                    warn_once(("buffered", os.path.abspath(d.user_path)),
                                "O_DIRECT is not supported in %s: swap I/O there is buffered "
                                "(slower, uses page cache)", d.user_path)
                 self._state.files.append(f)

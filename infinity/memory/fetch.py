@@ -53,7 +53,7 @@ class ReadyTile:
             self.mm.give_back_range(self.lease)
 
 
-class _ReadingTile:
+class ReadingTile:
     """An NVMe tile read in flight into a device-tier lease (zero-copy tier)."""
     __slots__ = ("mm", "h", "view", "buf", "nbytes", "t0")
 

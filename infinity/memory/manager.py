@@ -42,7 +42,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from .accounting import Accounting
-from .fetch import Fetch, QuantizedFetch, ReadyTile, _ReadingTile
+from .fetch import Fetch, QuantizedFetch, ReadyTile, ReadingTile
 from .device import DeviceTier, make_device
 from .pool import BufferPool, leased_size, per_size_class
 from .record import GroupRecord, Location
@@ -282,7 +282,7 @@ class MemoryManager(QuantizedFetch):
                     self._give_back(self.dev, buf)
                     raise
                 view = buf[: a1 - a0].view(g.dtype)[(lo * isz - a0) // isz:][: hi - lo]
-                return _ReadingTile(self, h, view, buf, a1 - a0, t0)
+                return ReadingTile(self, h, view, buf, a1 - a0, t0)
         return ReadyTile(*self.read_range(g, lo, hi), self)
 
     def give_back_range(self, lease) -> None:

@@ -313,10 +313,10 @@ class PlacementPlan:
         grads = "NVMe" if self.grad_home == "nvme" else "host memory"
 
         def cap(c):
-            return "" if c is None else f" (cap {_mb(c)})"
+            return "" if c is None else f" (cap {fmt_mb(c)})"
         return (f"{self.homes_text()}, gradients in {grads}; "
-                f"host memory {_mb(self.host_total)}{cap(self.host_cap)}, NVMe "
-                f"{_mb(self.nvme_total)}, device {_mb(self.device_total)}{cap(self.device_cap)}")
+                f"host memory {fmt_mb(self.host_total)}{cap(self.host_cap)}, NVMe "
+                f"{fmt_mb(self.nvme_total)}, device {fmt_mb(self.device_total)}{cap(self.device_cap)}")
 
     def homes_text(self) -> str:
         """The two homes by their config names and values (one name per home: the config's,
@@ -398,7 +398,7 @@ def remove_if_empty(dirs: list[str]) -> None:
             _CREATED_SWAP_DIRS.discard(d)
 
 
-def _mb(n: int | float) -> str:
+def fmt_mb(n: int | float) -> str:
     """Bytes in the unit that reads best: 16.0 MB, 61.6 MB, 1.234 GB."""
     if n >= GB:
         return f"{n / GB:.3f} GB"
@@ -432,13 +432,13 @@ def check_nvme_free(paths: list[str], need: int, *, what: str, parts: dict | Non
         entry[2].append(p)
     for share, free, ps in per_fs.values():
         if share > free:
-            detail = f" ({', '.join(f'{k} {_mb(v)}' for k, v in parts.items() if v)})" if parts else ""
+            detail = f" ({', '.join(f'{k} {fmt_mb(v)}' for k, v in parts.items() if v)})" if parts else ""
             where = ps[0] if len(ps) == 1 else f"{', '.join(ps)} (one file system)"
             share_txt = "" if len(per_fs) == 1 and len(ps) == len(paths) else \
-                f"; its share is {_mb(share)}"
+                f"; its share is {fmt_mb(share)}"
             raise NvmeSpaceError(
                 errno.ENOSPC,
-                f"{what} needs {_mb(need)} of NVMe swap{detail}{share_txt} but {where} has only "
-                f"{_mb(free)} free ({_mb(share - free)} short); free space there or point the "
+                f"{what} needs {fmt_mb(need)} of NVMe swap{detail}{share_txt} but {where} has only "
+                f"{fmt_mb(free)} free ({fmt_mb(share - free)} short); free space there or point the "
                 f"swap at a larger file system"
                 + (f" ({hint})" if hint else ""))

@@ -46,7 +46,7 @@ from __future__ import annotations
 import torch
 
 from infinity.memory.record import placeholder
-from infinity.zero.init import _record
+from infinity.zero.init import record_of
 
 __all__ = ["GatheredParameters"]
 
@@ -86,7 +86,7 @@ class GatheredParameters:
             return self
         held, engine_held = [], []
         for p in self.params:
-            rec = _record(p)
+            rec = record_of(p)
             if rec is None:
                 eng = _live_holder(p)     # released to a placeholder, or resident (offload none)
                 if eng is not None or _is_released(p):

@@ -143,9 +143,9 @@ class _InitStore:
             except OSError as e:
                 if e.errno != errno.ENOSPC:
                     raise
-                from infinity.memory.plan import _mb
+                from infinity.memory.plan import fmt_mb
                 raise OSError(errno.ENOSPC, f"infinity.Init: the NVMe swap in "
-                              f"{', '.join(self.swap.paths)} is full after {_mb(self.bytes_written)} "
+                              f"{', '.join(self.swap.paths)} is full after {fmt_mb(self.bytes_written)} "
                               f"of parameters, and the model being built needs more (then the "
                               f"engine needs its own swap on top); free space or choose a larger "
                               f"offload.nvme_paths entry. To fail before building: "
@@ -229,7 +229,7 @@ def managed_count() -> int:
     return len(_RECORDS)
 
 
-def _record(p: torch.Tensor) -> InitRecord | None:
+def record_of(p: torch.Tensor) -> InitRecord | None:
     rec = _RECORDS.get(id(p))
     if rec is None or rec.finalizer is None or not rec.finalizer.alive:
         return None
@@ -243,7 +243,7 @@ def materialized(params, *, write_back: bool = True):
     (possibly modified) values are stored again and the placeholders restored."""
     recs = []
     for p in params:
-        rec = _record(p)
+        rec = record_of(p)
         if rec is not None:
             p.data = rec.store.get(rec)
             recs.append((p, rec))
@@ -286,11 +286,11 @@ def adopting(slots):
     """Used by ``initialize`` for one parameter group: Init-managed parameters of ``slots``
     hold their real values inside the block; afterwards their Init home is freed (the
     engine has copied them into its own homes)."""
-    params = [s.param for s in slots if _record(s.param) is not None]
+    params = [s.param for s in slots if record_of(s.param) is not None]
     if not params:
         yield
         return
-    recs = [_record(p) for p in params]
+    recs = [record_of(p) for p in params]
     for p, rec in zip(params, recs):
         p.data = rec.store.get(rec)
     try:
@@ -341,7 +341,7 @@ def load_safetensors(model: nn.Module, files, *, strict: bool = True, resolve=No
                 if tuple(t.shape) != tuple(p.shape):
                     raise ValueError(f"load_safetensors: {fp}: {key} has shape "
                                      f"{tuple(t.shape)}, the model expects {tuple(p.shape)}")
-                rec = _record(p)
+                rec = record_of(p)
                 with torch.no_grad():
                     if rec is not None:
                         rec.store.put(rec, t.to(rec.dtype))
@@ -605,7 +605,7 @@ class Init:
     def _fault_in(self, p: nn.Parameter) -> None:
         if id(p) in self._faulted:
             return
-        rec = _record(p)
+        rec = record_of(p)
         if rec is None:
             return
         with torch._C.DisableTorchFunction():
@@ -618,7 +618,7 @@ class Init:
         items, self._faulted = list(self._faulted.values()), {}
         with torch._C.DisableTorchFunction():
             for p, rec in items:
-                if _record(p) is rec:
+                if record_of(p) is rec:
                     if rec.host is None or p.data.data_ptr() != rec.host.data_ptr() or \
                             rec.store.world_size > 1:
                         rec.store.put(rec, p.data)
@@ -627,7 +627,7 @@ class Init:
     # ------------------------------------------------------------------ offload
     def _offload_module(self, module: nn.Module) -> None:
         for name, p in module._parameters.items():
-            if p is None or _record(p) is not None or p.device.type == "meta":
+            if p is None or record_of(p) is not None or p.device.type == "meta":
                 continue
             if p.device.type != "cpu":
                 raise RuntimeError(f"infinity.Init: parameter {type(module).__name__}.{name} "

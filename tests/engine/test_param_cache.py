@@ -138,7 +138,7 @@ def test_master_handoff_under_clipping_as_the_estimator_assumes(harness, swap_di
     clipping]) take the buffer backward read as their master, as without clipping -- what
     the estimator assumes (step_time._param_cache: hand-off whatever the clip)."""
     from types import SimpleNamespace
-    from infinity.estimate.step_time import _param_cache
+    from infinity.estimate.step_time import param_cache_reads
     batches = harness.make_batches("mlp", 2 * STEPS)
     got = {}
     for clip in (0.0, 1e4):
@@ -166,4 +166,4 @@ def test_master_handoff_under_clipping_as_the_estimator_assumes(harness, swap_di
     plan = SimpleNamespace(params_home="nvme", master_is_param=True, grads_on_nvme=False)
     for clip in (0.0, 1e4):
         knobs = SimpleNamespace(gradient_clipping=clip, host_cap_gb=None)
-        assert _param_cache(SimpleNamespace(params=1), machine, knobs, plan)[3], clip
+        assert param_cache_reads(SimpleNamespace(params=1), machine, knobs, plan)[3], clip

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from infinity.estimate import Machine, _knobs_from, spec_from_module
+from infinity.estimate import Machine, knobs_from, spec_from_module
 from infinity.estimate.planner import make_plan
 from infinity.finetune.auto import model_config_path
 from infinity.finetune.model import build_model, load_model_config, parameters_on_meta
@@ -65,7 +65,7 @@ def _smallest_cap_without_offload(model):
     m = Machine(gpus=0, host_mem_gb=1000, nvme_gb=1000)
 
     def fits(cap):
-        knobs = _knobs_from({"precision": "fp32", "gradient_clipping": 1.0,
+        knobs = knobs_from({"precision": "fp32", "gradient_clipping": 1.0,
                              "offload": {"host_memory_gb": cap}}, {})
         return make_plan(spec, m, knobs, global_batch=BATCH_TOKENS // SEQ,
                          activations=(("none", "checkpoints"),),
