@@ -229,35 +229,51 @@ def _ds_device(sec: Mapping, where: str) -> str:
     return dev.lower()
 
 
-def deepspeed_to_dict(ds: Any, *, approximate_schedules: bool = False,
-                      ignored_out: list | None = None) -> tuple[dict, dict[str, str]]:
-    """Translate a DeepSpeed config dict; returns (infinity dict, {infinity key: DS key}).
-    ``ignored_out`` (a list), when given, receives the DeepSpeed keys accepted but ignored
-    (logged at INFO here; ``InfinityTrainer`` shows them in its start-of-training summary)."""
-    if not isinstance(ds, Mapping):
-        raise ConfigError(f"DeepSpeed config: expected a mapping at the top level, got "
-                          f"{type(ds).__name__}")
-    _ds_find_auto(ds)
-    out: dict = {}
-    origin: dict[str, str] = {}
-    ignored: list[str] = []
+class _Translation:
+    """One DeepSpeed config being translated: the infinity dict, the DeepSpeed key each
+    infinity key came from, the DeepSpeed keys accepted but ignored."""
 
-    def put(ikey: str, value: Any, dskey: str) -> None:
-        node = out
+    def __init__(self, approximate_schedules: bool):
+        self.out: dict = {}
+        self.origin: dict[str, str] = {}
+        self.ignored: list[str] = []
+        self.approximate = approximate_schedules
+
+    def put(self, ikey: str, value: Any, dskey: str) -> None:
+        node = self.out
         parts = ikey.split(".")
         for p_ in parts[:-1]:
             node = node.setdefault(p_, {})
         node[parts[-1]] = value
-        origin[ikey] = dskey
+        self.origin[ikey] = dskey
 
-    known_top = ("zero_optimization", "aio", "optimizer", "scheduler", "fp16", "bf16", "bfloat16",
-                 "gradient_clipping", "gradient_accumulation_steps", "amp",
-                 "activation_checkpointing", "communication_data_type", "data_types",
-                 "sparse_gradients", "curriculum_learning") + DS_IGNORED_TOP_KEYS
-    _ds_unknown(ds, known_top, "")
-    ignored += [k for k in ds if k in DS_IGNORED_TOP_KEYS]
+    def copy(self, sec: Mapping, where: str, table) -> None:
+        """The one-to-one keys of ``table`` (``(DeepSpeed key, infinity key)``) present in
+        ``sec`` (the DeepSpeed section at ``where``), values as given (checked by
+        :class:`infinity.config.InfinityConfig`)."""
+        for dk, ik in table:
+            if dk in sec:
+                self.put(ik, sec[dk], f"{where}{dk}")
 
-    # ---- features infinity does not have
+
+#: the DeepSpeed keys that translate one to one (values checked by InfinityConfig)
+_ZEROPP_KEYS = (("zero_quantized_weights", "zero_pp.quantized_weights"),
+                ("zero_hpz_partition_size", "zero_pp.hpz_partition_size"),
+                ("zero_quantized_gradients", "zero_pp.quantized_gradients"))
+_AIO_KEYS = (("block_size", "aio.block_size"), ("queue_depth", "aio.queue_depth"),
+             ("thread_count", "aio.threads"))
+_FP16_KEYS = (("loss_scale_window", "fp16.growth_interval"), ("min_loss_scale", "fp16.min_scale"))
+_ADAM_KEYS = tuple((k, f"optimizer.{k}") for k in ("lr", "betas", "eps", "weight_decay"))
+_LOOP_KEYS = (("gradient_clipping", "gradient_clipping"),
+              ("gradient_accumulation_steps", "gradient_accumulation_steps"))
+_KNOWN_TOP = ("zero_optimization", "aio", "optimizer", "scheduler", "fp16", "bf16", "bfloat16",
+              "gradient_clipping", "gradient_accumulation_steps", "amp",
+              "activation_checkpointing", "communication_data_type", "data_types",
+              "sparse_gradients", "curriculum_learning") + DS_IGNORED_TOP_KEYS
+
+
+def _features(ds: Mapping, t: _Translation) -> None:
+    """What infinity does not have (refused, naming the fix) or does differently."""
     if _ds_section(ds, "amp").get("enabled", False):
         raise _ds_err("amp.enabled", "NVIDIA apex AMP is not supported; use "
                       '"bf16": {"enabled": true} or "fp16": {"enabled": true} instead')
@@ -273,10 +289,10 @@ def deepspeed_to_dict(ds: Any, *, approximate_schedules: bool = False,
     if _ds_bool(ac, "cpu_checkpointing", False, "activation_checkpointing"):
         # the checkpoint inputs live in host memory: torch.utils.checkpoint /
         # gradient_checkpointing_enable() mark the boundaries (not DeepSpeed's API)
-        put("activation_offload.home", "cpu", "activation_checkpointing.cpu_checkpointing")
-        put("activation_offload.scope", "checkpoints", "activation_checkpointing.cpu_checkpointing")
-    ignored += [f"activation_checkpointing.{k}" for k in ac
-                if k not in ("partition_activations", "cpu_checkpointing")]
+        t.put("activation_offload.home", "cpu", "activation_checkpointing.cpu_checkpointing")
+        t.put("activation_offload.scope", "checkpoints", "activation_checkpointing.cpu_checkpointing")
+    t.ignored += [f"activation_checkpointing.{k}" for k in ac
+                  if k not in ("partition_activations", "cpu_checkpointing")]
     cdt = ds.get("communication_data_type")
     if cdt not in (None, "fp32", "float32"):
         raise _ds_err("communication_data_type", f"infinity reduces gradients in fp32; got "
@@ -284,32 +300,30 @@ def deepspeed_to_dict(ds: Any, *, approximate_schedules: bool = False,
     gad = _ds_section(ds, "data_types").get("grad_accum_dtype")
     _ds_unknown(_ds_section(ds, "data_types"), ("grad_accum_dtype",), "data_types")
     if gad in ("bf16", "bfloat16"):     # lossy, opted into: partial sums kept in bf16
-        put("gradient_accumulation_dtype", "bf16", "data_types.grad_accum_dtype")
+        t.put("gradient_accumulation_dtype", "bf16", "data_types.grad_accum_dtype")
     elif gad not in (None, "fp32", "float32"):
         raise _ds_err("data_types.grad_accum_dtype", f"infinity accumulates gradients in fp32 "
                       f"or (when asked) bf16; got {fmt_value(gad)}; use \"fp32\" or \"bf16\"")
     if ds.get("sparse_gradients"):
         raise _ds_err("sparse_gradients", "sparse gradients are not supported; remove the key")
 
-    # ---- zero_optimization
+
+def _zero(ds: Mapping, t: _Translation) -> None:
+    """``zero_optimization``: the stage, ZeRO++, the offload homes and NVMe paths."""
     zo = _ds_section(ds, "zero_optimization")
     zero_known = ("stage", "offload_param", "offload_optimizer", "cpu_offload", "cpu_offload_params",
                   "zero_hpz_partition_size", "zero_quantized_weights",
                   "zero_quantized_nontrainable_weights", "zero_quantized_gradients",
                   "mics_shard_size", "mics_hierarchical_params_gather") + DS_IGNORED_ZERO_KEYS
     _ds_unknown(zo, zero_known, "zero_optimization")
-    ignored += [f"zero_optimization.{k}" for k in zo if k in DS_IGNORED_ZERO_KEYS]
+    t.ignored += [f"zero_optimization.{k}" for k in zo if k in DS_IGNORED_ZERO_KEYS]
     for k, neutral in (("zero_quantized_nontrainable_weights", False), ("mics_shard_size", -1),
                        ("mics_hierarchical_params_gather", False)):
         if k in zo and zo[k] != neutral and not (k == "mics_shard_size" and zo[k] in (0, -1)):
             raise _ds_err(f"zero_optimization.{k}", f"got {fmt_value(zo[k])}: MiCS and quantized "
                           f"frozen weights are not supported (they change partitioning or "
                           f"numerics); remove the key")
-    for k, ikey in (("zero_quantized_weights", "quantized_weights"),
-                    ("zero_hpz_partition_size", "hpz_partition_size"),
-                    ("zero_quantized_gradients", "quantized_gradients")):
-        if k in zo:                       # ZeRO++: validated by zero_pp (InfinityConfig)
-            put(f"zero_pp.{ikey}", zo[k], f"zero_optimization.{k}")
+    t.copy(zo, "zero_optimization.", _ZEROPP_KEYS)   # ZeRO++: validated by zero_pp
     stage = zo.get("stage", 0)
     if isinstance(stage, bool) or not isinstance(stage, int) or stage not in (0, 1, 2, 3):
         raise _ds_err("zero_optimization.stage", f"expected 0, 1, 2 or 3, got {fmt_value(stage)}")
@@ -317,7 +331,7 @@ def deepspeed_to_dict(ds: Any, *, approximate_schedules: bool = False,
         log.info("DeepSpeed zero_optimization.stage 0 (no ZeRO) translated to zero_stage 1: "
                  "same numerics, optimizer states partitioned")
         stage = 1
-    put("zero_stage", stage, "zero_optimization.stage")
+    t.put("zero_stage", stage, "zero_optimization.stage")
 
     nvme_paths: list[str] = []
     for which, ikey in (("offload_param", "params"), ("offload_optimizer", "optimizer")):
@@ -325,13 +339,13 @@ def deepspeed_to_dict(ds: Any, *, approximate_schedules: bool = False,
         sec = _ds_section(zo, which, "zero_optimization.")
         extra = ("ratio",) if which == "offload_optimizer" else ()
         _ds_unknown(sec, ("device", "nvme_path") + extra + DS_IGNORED_OFFLOAD_KEYS, where)
-        ignored += [f"{where}.{k}" for k in sec if k in DS_IGNORED_OFFLOAD_KEYS]
+        t.ignored += [f"{where}.{k}" for k in sec if k in DS_IGNORED_OFFLOAD_KEYS]
         if "ratio" in sec and sec["ratio"] != 1 and sec["ratio"] != 1.0:
             raise _ds_err(f"{where}.ratio", f"partial optimizer offload ({fmt_value(sec['ratio'])}) is "
                           f"not supported; remove it (infinity offloads all optimizer states)")
         dev = _ds_device(sec, where)
         if sec:
-            put(f"offload.{ikey}", dev, f"{where}.device")
+            t.put(f"offload.{ikey}", dev, f"{where}.device")
         if dev == "nvme":
             path = sec.get("nvme_path", DS_DEFAULT_NVME_PATH)
             if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
@@ -342,7 +356,7 @@ def deepspeed_to_dict(ds: Any, *, approximate_schedules: bool = False,
                          where, DS_DEFAULT_NVME_PATH)
             if path not in nvme_paths:
                 nvme_paths.append(path)
-            origin.setdefault("offload.nvme_paths", f"{where}.nvme_path")
+            t.origin.setdefault("offload.nvme_paths", f"{where}.nvme_path")
     for legacy, ikey in (("cpu_offload", "optimizer"), ("cpu_offload_params", "params")):
         if legacy not in zo:
             continue
@@ -350,27 +364,27 @@ def deepspeed_to_dict(ds: Any, *, approximate_schedules: bool = False,
             raise _ds_err(f"zero_optimization.{legacy}",
                           f"expected true or false, got {fmt_value(zo[legacy])}")
         if zo[legacy]:
-            if out.get("offload", {}).get(ikey, "none") == "nvme":
+            if t.out.get("offload", {}).get(ikey, "none") == "nvme":
                 raise _ds_err(f"zero_optimization.{legacy}", "conflicts with an nvme offload "
                               "device; remove the legacy key")
-            put(f"offload.{ikey}", "cpu", f"zero_optimization.{legacy}")
+            t.put(f"offload.{ikey}", "cpu", f"zero_optimization.{legacy}")
     if nvme_paths:
-        put("offload.nvme_paths", nvme_paths, origin["offload.nvme_paths"])
+        t.put("offload.nvme_paths", nvme_paths, t.origin["offload.nvme_paths"])
 
-    # ---- aio
+
+def _aio(ds: Mapping, t: _Translation) -> None:
     aio = _ds_section(ds, "aio")
     _ds_unknown(aio, ("block_size", "queue_depth", "thread_count", "use_gds")
                 + DS_IGNORED_AIO_KEYS, "aio")
-    ignored += [f"aio.{k}" for k in aio if k in DS_IGNORED_AIO_KEYS]
+    t.ignored += [f"aio.{k}" for k in aio if k in DS_IGNORED_AIO_KEYS]
     if aio.get("use_gds"):
         raise _ds_err("aio.use_gds", "GPUDirect Storage is not supported; remove the key "
                       "(infinity stages NVMe transfers through pinned host memory)")
-    for dk, ik in (("block_size", "aio.block_size"), ("queue_depth", "aio.queue_depth"),
-                   ("thread_count", "aio.threads")):
-        if dk in aio:
-            put(ik, aio[dk], f"aio.{dk}")
+    t.copy(aio, "aio.", _AIO_KEYS)
 
-    # ---- precision and loss scaling
+
+def _precision(ds: Mapping, t: _Translation) -> None:
+    """``fp16`` / ``bf16``: the precision and the dynamic loss scale."""
     fp16 = _ds_section(ds, "fp16")
     bf16 = _ds_section(ds, "bf16") or _ds_section(ds, "bfloat16")
     _ds_unknown(fp16, ("enabled", "auto_cast", "loss_scale", "initial_scale_power",
@@ -382,7 +396,7 @@ def deepspeed_to_dict(ds: Any, *, approximate_schedules: bool = False,
     if fp16_on and bf16_on:
         raise _ds_err("fp16.enabled", "both fp16 and bf16 are enabled; enable only one")
     if fp16_on:
-        put("precision", "fp16", "fp16.enabled")
+        t.put("precision", "fp16", "fp16.enabled")
         if _ds_bool(fp16, "auto_cast", False, "fp16"):
             raise _ds_err("fp16.auto_cast", "autocast of inputs is not supported; remove it")
         if _ds_bool(fp16, "fp16_master_weights_and_grads", False, "fp16"):
@@ -394,81 +408,99 @@ def deepspeed_to_dict(ds: Any, *, approximate_schedules: bool = False,
                           f"use 0 (dynamic; tune initial_scale_power) or bf16")
         if "initial_scale_power" in fp16:
             p_ = parse_int("DeepSpeed fp16.initial_scale_power", fp16["initial_scale_power"],
-                      lo=0, hi=127)
-            put("fp16.initial_scale", float(2 ** p_), "fp16.initial_scale_power")
-        if "loss_scale_window" in fp16:
-            put("fp16.growth_interval", fp16["loss_scale_window"], "fp16.loss_scale_window")
-        if "min_loss_scale" in fp16:
-            put("fp16.min_scale", fp16["min_loss_scale"], "fp16.min_loss_scale")
-        for k in ("hysteresis", "consecutive_hysteresis"):
-            if k in fp16:
-                ignored.append(f"fp16.{k}")
+                           lo=0, hi=127)
+            t.put("fp16.initial_scale", float(2 ** p_), "fp16.initial_scale_power")
+        t.copy(fp16, "fp16.", _FP16_KEYS)
+        t.ignored += [f"fp16.{k}" for k in ("hysteresis", "consecutive_hysteresis") if k in fp16]
     else:
-        ignored += [f"fp16.{k}" for k in fp16 if k != "enabled"]  # DeepSpeed ignores them too
+        t.ignored += [f"fp16.{k}" for k in fp16 if k != "enabled"]  # DeepSpeed ignores them too
         if bf16_on:
-            put("precision", "bf16", "bf16.enabled")
+            t.put("precision", "bf16", "bf16.enabled")
             if _ds_bool(bf16, "check_grad_overflow", False, "bf16"):
                 # DeepSpeed skips the step on inf/NaN gradients: infinity's "skip" policy
-                put("nonfinite_grads", "skip", "bf16.check_grad_overflow")
-    ignored += [f"bf16.{k}" for k in bf16 if k not in ("enabled", "check_grad_overflow")]
+                t.put("nonfinite_grads", "skip", "bf16.check_grad_overflow")
+    t.ignored += [f"bf16.{k}" for k in bf16 if k not in ("enabled", "check_grad_overflow")]
 
-    # ---- optimizer
+
+def _optimizer(ds: Mapping, t: _Translation) -> None:
+    """``optimizer``: Adam or AdamW and its hyperparameters."""
     opt = _ds_section(ds, "optimizer")
     _ds_unknown(opt, ("type", "params", "adam_w_mode", "torch_adam"), "optimizer")
-    if opt:
-        typ = opt.get("type", "AdamW")
-        if not isinstance(typ, str) or typ.lower() not in ("adam", "adamw"):
-            raise _ds_err("optimizer.type", f"only Adam and AdamW are supported, got "
-                          f"{fmt_value(typ)}; use \"AdamW\"")
-        params = _ds_section(opt, "params", "optimizer.")
-        _ds_unknown(params, ("lr", "betas", "eps", "weight_decay", "adam_w_mode", "torch_adam",
-                             "bias_correction", "amsgrad", "fused", "foreach"), "optimizer.params")
-        adam_w_mode = params.get("adam_w_mode", opt.get("adam_w_mode", True))
-        if not isinstance(adam_w_mode, bool):
-            raise _ds_err("optimizer.params.adam_w_mode",
-                          f"expected true or false, got {fmt_value(adam_w_mode)}")
-        is_w = typ.lower() == "adamw" or adam_w_mode
-        put("optimizer.type", "adamw" if is_w else "adam", "optimizer.type")
-        if not _ds_bool(params, "bias_correction", True, "optimizer.params"):
-            raise _ds_err("optimizer.params.bias_correction", "only bias-corrected Adam is "
-                          "supported; remove the key")
-        if _ds_bool(params, "amsgrad", False, "optimizer.params"):
-            raise _ds_err("optimizer.params.amsgrad", "AMSGrad is not supported; remove it")
-        for k in ("lr", "betas", "eps", "weight_decay"):
-            if k in params:
-                put(f"optimizer.{k}", params[k], f"optimizer.params.{k}")
-        ignored += [f"optimizer.params.{k}" for k in ("torch_adam", "fused", "foreach")
-                    if k in params] + (["optimizer.torch_adam"] if "torch_adam" in opt else [])
+    if not opt:
+        return
+    typ = opt.get("type", "AdamW")
+    if not isinstance(typ, str) or typ.lower() not in ("adam", "adamw"):
+        raise _ds_err("optimizer.type", f"only Adam and AdamW are supported, got "
+                      f"{fmt_value(typ)}; use \"AdamW\"")
+    params = _ds_section(opt, "params", "optimizer.")
+    _ds_unknown(params, ("lr", "betas", "eps", "weight_decay", "adam_w_mode", "torch_adam",
+                         "bias_correction", "amsgrad", "fused", "foreach"), "optimizer.params")
+    adam_w_mode = params.get("adam_w_mode", opt.get("adam_w_mode", True))
+    if not isinstance(adam_w_mode, bool):
+        raise _ds_err("optimizer.params.adam_w_mode",
+                      f"expected true or false, got {fmt_value(adam_w_mode)}")
+    is_w = typ.lower() == "adamw" or adam_w_mode
+    t.put("optimizer.type", "adamw" if is_w else "adam", "optimizer.type")
+    if not _ds_bool(params, "bias_correction", True, "optimizer.params"):
+        raise _ds_err("optimizer.params.bias_correction", "only bias-corrected Adam is "
+                      "supported; remove the key")
+    if _ds_bool(params, "amsgrad", False, "optimizer.params"):
+        raise _ds_err("optimizer.params.amsgrad", "AMSGrad is not supported; remove it")
+    t.copy(params, "optimizer.params.", _ADAM_KEYS)
+    t.ignored += [f"optimizer.params.{k}" for k in ("torch_adam", "fused", "foreach")
+                  if k in params] + (["optimizer.torch_adam"] if "torch_adam" in opt else [])
 
-    # ---- scheduler
-    _ds_scheduler(_ds_section(ds, "scheduler"), out, put, approximate_schedules)
 
-    # ---- the legacy sequence-length curriculum: same keys, same meanings (infinity.curriculum)
-    cl = _ds_section(ds, "curriculum_learning")
-    for k, v in cl.items():
+def _scheduler(ds: Mapping, t: _Translation) -> None:
+    _ds_scheduler(_ds_section(ds, "scheduler"), t.out, t.put, t.approximate)
+
+
+def _curriculum(ds: Mapping, t: _Translation) -> None:
+    """The legacy sequence-length curriculum: same keys, same meanings (infinity.curriculum)."""
+    for k, v in _ds_section(ds, "curriculum_learning").items():
         if k == "schedule_config" and isinstance(v, Mapping) and v:
             for sk, sv in v.items():
-                put(f"curriculum_learning.schedule_config.{sk}", sv,
-                    f"curriculum_learning.schedule_config.{sk}")
+                t.put(f"curriculum_learning.schedule_config.{sk}", sv,
+                      f"curriculum_learning.schedule_config.{sk}")
         else:
-            put(f"curriculum_learning.{k}", v, f"curriculum_learning.{k}")
+            t.put(f"curriculum_learning.{k}", v, f"curriculum_learning.{k}")
 
-    # ---- training loop
-    for k in ("gradient_clipping", "gradient_accumulation_steps"):
-        if k in ds:
-            put(k, ds[k], k)
+
+def _loop(ds: Mapping, t: _Translation) -> None:
+    """The training loop's keys."""
+    t.copy(ds, "", _LOOP_KEYS)
     if ("gradient_accumulation_steps" not in ds and "train_batch_size" in ds
             and "train_micro_batch_size_per_gpu" in ds
             and ds["train_batch_size"] != ds["train_micro_batch_size_per_gpu"]):
         log.warning("DeepSpeed derives gradient_accumulation_steps from train_batch_size / "
                     "(train_micro_batch_size_per_gpu * world size); infinity does not know the "
                     "world size here, so it uses 1: set gradient_accumulation_steps explicitly")
+
+
+#: the translation, section by section (each ``(ds, translation)``), in this order
+_SECTIONS = (_features, _zero, _aio, _precision, _optimizer, _scheduler, _curriculum, _loop)
+
+
+def deepspeed_to_dict(ds: Any, *, approximate_schedules: bool = False,
+                      ignored_out: list | None = None) -> tuple[dict, dict[str, str]]:
+    """Translate a DeepSpeed config dict; returns (infinity dict, {infinity key: DS key}).
+    ``ignored_out`` (a list), when given, receives the DeepSpeed keys accepted but ignored
+    (logged at INFO here; ``InfinityTrainer`` shows them in its start-of-training summary)."""
+    if not isinstance(ds, Mapping):
+        raise ConfigError(f"DeepSpeed config: expected a mapping at the top level, got "
+                          f"{type(ds).__name__}")
+    _ds_find_auto(ds)
+    _ds_unknown(ds, _KNOWN_TOP, "")
+    t = _Translation(approximate_schedules)
+    t.ignored += [k for k in ds if k in DS_IGNORED_TOP_KEYS]
+    for section in _SECTIONS:
+        section(ds, t)
     if ignored_out is not None:
-        ignored_out.extend(ignored)
-    if ignored:
+        ignored_out.extend(t.ignored)
+    if t.ignored:
         log.info("DeepSpeed keys accepted but ignored (tuning-only, or data loading which is "
-                 "the caller's job): %s", ", ".join(ignored))
-    return out, origin
+                 "the caller's job): %s", ", ".join(t.ignored))
+    return t.out, t.origin
 
 
 def _ds_scheduler(sch: Mapping, out: dict, put, approximate: bool) -> None:
