@@ -326,6 +326,10 @@ def assemble(engine, lr_scheduler) -> None:
                                accepts_rows=engine.opt.accumulates_rows, after=after,
                                **_tiling_across_ranks(engine))
         engine.tiling.install(grouping)
+        # Note [Recompute keeps its tiles]: within what the host cap leaves (the same on
+        # every rank: the plan is); no cap, no bound (a checkpointed segment's tiles)
+        if cfg.host_memory_bytes is not None:
+            engine.tiling.keep_budget = max(0, cfg.host_memory_bytes - engine.placement.host_total)
         log.info("%s", engine.tiling.describe())
     engine.hooks.install()
 

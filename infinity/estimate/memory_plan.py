@@ -144,6 +144,7 @@ class MemoryPlan:
     grads_on_nvme: bool = False
     grads_streamed: bool = False  # grads on NVMe, final sums stepped from memory (no round trip)
     master_is_param: bool = False
+    tiles_kept: bool = False      # tiled layers' recompute keeps its tiles for the backward
 
     def tier_total(self, tier):
         return sum(i.nbytes for i in self.items if i.tier == tier)
@@ -496,6 +497,16 @@ def plan_memory(spec, machine, knobs, params_home, optimizer_home):
         pl.notes.append(why)
 
     undo_items(pl, machine, knobs, shard, states, params_home, optimizer_home)
+    if params_home == "nvme" and gname == "Gf" and spec.layers:
+        # Note [Recompute keeps its tiles] (infinity/runtime/tiling.py): a checkpointed
+        # tiled layer's recompute keeps the (whole, gathered) tiles it read for its backward:
+        # one layer's tiled weights per rank at once
+        tiled = sum(int(n) * int(c) for n, _, c in spec.tiled_groups(
+            knobs.grouping, int(knobs.tiling_max_group_gb * GB) // lp))
+        if tiled:
+            add(Item("pageable", "tiles kept from the recompute for the backward",
+                     r * -(-tiled // spec.layers) * lp, "r*(tiled params / L)*lp"))
+            pl.tiles_kept = True
     act_model = knobs.activation_model or ("eager" if machine.cpu_only else "megatron")
     pl.activations = activation_items(spec, knobs, act_model)
     offload_activations(pl, spec, machine, knobs, act_model)

@@ -397,9 +397,11 @@ def _with_activations(parts, plan, checkpointing, machine=None):
 
 def _recompute_tiles(parts, spec, machine, knobs, plan, checkpointing):
     """Activation checkpointing re-runs a tiled layer's forward (infinity.runtime.tiling
-    re-reads its tiles): one more read of every tiled group per micro-batch, from NVMe and
-    over PCIe (untiled groups are read once for recompute and backward together)."""
-    if not checkpointing or plan.params_home != "nvme":
+    re-reads its tiles); the recompute keeps them in host memory for the backward that
+    follows (Note [Recompute keeps its tiles]; the memory plan's "tiles kept from the
+    recompute" line), so a tiled group is read once more per micro-batch only when they do
+    not fit (``plan.tiles_kept`` False)."""
+    if not checkpointing or plan.params_home != "nvme" or getattr(plan, "tiles_kept", False):
         return
     tiled = tiled_groups(spec, machine, knobs, plan)
     n = sum(n * c for n, _, c in tiled)

@@ -212,7 +212,8 @@ class _TiledFn(torch.autograd.Function):
     def forward(ctx, x, runner, *params):
         ctx.runner = runner
         ctx.save_for_backward(x)
-        return runner.forward_tiles(x)
+        # (a backward that needs no input gradient reads no tile: nothing to keep for it)
+        return runner.forward_tiles(x, need_gx=ctx.needs_input_grad[0])
 
     @staticmethod
     def backward(ctx, gy):
@@ -270,18 +271,31 @@ class _Runner:
             raise
         return views[0], (views[1] if len(views) > 1 else None), leases
 
-    def _tiles(self, ranges, refs=None):
+    def _tiles(self, ranges, refs=None, kept=None, keep=None):
         """``(r0, r1, w, b)`` per row range, each tile given back when the loop moves on;
-        the next tile's read is started before the current one is handed out."""
+        the next tile's read is started before the current one is handed out.  ``kept``:
+        tiles the recompute kept (Note [Recompute keeps its tiles]), used instead of a read;
+        ``keep``: a dict the tiles are copied into for the backward that follows."""
         ranges = list(ranges)
-        nxt = self._start(*ranges[0], refs) if ranges else None
+
+        def start(i):
+            if kept is not None and ranges[i] in kept:
+                return None                   # kept: nothing to read
+            return self._start(*ranges[i], refs)
+        nxt = start(0) if ranges else None
         try:
             for i, (r0, r1) in enumerate(ranges):
                 cur, nxt = nxt, None
-                w, b, leases = self._finish(cur)
+                if cur is None:
+                    w, b = kept.pop((r0, r1))
+                    w, b, leases = self.t.kept_to_device(w, b)
+                else:
+                    w, b, leases = self._finish(cur)
                 try:
                     if i + 1 < len(ranges):
-                        nxt = self._start(*ranges[i + 1], refs)
+                        nxt = start(i + 1)
+                    if keep is not None:
+                        self.t.keep(keep, (r0, r1), w, b)
                     yield r0, r1, w, b
                 finally:
                     self._done(leases)
@@ -295,13 +309,15 @@ class _Runner:
         return [self.t.sink(r) for r in refs]
 
     # ------------------------------------------------------------------ Linear
-    def forward_tiles(self, x: torch.Tensor) -> torch.Tensor:
+    def forward_tiles(self, x: torch.Tensor, need_gx: bool = True) -> torch.Tensor:
         if isinstance(self.spec.module, nn.Embedding):
             return self._embed_forward(x)
         if self.spec.conv1d:
-            return self._conv1d_forward(x)
+            return self._conv1d_forward(x, need_gx)
         outs = []
-        with contextlib.closing(self._tiles(self.spec.tiles())) as tiles:
+        # a recompute: kept for the backward that follows (Note [Recompute keeps its tiles])
+        keep = self.t.keep_for(self) if need_gx else None
+        with contextlib.closing(self._tiles(self.spec.tiles(), keep=keep)) as tiles:
             for _, _, w, b in tiles:
                 outs.append(F.linear(x, w, b))
         self.t.acct.count("tiles_forward", len(outs))
@@ -322,7 +338,8 @@ class _Runner:
         wsink = sinks[0] if sinks and spec.weight[1].trainable else None
         bsink = sinks[-1] if spec.bias is not None and spec.bias[1].trainable else None
         n = 0
-        tiles = self._tiles(spec.tiles()) if need_gx else \
+        kept = self.t.kept_for(self)
+        tiles = self._tiles(spec.tiles(), kept=kept) if need_gx else \
             ((r0, r1, None, None) for r0, r1 in spec.tiles())
         with contextlib.closing(tiles):
             n = self._backward_loop(tiles, x2, gy2, gx, wsink, bsink, n_in)
@@ -345,7 +362,7 @@ class _Runner:
         return n
 
     # ------------------------------------------------------------------ Conv1D
-    def _conv1d_forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _conv1d_forward(self, x: torch.Tensor, need_gx: bool = True) -> torch.Tensor:
         """``x @ W + b`` as ``b + sum_t x[:, r0:r1] @ W[r0:r1]`` (tiles of input rows; the
         bias read whole, once)."""
         spec = self.spec
@@ -362,7 +379,8 @@ class _Runner:
             out = torch.zeros(x2.shape[0], n_out, dtype=torch.promote_types(x2.dtype, dtype),
                               device=x2.device)
         n = 0
-        with contextlib.closing(self._tiles(spec.tiles(), (spec.weight,))) as tiles:
+        keep = self.t.keep_for(self) if need_gx else None
+        with contextlib.closing(self._tiles(spec.tiles(), (spec.weight,), keep=keep)) as tiles:
             for r0, r1, w, _ in tiles:
                 out.addmm_(x2[:, r0:r1].to(out.dtype), w.to(out.dtype))
                 n += 1
@@ -381,7 +399,8 @@ class _Runner:
         bsink = self.t.sink(spec.bias) if spec.bias is not None and spec.bias[1].trainable \
             else None
         n = 0
-        tiles = self._tiles(spec.tiles(), (spec.weight,)) if need_gx else \
+        kept = self.t.kept_for(self)
+        tiles = self._tiles(spec.tiles(), (spec.weight,), kept=kept) if need_gx else \
             ((r0, r1, None, None) for r0, r1 in spec.tiles())
         with contextlib.closing(tiles):
             for r0, r1, w, _ in tiles:
@@ -486,6 +505,8 @@ class Tiling:
         self.union = union
         self._installed: list[nn.Module] = []
         self._live: dict[int, int] = {}   # gid -> uses recorded in forward, not yet backward
+        self._kept: dict[int, list] = {}   # id(runner) -> tiles kept by its recomputes
+        self._kept_bytes = 0
         self._slot_index = {id(s): i for sp in specs.values() for g in sp.groups
                             for i, s in enumerate(g.slots)}
 
@@ -529,9 +550,67 @@ class Tiling:
                     if s.trainable:
                         self.after(g, i)
 
+    # Note [Recompute keeps its tiles]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # With activation checkpointing a tiled layer's forward runs again inside backward (the
+    # recompute), reading every tile, and its backward follows at once, reading them all a
+    # third time.  The recompute copies each tile it read into host memory (keep_for, a
+    # per-use record pushed per runner: a layer used twice in one checkpointed segment is
+    # recomputed twice and its backwards run in reverse order, so the last record pushed is
+    # the next one taken) and the backward uses the copies (kept_for) instead of reading
+    # them from NVMe -- and, across ranks, instead of gathering them: every rank keeps the
+    # same tiles (the budget is counted in tile bytes, the same on every rank), so the
+    # ranks' collectives stay in step.  The copies are dropped when their backward ran,
+    # and every one left at the end of backward (reset).  ``keep_budget``: host bytes the
+    # copies may take at once (None: no bound); a tile beyond it is read again.
+    keep_budget: int | None = None
+
+    def keep_for(self, runner) -> dict | None:
+        """A recompute (forward inside backward) of ``runner``: the dict its tiles are kept
+        in, else None."""
+        if not _in_backward() or self.keep_budget == 0:
+            return None
+        store: dict = {}
+        self._kept.setdefault(id(runner), []).append(store)
+        return store
+
+    def kept_for(self, runner) -> dict | None:
+        """The tiles the last recompute of ``runner`` kept (taken: a use's backward)."""
+        stack = self._kept.get(id(runner))
+        if not stack:
+            return None
+        store = stack.pop()
+        if not stack:
+            del self._kept[id(runner)]
+        return store
+
+    def keep(self, store: dict, key, w: torch.Tensor, b) -> None:
+        n = w.numel() * w.element_size() + (0 if b is None else b.numel() * b.element_size())
+        if self.keep_budget is not None and self._kept_bytes + n > self.keep_budget:
+            return
+        store[key] = (w.detach().to("cpu", copy=True),
+                      None if b is None else b.detach().to("cpu", copy=True))
+        self._kept_bytes += n
+        self.acct.count("tiles_kept_for_backward")
+
+    def kept_to_device(self, w: torch.Tensor, b):
+        """A kept tile for the backward: ``(w, b, leases)`` on the compute device."""
+        n = w.numel() * w.element_size() + (0 if b is None else b.numel() * b.element_size())
+        self._kept_bytes -= n
+        self.acct.count("tiles_reused_from_recompute")
+        self.acct.count("tile_reread_bytes_saved", n)
+        dev = self.mm.device
+        if dev.type != "cpu":
+            w = w.to(dev, non_blocking=False)
+            b = None if b is None else b.to(dev, non_blocking=False)
+        return w, b, []
+
     def reset(self) -> None:
-        """After a failed forward/backward: no use is pending."""
+        """After a failed forward/backward, and at the end of backward: no use is pending,
+        no kept tile is left."""
         self._live.clear()
+        self._kept.clear()
+        self._kept_bytes = 0
 
     def install(self, grouping: Grouping) -> None:
         """Tiled modules compute by tiles; their groups leave the hooks' module map."""

@@ -106,4 +106,4 @@ def test_no_exponent_in_any_printed_step_time(capsys):
         out = capsys.readouterr().out
         assert not re.search(r"\de[+-]?\d+ s\b", out), (mode, re.findall(r".*\de[+-]?\d+ s\b.*", out))
     assert main(args + ["--plan"]) == 0
-    assert "step 19182 s" in capsys.readouterr().out
+    assert "step 17502 s" in capsys.readouterr().out

@@ -83,6 +83,17 @@ def test_tiling_zero3_default_slice(tmp_path):
                       (3, "nvme", "tied", "gas", "spill")], 2)
 
 
+def test_tiling_zero3_recompute_keeps_its_tiles(tmp_path):
+    """2 ranks, stage 3, NVMe homes, the MLP checkpointed: its recompute keeps the tiles it
+    gathered and the backward gathers none of them again (Note [Recompute keeps its tiles]:
+    every rank keeps the same tiles, so the gathers stay in step); parity with PyTorch."""
+    res = _check(tmp_path, [(3, "nvme", "ckpt", "gas")], 2)
+    for r in res:
+        s = r.result["runs"]["s3-nvme-ckpt-gas"]["stats"]
+        assert s.get("tiles_reused_from_recompute", 0) > 0, (r.rank, s)
+        assert s["tiles_reused_from_recompute"] == s["tiles_kept_for_backward"], (r.rank, s)
+
+
 def test_tiling_zero3_device_working_set_bounded_by_the_tile(tmp_path):
     """2 ranks, stage 3, NVMe homes, tiling limit from ``device_memory_gb`` (160 kB at depth
     2: 40 kB): no overflow of the device budget, and the device peak stays below the largest

@@ -28,8 +28,9 @@ class TileLM(nn.Module):
     modules); otherwise the head has its own weight and bias and the embedding a padding
     row."""
 
-    def __init__(self, tied: bool):
+    def __init__(self, tied: bool, ckpt: bool = False):
         super().__init__()
+        self.ckpt = ckpt          # the MLP under activation checkpointing (recomputed)
         self.emb = nn.Embedding(VOCAB, D, padding_idx=None if tied else 1)
         self.up = nn.Linear(D, H)
         self.down = nn.Linear(H, D)
@@ -40,7 +41,11 @@ class TileLM(nn.Module):
 
     def forward(self, ids):
         h = self.emb(ids)
-        h = h + self.down(F.gelu(self.up(h)))
+        if self.ckpt:
+            from torch.utils.checkpoint import checkpoint
+            h = h + checkpoint(lambda t: self.down(F.gelu(self.up(t))), h, use_reentrant=False)
+        else:
+            h = h + self.down(F.gelu(self.up(h)))
         return self.head(self.norm(h))
 
 
@@ -79,8 +84,9 @@ def main():
         ensure_process_group(cfg.get("dist_timeout_s", 60))
         torch.manual_seed(1234)
         tied = run["model"] == "tied"
-        ref = TileLM(tied)
-        model = TileLM(tied)
+        ckpt = run["model"] == "ckpt"
+        ref = TileLM(tied, ckpt)
+        model = TileLM(tied, ckpt)
         model.load_state_dict(ref.state_dict())
         gas = cfg.get("gradient_accumulation_steps", 1)
         clip = float(cfg.get("gradient_clipping", 0.0))
