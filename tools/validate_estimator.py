@@ -72,6 +72,11 @@ NEW = CONFIGS[8:]
 TILING = [CONFIGS[4], CONFIGS[-1],
           ("fp32", "nvme", "nvme", 1, None, {"ws": 2}),
           ("fp32", "nvme", "nvme", 1, None, {"ws": 2, "tile": 0.006})]
+# --recompute: Hugging Face gradient checkpointing with the blocks' MLP matrices (4.2 MB,
+# fp32) tiled under a 2 MB limit: the recompute keeps its tiles for the backward (Note
+# [Recompute keeps its tiles]), so the tiled groups are read twice per step, not three times
+RECOMPUTE = [("fp32", "nvme", "nvme", 1, None, {"ckpt": True}),
+             ("fp32", "nvme", "nvme", 1, None, {"ckpt": True, "tile": 0.002})]
 # --zero (issue 18): ZeRO stage 3 at 2 ranks (gloo, this machine) with the fp32 gradient
 # shards spilled to NVMe by the cap (N/R*4 above half of it) and the last micro-step's final
 # shards streamed (Note [Streamed gradients]); predicted as two one-rank CPU nodes (per rank)
@@ -313,6 +318,8 @@ def main():
                     help="only the planner's choices under squeezed host caps (issue 18)")
     ap.add_argument("--tiling", action="store_true",
                     help="only the tiling row and its untiled peer (issue 18)")
+    ap.add_argument("--recompute", action="store_true",
+                    help="only the checkpointed rows, untiled and tiled (the recompute's tiles)")
     ap.add_argument("--zero", action="store_true",
                     help="only the ZeRO rows: 2 ranks, spilled and streamed gradient shards")
     ap.add_argument("--json", action="store_true", help="print the rows as JSON")
@@ -328,6 +335,8 @@ def main():
         configs = NEW if args.only_new else CONFIGS
         if args.tiling:
             configs = TILING
+        elif args.recompute:
+            configs = RECOMPUTE
         elif args.zero:
             configs = ZERO
         elif args.planned:
