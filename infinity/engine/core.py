@@ -152,6 +152,13 @@ class Engine:
         return self.forward(*args, **kwargs)
 
     # ------------------------------------------------------------------ phases
+    def shard_source(self):
+        """What reading parameter values across ranks needs (infinity.zero.distributed)."""
+        from infinity.zero.distributed import ShardSource
+        return ShardSource(groups=self.grouping.groups, param_group=self.grouping.param_group,
+                           zero=self.zero, swap=self.swap, state_dict=self.state_dict,
+                           read_master=lambda g, out: self.store.read_master(self.opt.key(g), out))
+
     def check_call(self, what: str) -> None:
         """What a public entry point of a collaborator (weights out) checks first: the
         engine is idle, a decided update is finished (Note [window abort])."""

@@ -13,6 +13,8 @@ must be called by all ranks.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -21,7 +23,7 @@ from infinity.zero.partition import Partition
 
 log = logging.getLogger("infinity.zero")
 
-__all__ = ["ZeroSetup", "gathered_state_dict", "grad_spill_needed", "partition_placement",
+__all__ = ["ZeroSetup", "ShardSource", "gathered_state_dict", "grad_spill_needed", "partition_placement",
            "stream_window",
            "read_param_gathered", "zeropp_placement"]
 
@@ -257,20 +259,33 @@ def local_ranks(world_size: int) -> int:
     return n if 0 < n <= world_size else max(1, int(world_size))
 
 
-def _shard_values(engine, g, lo: int, hi: int) -> torch.Tensor:
+@dataclass(frozen=True)
+class ShardSource:
+    """What reading parameter values across ranks needs from an engine, and nothing more
+    (``Engine.shard_source``): its groups, the group of each parameter, the ZeRO setup
+    (None: one process), the fp32 master of a trainable group's shard, the swap space of
+    NVMe homes, and the engine's own ``state_dict`` (one process)."""
+    groups: list
+    param_group: dict
+    zero: object
+    read_master: Callable        # (group, out fp32 tensor of its shard) -> None
+    swap: object
+    state_dict: Callable
+
+
+def _shard_values(src: ShardSource, g, lo: int, hi: int) -> torch.Tensor:
     """This rank's shard of group ``g`` as fp32 (the master when there is one)."""
     out = torch.empty(hi - lo, dtype=torch.float32)
     if g.trainable:
-        engine.store.read_master(engine.opt.key(g), out)
+        src.read_master(g, out)
         return out
-    zero = engine.zero
-    if zero.stage < 3:
+    if src.zero.stage < 3:
         return out.copy_(g.device_buf[lo:hi])
     if g.home == "nvme":
         from infinity.memory.pool import aligned_buffer
         esize = torch.empty((), dtype=g.dtype).element_size()
         raw = aligned_buffer((hi - lo) * esize)
-        engine.swap.read(g.extent, raw.view(g.dtype)).wait()
+        src.swap.read(g.extent, raw.view(g.dtype)).wait()
         return out.copy_(raw.view(g.dtype))
     return out.copy_(g.host_buf)
 
@@ -278,15 +293,16 @@ def _shard_values(engine, g, lo: int, hi: int) -> torch.Tensor:
 def gathered_state_dict(engine) -> dict[str, torch.Tensor]:
     """``{name: fp32 tensor}`` of every parameter (first name of tied ones), gathered from
     all ranks group by group.  Collective: call it on every rank."""
-    zero = engine.zero
+    src = engine.shard_source()
+    zero = src.zero
     res: dict[str, torch.Tensor] = {}
-    for g in engine.grouping.groups:
+    for g in src.groups:
         if zero is None:
             lo, hi = 0, g.padded_numel
-            full = _shard_values_single(engine, g)
+            full = _shard_values_single(src, g)
         else:
             lo, hi = zero.part.range(g.padded_numel)
-            mine = _shard_values(engine, g, lo, hi)
+            mine = _shard_values(src, g, lo, hi)
             full = torch.empty(g.padded_numel, dtype=torch.float32)
             zero.comm.all_gather_into(full, mine, group="default",
                                       name=f"state of group {g.gid}")
@@ -295,8 +311,8 @@ def gathered_state_dict(engine) -> dict[str, torch.Tensor]:
     return res
 
 
-def _shard_values_single(engine, g) -> torch.Tensor:
-    sd = engine.state_dict()
+def _shard_values_single(src: ShardSource, g) -> torch.Tensor:
+    sd = src.state_dict()
     full = torch.zeros(g.padded_numel, dtype=torch.float32)
     for s in g.slots:
         full[s.offset:s.offset + s.numel].copy_(sd[s.name].reshape(-1))
@@ -309,11 +325,12 @@ def read_param_gathered(engine, p: torch.nn.Parameter,
     parameter's original dtype) assembled from every rank's shard of its group.
     Collective: every rank reads the same parameters in the same order
     (``engine.state_dict()`` iterates in model order on every rank)."""
-    zero = engine.zero
-    g = engine.grouping.param_group[id(p)]
+    src = engine.shard_source()
+    zero = src.zero
+    g = src.param_group[id(p)]
     slot = next(s for s in g.slots if s.param is p)
     lo, hi = zero.part.range(g.padded_numel)
-    mine = _shard_values(engine, g, lo, hi)
+    mine = _shard_values(src, g, lo, hi)
     full = torch.empty(g.padded_numel, dtype=torch.float32)
     zero.comm.all_gather_into(full, mine, group="default", name=f"parameter {slot.name}")
     return full[slot.offset:slot.offset + slot.numel].view(slot.shape).to(out_dtype).clone()
