@@ -212,7 +212,11 @@ class Engine:
         its transaction (backward of the last micro-batch ran, step() not yet): the window
         is dropped so everything reads the last completed update (and no home is read while
         an overlapped step writes it: Note [Overlap safety] in infinity/engine/overlap.py)."""
-        if not self._txn and not (self.overlap is not None and self.overlap.busy):
+        # a backward after the window's last backward whose step() never ran (an interrupt
+        # between the two calls, then the micro-batch fed again from stats()["micro_step"])
+        # would add its gradient twice: that window is dropped too
+        again = why == "backward" and self._has_grads and (self.micro_steps + 1) % self.gas == 0
+        if not again and not self._txn and not (self.overlap is not None and self.overlap.busy):
             return                        # nothing was stepped early: nothing to drop
         self._warn_once("drop-" + why,
                         "infinity: %s before step(): the accumulation window's gradients and the "
@@ -332,7 +336,8 @@ class Engine:
         except BaseException as e:
             if getattr(e, "_infinity_state_lost", False):
                 self.phase = Phase.FAILED
-                self._fail_reason = f"{type(e).__name__}: {e}"[:600]
+                self._fail_reason = (f"{type(e).__name__}: {e}"[:500] + "; the decided update "
+                                     "cannot be finished: reload a checkpoint")
             raise
         self.mm.refresh_resident(skip=self.opt.gathered_on_device)
 
@@ -533,7 +538,8 @@ class Engine:
                         self._txn = None
                         self.phase = Phase.FAILED if getattr(e, "_infinity_state_lost", False) \
                             else Phase.IDLE
-                        self._fail_reason = f"{type(e).__name__}: {e}"[:600]
+                        self._fail_reason = (f"{type(e).__name__}: {e}"[:500] + "; the decided "
+                                             "update cannot be finished: reload a checkpoint")
                     else:
                         self._abort_window(e)
                         if getattr(e, "_infinity_state_lost", False) and \

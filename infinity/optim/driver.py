@@ -279,11 +279,16 @@ class EngineOptimizer(GradAccumulation):
         lrs, wds = self._next_hparams()
         step = self.step_count + 1
         items = [self._item(g, lrs, wds) for g in self.groups if g.gid not in done]
-        later = []          # Note [roll forward]: beyond the shadow budget, after the decision
+        later = []          # Note [roll forward]: after the decision
         if txn is not None:
             now = []
             for it in items:
-                (now if self.store.prepare(txn, it.key) else later).append(it)
+                if self.store.shadow_need(it.key) == 0 and self.store.host_state_bytes(it.key):
+                    later.append(it)    # host states only: finished in place, no undo copy
+                elif self.store.prepare(txn, it.key):
+                    now.append(it)
+                else:
+                    later.append(it)    # beyond the shadow budget
             items = now
             if self.LOCAL_VOTE and self.swap is None and self.store.swap is None:
                 txn.finish_only()        # Note [finish only] (infinity/optim/step_txn.py)
@@ -346,9 +351,10 @@ class EngineOptimizer(GradAccumulation):
     # ~~~~~~~~~~~~~~~~~~~
     # The commit decision is the vote after the norm (and every early step) is known: from
     # there an update only has to be *finished*.  Groups whose shadows did not fit the
-    # budget (Note [shadow budget] in infinity/optim/step_txn.py) are stepped after the
-    # decision, a batch at a time into a transaction of their own that takes no undo
-    # copies, each batch committed (its extents swapped in) as soon as its writes
+    # budget (Note [shadow budget] in infinity/optim/step_txn.py), and groups whose states
+    # are all host-resident (nothing to shadow: updated in place, Note [finish only]), are
+    # stepped after the decision, a batch at a time into a transaction of their own that
+    # takes no undo copies, each batch committed (its extents swapped in) as soon as its writes
     # completed, so the shadows after the decision are a batch's, not the model's.  Their
     # gradients are kept until their batch is committed.  When a batch fails (an I/O
     # error), its shadows are dropped -- the homes still hold the last values -- and the
@@ -403,7 +409,7 @@ class EngineOptimizer(GradAccumulation):
                         pass
                     e.add_note(f"infinity: the decided update of global step {u.hp['step']} "
                                f"cannot be finished (host-resident states were updated in "
-                               f"place part-way, or the result is not finite): load the last "
+                               f"place part-way, or the result is not finite): reload a "
                                f"checkpoint (load_checkpoint) into a new engine")
                 raise
             if moved and self.on_extents_moved is not None:

@@ -34,12 +34,14 @@ class StepTxn:
     window's transaction and written after the commit decision (Note [roll forward] in
     infinity/optim/driver.py), a batch at a time into transactions of their own.
 
-    Note [finish only]: past the commit decision (the norm is known and finite, nothing
-    left to vote on) one process with no swap space has nothing that can fail half-way but
-    a bug: :meth:`finish_only` then stops taking undo copies (they cost as much memory
-    traffic as the Adam step itself), and a rollback of what was stepped after it cannot
-    restore those host states, so it raises (the engine enters ``FAILED``) instead of
-    leaving a half-applied update behind as if it were the last one.
+    Note [finish only]: past the commit decision (the norm is known and finite, the ranks
+    voted) host-resident states only have to be finished: the groups whose states are all in
+    host memory are stepped after it without undo copies (they cost as much memory traffic
+    as the Adam step itself; Note [roll forward] in infinity/optim/driver.py), and with no
+    swap space and one process :meth:`finish_only` does the same for everything stepped at
+    the boundary.  A rollback of what was stepped that way cannot restore those host
+    states, so it raises (the engine enters ``FAILED``) instead of leaving a half-applied
+    update behind as if it were the last one.
 
     Note [non-finite result]: the Adam kernels flag a result that is not finite as
     stored (an overflow from finite inputs: ``exp_avg_sq`` of a huge gradient, a master

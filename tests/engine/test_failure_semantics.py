@@ -628,7 +628,10 @@ def test_after_the_decision_one_process_only_finishes_the_update(tmp_path, monke
         got = _state(e)
     assert saved == []
     with infinity.initialize(ref, _cfg(str(tmp_path / "b"), "cpu", "cpu", clip=1e-3)) as r:
-        monkeypatch.setattr(StepTxn, "finish_only", lambda self: None)   # undo copies as before
+        # the same numbers as updates with undo copies: host-state groups stepped inside the
+        # window's transaction (before the decision) as shadowed groups are
+        monkeypatch.setattr(r.store, "shadow_need", lambda key: 1)
+        monkeypatch.setattr(StepTxn, "finish_only", lambda self: None)
         _train(r, data)
         want = _state(r)
     assert saved and _same(got, want)
@@ -651,3 +654,23 @@ def test_after_the_decision_one_process_only_finishes_the_update(tmp_path, monke
         assert e.stats()["phase"] == "failed"
         with pytest.raises(RuntimeError, match="reload"):
             e(x)
+
+
+def test_a_micro_batch_fed_again_after_an_interrupt_before_step_counts_once(tmp_path):
+    """Ctrl-C between backward() returning and step() (the caller's own code): the
+    micro-batch's gradient is in the window but stats()["micro_step"] does not count it.
+    Fed again from micro_step as documented, its second backward drops that window first
+    (one warning), so the gradient counts once and the weights follow the reference."""
+    torch.manual_seed(0)
+    m = Net()
+    data = _batches(2, seed=2)
+    ref, traj = _reference_trajectory(m, data)
+    with infinity.initialize(m, _cfg(str(tmp_path / "s"), "nvme", "nvme")) as e:
+        x, y = data[0]
+        e.backward(F.mse_loss(e(x).float(), y))        # ... interrupted before step()
+        assert e.stats()["micro_step"] == 0 and e.global_steps == 0
+        e.backward(F.mse_loss(e(x).float(), y))        # fed again
+        assert e.step() is True
+        assert _close(e.state_dict(), traj[1])
+        _train(e, data[1:])
+        assert _close(e.state_dict(), traj[2])
