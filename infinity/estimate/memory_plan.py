@@ -544,21 +544,23 @@ def size_shadows(pl, machine, knobs, full: int, ring: int) -> None:
 
 def undo_items(pl, machine, knobs, shard, states, params_home, optimizer_home):
     """Note [commit point]: an update is all-or-nothing; optimizer states updated in place
-    in host memory get an undo copy each until the window commits.  The engine takes them
-    when the step can be rolled back half-way (an NVMe swap space exists, or the step
-    overlaps backward: one process or ZeRO stage 3, fp32 or bf16), within
-    what the host cap leaves (the overlapped step steps early only as far as they fit;
-    the boundary step takes none when they do not all fit)."""
+    in host memory before the commit decision get an undo copy each until the window
+    commits: the steps overlapped with backward (one process or ZeRO stage 3, fp32 or
+    bf16) and groups with NVMe states beside host ones; groups of host states only are
+    finished after the decision without copies (Note [finish only]).  Within what the host
+    cap leaves (the overlapped step steps early only as far as they fit)."""
     host_states = (states if optimizer_home in ("none", "cpu") else 0) + \
         (shard * 4 if pl.master_is_param and params_home != "nvme" else 0)
     if not host_states:
         return
-    swap = params_home == "nvme" or optimizer_home == "nvme" or knobs.activation_home == "nvme"
     # (clipping: speculative; gradients on NVMe: streamed -- Note [Speculative clipping],
     # Note [Streamed gradients])
     # (engine: infinity.engine.overlap.eligible, on any device tier)
     overlap = knobs.precision in ("fp32", "bf16") and (machine.ranks == 1 or knobs.zero_stage == 3)
-    if not (swap or overlap):
+    # without the overlap only a group with NVMe states beside host ones is stepped before
+    # the decision; groups of host states only are finished after it, in place (Note
+    # [finish only])
+    if not (overlap or optimizer_home == "nvme"):
         return
     cap = int(knobs.host_cap_gb * GB) if knobs.host_cap_gb is not None else \
         int(machine.host_mem_gb * GB) - host_reserve_bytes(machine) if machine.host_mem_gb \
