@@ -280,6 +280,7 @@ class EngineOptimizer(GradAccumulation):
         step = self.step_count + 1
         items = [self._item(g, lrs, wds) for g in self.groups if g.gid not in done]
         later = []          # Note [roll forward]: after the decision
+        throttled = 0
         if txn is not None:
             now = []
             for it in items:
@@ -289,6 +290,7 @@ class EngineOptimizer(GradAccumulation):
                     now.append(it)
                 else:
                     later.append(it)    # beyond the shadow budget
+                    throttled += 1
             items = now
             if self.LOCAL_VOTE and self.swap is None and self.store.swap is None:
                 txn.finish_only()        # Note [finish only] (infinity/optim/step_txn.py)
@@ -340,8 +342,9 @@ class EngineOptimizer(GradAccumulation):
                 self.sched_target.step()
                 self.torch_sched.step()
             self.last_step_seconds = time.perf_counter() - t0
-            if later:
+            if throttled:
                 self.acct.count("optimizer_shadow_budget_throttled")
+            if later:
                 self.finish_unfinished()
         shield(apply)
         return not skipped[0]
