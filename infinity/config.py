@@ -86,21 +86,21 @@ class InfinityConfig:
                 setattr(self, name, parse_section(cls, name + ".", sec))
         self.precision = parse_choice("precision", self.precision, PRECISIONS)
         self.zero_stage = parse_choice("zero_stage", parse_int("zero_stage", self.zero_stage),
-                                  ZERO_STAGES, lower=False)
+                                       ZERO_STAGES, lower=False)
         self.gradient_clipping = parse_float("gradient_clipping", self.gradient_clipping, lo=0.0,
-                                        what=">= 0 (0 turns clipping off)")
+                                             what=">= 0 (0 turns clipping off)")
         self.gradient_accumulation_steps = parse_int("gradient_accumulation_steps",
-                                                self.gradient_accumulation_steps, lo=1,
-                                                hi=MAX_ACCUMULATION_STEPS,
-                                                what=f">= 1 and <= {MAX_ACCUMULATION_STEPS}")
+                                                     self.gradient_accumulation_steps, lo=1,
+                                                     hi=MAX_ACCUMULATION_STEPS,
+                                                     what=f">= 1 and <= {MAX_ACCUMULATION_STEPS}")
         self.nonfinite_grads = parse_choice("nonfinite_grads", self.nonfinite_grads, NONFINITE_POLICIES)
         self.gradient_accumulation_dtype = parse_choice(
             "gradient_accumulation_dtype", self.gradient_accumulation_dtype, GRAD_ACCUM_DTYPES)
         self.dist_timeout_s = parse_float("dist_timeout_s", self.dist_timeout_s,
-                                     lo=0.0, lo_open=True, hi=MAX_DIST_TIMEOUT_S,
-                                     what=f"> 0 and <= {MAX_DIST_TIMEOUT_S} (seconds; one week)")
+                                          lo=0.0, lo_open=True, hi=MAX_DIST_TIMEOUT_S,
+                                          what=f"> 0 and <= {MAX_DIST_TIMEOUT_S} (seconds; one week)")
         self.intra_node_transport = parse_choice("intra_node_transport", self.intra_node_transport,
-                                            INTRA_NODE_TRANSPORTS)
+                                                 INTRA_NODE_TRANSPORTS)
         if self.offload.params != "none" and self.zero_stage != 3:
             raise ConfigError(
                 f"offload.params: {fmt_value(self.offload.params)} needs zero_stage 3 (parameters "

@@ -528,7 +528,7 @@ def _ds_scheduler(sch: Mapping, out: dict, put, approximate: bool) -> None:
     if wtype not in ("log", "linear"):
         raise _ds_err("scheduler.params.warmup_type", f'expected "log" or "linear", got {fmt_value(wtype)}')
     warm = parse_int("DeepSpeed scheduler.params.warmup_num_steps",
-                params.get("warmup_num_steps", 1000), lo=0)
+                     params.get("warmup_num_steps", 1000), lo=0)
     # DeepSpeed clamps warmup_num_steps to >= 2 and warms up as min + delta * step / warm
     warm = max(2, warm)
     if wtype == "log":
@@ -548,7 +548,7 @@ def _ds_scheduler(sch: Mapping, out: dict, put, approximate: bool) -> None:
             raise _ds_err("scheduler.params.total_num_steps", "required for WarmupCosineLR")
         put("scheduler.total_steps", params["total_num_steps"], "scheduler.params.total_num_steps")
         cmr = parse_float("DeepSpeed scheduler.params.cos_min_ratio",
-                     params.get("cos_min_ratio", 0.0001), lo=0.0, hi=1.0)
+                          params.get("cos_min_ratio", 0.0001), lo=0.0, hi=1.0)
         lr = out.get("optimizer", {}).get("lr", OptimizerConfig.lr)
         lr = parse_float("DeepSpeed optimizer.params.lr", lr, lo=0.0)
         put("scheduler.min_lr", lr * cmr, "scheduler.params.cos_min_ratio")

@@ -66,7 +66,7 @@ def parse_choice(key: str, value: Any, choices: tuple, *, lower: bool = True) ->
 
 
 def parse_int(key: str, value: Any, *, lo: int | None = None, hi: int | None = None,
-         what: str = "", example: int | None = None) -> int:
+              what: str = "", example: int | None = None) -> int:
     """``example``: the value the hint suggests (the default; else the lower bound if > 0,
     else 1) -- never a value that silently turns a feature off, such as a depth of 0."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -87,7 +87,7 @@ def parse_int(key: str, value: Any, *, lo: int | None = None, hi: int | None = N
 
 
 def parse_float(key: str, value: Any, *, lo: float | None = None, lo_open: bool = False,
-           hi: float | None = None, hi_open: bool = False, what: str = "") -> float:
+                hi: float | None = None, hi_open: bool = False, what: str = "") -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigError(f"{key}: expected a number, got {fmt_value(value)} "
                           f"({type(value).__name__}); write it without quotes, e.g. 1e-3")
@@ -114,7 +114,7 @@ def _opt_positive_float(key: str, value: Any) -> float | None:
     if value is None:
         return None
     return parse_float(key, value, lo=0.0, lo_open=True, hi=MAX_GB,
-                  what=f"> 0 and <= {MAX_GB} (one petabyte; or null to size it automatically)")
+                       what=f"> 0 and <= {MAX_GB} (one petabyte; or null to size it automatically)")
 
 
 def _path_list(key: str, value: Any) -> list[str]:
@@ -202,8 +202,8 @@ class FrozenWeightsConfig:
         p = "offload.frozen_weights."
         self.dtype = parse_choice(p + "dtype", self.dtype, (None,) + FROZEN_WEIGHT_DTYPES)
         self.group_size = parse_int(p + "group_size", self.group_size, lo=1, hi=65536,
-                               what=">= 1 and <= 65536 (elements per quantization block)",
-                               example=FrozenWeightsConfig.group_size)
+                                    what=">= 1 and <= 65536 (elements per quantization block)",
+                                    example=FrozenWeightsConfig.group_size)
         if self.dtype == "nf4" and self.group_size % 2:
             raise ConfigError(f"{p}group_size: nf4 stores two codes per byte, so the block "
                               f"size must be even, got {self.group_size}")
@@ -231,7 +231,7 @@ class OffloadConfig:
     def validate(self) -> None:
         p = "offload."
         self.frozen_weights = parse_section(FrozenWeightsConfig, p + "frozen_weights.",
-                                       self.frozen_weights)
+                                            self.frozen_weights)
         self.params = parse_choice(p + "params", self.params, OFFLOAD_HOMES)
         self.optimizer = parse_choice(p + "optimizer", self.optimizer, OFFLOAD_HOMES)
         self.nvme_paths = _path_list(p + "nvme_paths", self.nvme_paths)
@@ -287,10 +287,10 @@ class ZeroPPConfig:
             if not isinstance(v, bool):
                 raise ConfigError(f"{p}{k}: expected true or false, got {fmt_value(v)}")
         self.hpz_partition_size = parse_int(p + "hpz_partition_size", self.hpz_partition_size,
-                                       lo=1, hi=MAX_HPZ_PARTITION,
-                                       what=f">= 1 and <= {MAX_HPZ_PARTITION} (1 turns hpZ "
-                                       f"off; N: groups of N consecutive ranks, typically the "
-                                       f"ranks per node)", example=1)
+                                            lo=1, hi=MAX_HPZ_PARTITION,
+                                            what=f">= 1 and <= {MAX_HPZ_PARTITION} (1 turns hpZ "
+                                            f"off; N: groups of N consecutive ranks, typically the "
+                                            f"ranks per node)", example=1)
 
     @property
     def enabled(self) -> bool:
@@ -313,11 +313,11 @@ class PrefetchConfig:
 
     def validate(self) -> None:
         self.depth = parse_int("prefetch.depth", self.depth, lo=0, hi=MAX_PREFETCH_DEPTH,
-                          what=f">= 0 and <= {MAX_PREFETCH_DEPTH} (groups fetched ahead of "
-                          f"compute; 0: on demand only)", example=PrefetchConfig.depth)
+                               what=f">= 0 and <= {MAX_PREFETCH_DEPTH} (groups fetched ahead of "
+                               f"compute; 0: on demand only)", example=PrefetchConfig.depth)
         if self.reuse_gb is not None:
             self.reuse_gb = parse_float("prefetch.reuse_gb", self.reuse_gb, lo=0.0, hi=MAX_GB,
-                                   what=f">= 0 and <= {MAX_GB} (0: off; null: automatic)")
+                                        what=f">= 0 and <= {MAX_GB} (0: off; null: automatic)")
 
 
 @dataclass
@@ -366,18 +366,18 @@ class AioConfig:
         p = "aio."
         self.engine = parse_choice(p + "engine", self.engine, AIO_ENGINES)
         bs = parse_int(p + "block_size", self.block_size, lo=4096, hi=MAX_AIO_BLOCK,
-                  what=f"that is a power of two >= 4096 and <= {MAX_AIO_BLOCK} (1 GiB)",
-                  example=AioConfig.block_size)
+                       what=f"that is a power of two >= 4096 and <= {MAX_AIO_BLOCK} (1 GiB)",
+                       example=AioConfig.block_size)
         if bs & (bs - 1):
             lower = 1 << (bs.bit_length() - 1)
             raise ConfigError(f"{p}block_size: expected a power of two >= 4096, got {bs}; "
                               f"use {lower} or {lower * 2}")
         self.block_size = bs
         self.queue_depth = parse_int(p + "queue_depth", self.queue_depth, lo=1, hi=1024,
-                                example=AioConfig.queue_depth)
+                                     example=AioConfig.queue_depth)
         hi = max_aio_threads()
         self.threads = parse_int(p + "threads", self.threads, lo=1, hi=hi,
-                            what=f">= 1 and <= {hi} (4 per CPU this process may use, at most 256)")
+                                 what=f">= 1 and <= {hi} (4 per CPU this process may use, at most 256)")
 
 
 PARAM_GROUP_KEYS = ("params", "lr", "weight_decay", "betas", "eps")
@@ -470,10 +470,10 @@ class SchedulerConfig:
         p = "scheduler."
         self.type = parse_choice(p + "type", self.type, SCHEDULER_TYPES)
         self.warmup_steps = parse_int(p + "warmup_steps", self.warmup_steps, lo=0, hi=MAX_STEPS,
-                                 what=f">= 0 and <= {MAX_STEPS} (optimizer updates)")
+                                      what=f">= 0 and <= {MAX_STEPS} (optimizer updates)")
         if self.total_steps is not None:
             self.total_steps = parse_int(p + "total_steps", self.total_steps, lo=1, hi=MAX_STEPS,
-                                    what=f">= 1 and <= {MAX_STEPS} (optimizer updates)")
+                                         what=f">= 1 and <= {MAX_STEPS} (optimizer updates)")
         self.min_lr = parse_float(p + "min_lr", self.min_lr, lo=0.0)
         if self.type in ("linear", "cosine"):
             if self.total_steps is None:
@@ -509,13 +509,13 @@ class LossScaleConfig:
     def validate(self) -> None:
         p = "fp16."
         self.initial_scale = parse_float(p + "initial_scale", self.initial_scale,
-                                    lo=0.0, lo_open=True)
+                                         lo=0.0, lo_open=True)
         self.growth_interval = parse_int(p + "growth_interval", self.growth_interval, lo=1,
-                                    hi=MAX_STEPS, what=f">= 1 and <= {MAX_STEPS} (updates)")
+                                         hi=MAX_STEPS, what=f">= 1 and <= {MAX_STEPS} (updates)")
         self.backoff_factor = parse_float(p + "backoff_factor", self.backoff_factor,
-                                     lo=0.0, lo_open=True, hi=1.0, hi_open=True)
+                                          lo=0.0, lo_open=True, hi=1.0, hi_open=True)
         self.growth_factor = parse_float(p + "growth_factor", self.growth_factor,
-                                    lo=1.0, lo_open=True)
+                                         lo=1.0, lo_open=True)
         self.min_scale = parse_float(p + "min_scale", self.min_scale, lo=0.0, lo_open=True)
         if self.min_scale > self.initial_scale:
             raise ConfigError(f"fp16.min_scale: must be <= fp16.initial_scale "
@@ -567,9 +567,9 @@ class CurriculumConfig:
         if not isinstance(self.enabled, bool):
             raise ConfigError(f"{p}enabled: expected true or false, got {fmt_value(self.enabled)}")
         self.curriculum_type = parse_choice(p + "curriculum_type", self.curriculum_type,
-                                       CURRICULUM_TYPES)
+                                            CURRICULUM_TYPES)
         self.schedule_type = parse_choice(p + "schedule_type", self.schedule_type,
-                                     CURRICULUM_SCHEDULES)
+                                          CURRICULUM_SCHEDULES)
         on = self.enabled
         for k in ("min_difficulty", "max_difficulty"):
             v = getattr(self, k)
@@ -581,7 +581,7 @@ class CurriculumConfig:
                                       f"{64 if k == 'min_difficulty' else 1024}")
                 continue
             setattr(self, k, parse_int(p + k, v, lo=1, hi=MAX_SEQLEN,
-                                  what=f">= 1 and <= {MAX_SEQLEN} (a sequence length in tokens)"))
+                                       what=f">= 1 and <= {MAX_SEQLEN} (a sequence length in tokens)"))
         if on and self.max_difficulty < self.min_difficulty:
             raise ConfigError(f"{p}max_difficulty: must be >= curriculum_learning.min_difficulty "
                               f"({self.min_difficulty}), got {self.max_difficulty}; the schedule "
@@ -609,9 +609,9 @@ class CurriculumConfig:
                 f"fp16/bf16 tensor cores)", example=8)
         if "root_degree" in sc:
             out["root_degree"] = parse_int(p + "root_degree", sc["root_degree"], lo=1,
-                                      hi=MAX_ROOT_DEGREE,
-                                      what=f">= 1 and <= {MAX_ROOT_DEGREE} (2: square root; "
-                                      f"1: linear)", example=2)
+                                           hi=MAX_ROOT_DEGREE,
+                                           what=f">= 1 and <= {MAX_ROOT_DEGREE} (2: square root; "
+                                           f"1: linear)", example=2)
         if "difficulty" in sc:
             out["difficulty"] = _curriculum_int_list(p + "difficulty", sc["difficulty"], lo=1,
                                                      hi=MAX_SEQLEN, what="the lengths in order")

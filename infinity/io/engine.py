@@ -71,7 +71,7 @@ def _choose_kind(engine):
                        hint="use engine='auto' or 'posix' to fall back to the POSIX engine")
     if not _aio.built_with_liburing():
         warn_once("no-liburing", "infinity was built without liburing (package liburing-dev missing): "
-                   "using the slower POSIX I/O engine; install liburing-dev and rebuild")
+                  "using the slower POSIX I/O engine; install liburing-dev and rebuild")
     else:
         warn_once("uring-refused", "io_uring unavailable, using the POSIX I/O engine: %s", why)
     return "posix"
@@ -163,7 +163,7 @@ class AioEngine:
             # the probe passed but these rings could not be set up (e.g. RLIMIT_MEMLOCK
             # for many or deep rings): auto means "whatever works here"
             warn_once(("uring-setup", block_size, queue_depth, threads),
-                       "io_uring rings could not be created (%s): using the POSIX engine", e)
+                      "io_uring rings could not be created (%s): using the POSIX engine", e)
             kind = "posix"
             self._impl = _aio.Engine(kind, block_size, queue_depth, threads)
         self.kind = kind
@@ -187,8 +187,8 @@ class AioEngine:
             raise AioError.from_os_error(e, f"cannot open {path}") from None
         if f.direct_refused:
             warn_once(("buffered", os.path.dirname(os.path.abspath(path))),
-                       "O_DIRECT is not supported for %s: using buffered I/O there (slower, uses page cache)",
-                       path)
+                      "O_DIRECT is not supported for %s: using buffered I/O there (slower, uses page cache)",
+                      path)
         return f
 
     def _file(self, file, create):

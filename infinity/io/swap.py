@@ -125,8 +125,8 @@ class SwapSpace:
                     raise AioError.from_os_error(e, f"cannot create a swap file in {d.path}") from None
                 if f.direct_refused and engine.direct:   # once per directory and process
                     warn_once(("buffered", os.path.abspath(d.user_path)),
-                               "O_DIRECT is not supported in %s: swap I/O there is buffered "
-                               "(slower, uses page cache)", d.user_path)
+                              "O_DIRECT is not supported in %s: swap I/O there is buffered "
+                              "(slower, uses page cache)", d.user_path)
                 self._state.files.append(f)
         except BaseException:
             self.close()
