@@ -361,6 +361,14 @@ class OverlappedStep:
                 return False               # (the error surfaces at step())
         return True
 
+    def _not_early(self, g: GroupRecord, buf, counter: str) -> None:
+        """``g`` is not stepped early after all (no room for its undo copies or shadows):
+        its handed-off buffer goes back, ``counter`` counts it, a kept gradient goes to NVMe."""
+        if buf is not None:
+            self.mm.give_back_device(buf)
+        self.acct.count(counter)
+        self._decline(g)
+
     def _decline(self, g: GroupRecord) -> None:
         """``g`` is not stepped early after all: a kept gradient goes to NVMe now."""
         nv = self.opt.grad_stream
@@ -408,18 +416,11 @@ class OverlappedStep:
         if self.txn is not None and undo and self.undo_budget is not None \
                 and self._undo_planned + undo > self.undo_budget:
             # no room for the undo copies within the host cap: stepped at the boundary
-            if buf is not None:
-                self.mm.give_back_device(buf)
-            self.acct.count("optimizer_groups_not_overlapped_undo")
-            self._decline(g)
-            return
+            return self._not_early(g, buf, "optimizer_groups_not_overlapped_undo")
         if self.txn is not None:        # (None: Engine.commit_point off, benchmarks only)
             if not store.prepare(self.txn, item.key):
                 # Note [shadow budget]: the speculative shadows are used up; this group
                 # waits for the decision (stepped at the boundary, or after it)
-                if buf is not None:
-                    self.mm.give_back_device(buf)
-                self.acct.count("optimizer_groups_not_overlapped_shadow")
                 if not self._throttle_logged:
                     self._throttle_logged = True
                     log.info("infinity: offload.commit_shadow_gb (%.2f GB) covers the shadows "
@@ -427,8 +428,7 @@ class OverlappedStep:
                              "for the commit decision instead of overlapping backward "
                              "(stats(): optimizer_groups_not_overlapped_shadow)",
                              (store.shadow_budget or 0) / 1e9)
-                self._decline(g)
-                return
+                return self._not_early(g, buf, "optimizer_groups_not_overlapped_shadow")
             self._undo_planned += undo
             kw["txn"] = self.txn
         if self._pool is None:

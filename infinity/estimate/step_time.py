@@ -419,7 +419,7 @@ def _recompute_tiles(parts, spec, machine, knobs, plan, checkpointing):
 ADAM_HOST_BYTES_PER_PARAM = 30
 
 
-def _host_memory(machine, links, lines, what="", n_node_adam: int = 0) -> float:
+def _host_memory(machine, links, lines, n_node_adam: int = 0) -> float:
     """GPU nodes: NVMe DMA, PCIe copies and CPU Adam all go through host DRAM, at
     ``host_mem_gbps`` per node (modelled, not validated: docs/estimator.md)."""
     if machine.cpu_only or not machine.host_mem_gbps:
@@ -523,7 +523,7 @@ def estimate_step(spec, machine, knobs, plan, *, checkpointing):
     if t_pcie:
         d1.append(f"PCIe per GPU: max(H2D {_fmt_b(mb['h2d'])}, D2H {_fmt_b(mb['d2h'])}) / "
                   f"({machine.pcie_gbps:g} GB/s{shared}) = {fmt_seconds(t_pcie)} s")
-    t_mem = _host_memory(machine, mb, d1, "")
+    t_mem = _host_memory(machine, mb, d1)
     xb = machine.inter_node_gbps * GB
     t_coll = (mb["allgather"] + mb["reduce_scatter"] - mb["inter_node"]) / ic + mb["inter_node"] / xb
     if t_coll:

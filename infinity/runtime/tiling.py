@@ -199,6 +199,11 @@ def plan_tiles(grouping: Grouping, limit: int | None) -> dict[nn.Module, TileSpe
     return out
 
 
+def _tile_nbytes(w: torch.Tensor, b) -> int:
+    """Bytes of a tile's weight rows and bias rows (None: no bias)."""
+    return w.numel() * w.element_size() + (0 if b is None else b.numel() * b.element_size())
+
+
 def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
@@ -585,7 +590,7 @@ class Tiling:
         return store
 
     def keep(self, store: dict, key, w: torch.Tensor, b) -> None:
-        n = w.numel() * w.element_size() + (0 if b is None else b.numel() * b.element_size())
+        n = _tile_nbytes(w, b)
         if self.keep_budget is not None and self._kept_bytes + n > self.keep_budget:
             return
         store[key] = (w.detach().to("cpu", copy=True),
@@ -595,7 +600,7 @@ class Tiling:
 
     def kept_to_device(self, w: torch.Tensor, b):
         """A kept tile for the backward: ``(w, b, leases)`` on the compute device."""
-        n = w.numel() * w.element_size() + (0 if b is None else b.numel() * b.element_size())
+        n = _tile_nbytes(w, b)
         self._kept_bytes -= n
         self.acct.count("tiles_reused_from_recompute")
         self.acct.count("tile_reread_bytes_saved", n)

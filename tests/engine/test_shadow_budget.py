@@ -2,6 +2,7 @@
 ``offload.commit_shadow_gb`` bounds the NVMe the commit shadows take; groups beyond it are
 written after the commit decision a batch at a time, and a failure there rolls forward:
 the update is finished by the next call (or close()) and training equals torch AdamW."""
+import contextlib
 import copy
 import logging
 import math
@@ -71,6 +72,24 @@ def _close(got, want, tol=1e-5):
     num = sum(float((got[n].double() - want[n].double()).pow(2).sum()) for n in want)
     den = sum(float(want[n].double().pow(2).sum()) for n in want)
     return math.sqrt(num / den) < tol
+
+
+@contextlib.contextmanager
+def _write_fails_after_decision(e, nth: int, err: OSError):
+    """While the block runs, the ``nth`` tile write after the commit decision raises
+    ``err``; the store writes as usual again afterwards."""
+    real, calls = e.store._write_tile, [0]
+
+    def failing(*a, **kw):
+        calls[0] += e.opt.unfinished is not None      # written after the decision
+        if calls[0] == nth:
+            raise err
+        return real(*a, **kw)
+    e.store._write_tile = failing
+    try:
+        yield
+    finally:
+        e.store._write_tile = real
 
 
 def _needs(tmp_path, **kw):
@@ -154,20 +173,11 @@ def test_an_io_error_after_the_decision_rolls_forward(tmp_path):
     want = _reference(m, data)
     with infinity.initialize(m, _cfg(str(tmp_path / "s"), 0)) as e:
         _train(e, data[:1])
-        real = e.store._write_tile
-        calls = [0]
-
-        def failing(*a, **kw):
-            calls[0] += e.opt.unfinished is not None      # written after the decision
-            if calls[0] == 2:
-                raise OSError(5, "simulated EIO after the decision")
-            return real(*a, **kw)
-        e.store._write_tile = failing
         x, y = data[1]
-        e.backward(F.mse_loss(e(x).float(), y))
-        with pytest.raises(OSError, match="simulated EIO") as ei:
-            e.step()
-        e.store._write_tile = real
+        with _write_fails_after_decision(e, 2, OSError(5, "simulated EIO after the decision")):
+            e.backward(F.mse_loss(e(x).float(), y))
+            with pytest.raises(OSError, match="simulated EIO") as ei:
+                e.step()
         assert "finishes it" in "".join(getattr(ei.value, "__notes__", []))
         st = e.stats()
         assert st["unfinished_update"] and st["phase"] == "idle" and e.global_steps == 2
@@ -188,32 +198,19 @@ def test_state_dict_and_close_finish_a_pending_update(tmp_path, caplog):
     want = _reference(m, data[:2])
     with infinity.initialize(m, _cfg(str(tmp_path / "s"), 0)) as e:
         _train(e, data[:1])
-
-        def arm():
-            real = e.store._write_tile
-            calls = [0]
-
-            def failing(*a, **kw):
-                calls[0] += e.opt.unfinished is not None
-                if calls[0] == 3:
-                    raise OSError(28, "simulated ENOSPC after the decision")
-                return real(*a, **kw)
-            e.store._write_tile = failing
-            return real
-        real = arm()
+        enospc = OSError(28, "simulated ENOSPC after the decision")
         x, y = data[1]
-        e.backward(F.mse_loss(e(x).float(), y))
-        with pytest.raises(OSError):
-            e.step()
-        e.store._write_tile = real
+        with _write_fails_after_decision(e, 3, enospc):
+            e.backward(F.mse_loss(e(x).float(), y))
+            with pytest.raises(OSError):
+                e.step()
         assert _close(e.state_dict(), want)          # finished first
         assert not e.stats()["unfinished_update"]
-        real = arm()
         x, y = data[2]
-        e.backward(F.mse_loss(e(x).float(), y))
-        with pytest.raises(OSError):
-            e.step()
-        e.store._write_tile = real
+        with _write_fails_after_decision(e, 3, enospc):
+            e.backward(F.mse_loss(e(x).float(), y))
+            with pytest.raises(OSError):
+                e.step()
         calls = []
         real_finish = e.opt.finish_unfinished
 
@@ -255,20 +252,11 @@ def test_host_states_after_the_decision_take_no_undo_copy(tmp_path, monkeypatch)
     torch.manual_seed(0)
     with infinity.initialize(Net(), _cfg(str(tmp_path / "t"), 0, params="cpu")) as e:
         _train(e, data[:1])
-        real = e.store._write_tile
-        calls = [0]
-
-        def failing(*a, **kw):
-            calls[0] += e.opt.unfinished is not None
-            if calls[0] == 2:
-                raise OSError(5, "simulated EIO")
-            return real(*a, **kw)
-        e.store._write_tile = failing
         x, y = data[1]
-        e.backward(F.mse_loss(e(x).float(), y))
-        with pytest.raises(OSError) as ei:
-            e.step()
-        e.store._write_tile = real
+        with _write_fails_after_decision(e, 2, OSError(5, "simulated EIO")):
+            e.backward(F.mse_loss(e(x).float(), y))
+            with pytest.raises(OSError) as ei:
+                e.step()
         assert "load_checkpoint" in "".join(getattr(ei.value, "__notes__", []))
         assert e.stats()["phase"] == "failed"
         with pytest.raises(RuntimeError, match="load a checkpoint|load_checkpoint"):

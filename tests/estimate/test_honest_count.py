@@ -136,6 +136,7 @@ def test_zero_device_gradient_line_is_the_engines(tmp_path, monkeypatch):
     engine's own placement plan's (full fp32 buffers of the groups being reduced)."""
     here = os.path.dirname(os.path.abspath(__file__))
     sys.path.insert(0, os.path.join(os.path.dirname(here), "zero"))
+    sys.path.insert(0, here)
     from zero_harness import run_ranks_ok
     monkeypatch.setenv("INFINITY_SIMULATE_DEVICE", "1")
     d, layers = 1024, 3
@@ -145,9 +146,9 @@ def test_zero_device_gradient_line_is_the_engines(tmp_path, monkeypatch):
                        timeout=180)
     from infinity.estimate import spec_from_module
     import torch
-    from torch import nn
+    from test_device_line_vs_engine import Stack       # (the model the child builds)
     with torch.device("meta"):
-        model = nn.ModuleList(nn.Linear(d, d) for _ in range(layers))
+        model = Stack(d, layers)
     spec = spec_from_module(model, seq=1, hidden=d, heads=1)
     from infinity.estimate.memory_plan import plan_memory
     pl = plan_memory(spec, Machine(gpus=2, gpu_mem_gb=1, host_mem_gb=64, nvme_gb=10),

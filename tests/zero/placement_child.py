@@ -5,21 +5,11 @@ import os
 import sys
 
 import torch
-from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "estimate"))
+from test_device_line_vs_engine import Stack  # noqa: E402
 from zero_harness import child_entry, report_and_exit  # noqa: E402
-
-
-class Stack(nn.Module):
-    def __init__(self, d, layers):
-        super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(d, d) for _ in range(layers))
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = torch.relu(layer(x))
-        return x
 
 
 def main():

@@ -3,6 +3,7 @@ under ZeRO, trained twice -- with every shadow, then with commit_shadow_gb 0 and
 0) a tile write failing after the commit decision of the second update.  The failed rank
 finishes the update at its next call (Note [roll forward]); the other rank waits for it in
 its next collective; both end with the weights of the run without the failure."""
+import contextlib
 import json
 import os
 import sys
@@ -23,21 +24,15 @@ def _run(cfg, rank, fail: bool) -> dict:
     out = {"raised": None}
     with infinity.initialize(T.Net(), cfg) as e:
         for i, (x, y) in enumerate(data):
-            real, calls = e.store._write_tile, [0]
-            if fail and i == 1:
-                def failing(*a, **kw):
-                    calls[0] += e.opt.unfinished is not None
-                    if calls[0] == 2:
-                        raise OSError(5, "simulated EIO after the decision")
-                    return real(*a, **kw)
-                e.store._write_tile = failing
-            e.backward(F.mse_loss(e(x).float(), y))
-            try:
-                e.step()
-            except OSError as err:
-                out["raised"] = str(err)
-                out["pending"] = e.stats()["unfinished_update"]
-            e.store._write_tile = real
+            arm = T._write_fails_after_decision(e, 2, OSError(5, "simulated EIO after the decision")) \
+                if fail and i == 1 else contextlib.nullcontext()
+            with arm:
+                e.backward(F.mse_loss(e(x).float(), y))
+                try:
+                    e.step()
+                except OSError as err:
+                    out["raised"] = str(err)
+                    out["pending"] = e.stats()["unfinished_update"]
         st = e.stats()
         out["after_decision"] = st["optimizer_groups_after_decision"]
         out["steps"] = e.global_steps
