@@ -51,7 +51,8 @@ def reuse_bytes_for(cfg, zero, device_budget: int | None, placement) -> int:
     else:
         want = 0
     sharded = zero is not None and zero.stage == 3
-    paged = sum(g.nbytes for g in placement.groups if sharded or g.home != "device")
+    paged = sum(g.nbytes for g in placement.groups
+                if sharded or g.home != "device" or g.quant is not None)
     kept = min(want, paged)
     if device_budget is not None:
         kept = min(kept, max(0, int(device_budget) - placement.device_total))
@@ -134,7 +135,7 @@ def assemble(engine, lr_scheduler) -> None:
         raise ValueError(f"initialize: {type(model).__name__} has no parameters")
     # offload.frozen_weights: frozen weights kept quantized at their home (Note [Quantized
     # homes] in infinity/memory/frozen_quant.py); before the plan, which counts their bytes
-    from infinity.engine.frozen import plan_frozen_weights, refuse_tiled
+    from infinity.engine.frozen import plan_frozen_weights
     plan_frozen_weights(engine, grouping)
     # low-precision compute: floating buffers follow the compute dtype (as module.to())
     if engine.dtype != torch.float32:
@@ -153,7 +154,6 @@ def assemble(engine, lr_scheduler) -> None:
         else plan_tiles(grouping, tiling_limit(
             None if tile_gb is None else int(round(tile_gb * GB)), device_budget,
             cfg.prefetch.depth))
-    refuse_tiled(tile_specs)
     act_home = cfg.activation_offload.home
     needs_nvme = param_home == "nvme" or cfg.offload.optimizer == "nvme" or act_home == "nvme"
     if needs_nvme:

@@ -10,7 +10,7 @@ from infinity.memory.frozen_quant import QuantSpec, layout_for, quantizable_weig
 
 log = logging.getLogger("infinity.engine")
 
-__all__ = ["refuse_bitsandbytes", "plan_frozen_weights", "refuse_tiled"]
+__all__ = ["refuse_bitsandbytes", "plan_frozen_weights"]
 
 _BNB_CLASSES = ("Linear4bit", "Linear8bitLt", "LinearNF4", "LinearFP4", "Params4bit",
                 "Int8Params")
@@ -36,8 +36,8 @@ def refuse_bitsandbytes(model) -> None:
 def plan_frozen_weights(engine, grouping) -> int:
     """Attach a payload layout to every frozen group holding a quantizable weight when
     ``offload.frozen_weights.dtype`` is set; returns how many groups were given one.
-    Refuses what is not supported yet: several ranks (ZeRO), a device home, a model built
-    under ``infinity.Init``."""
+    Refuses what is not supported yet: several ranks (ZeRO), a model built under
+    ``infinity.Init``."""
     cfg = engine.cfg
     fw = cfg.offload.frozen_weights
     if fw.dtype is None:
@@ -48,11 +48,6 @@ def plan_frozen_weights(engine, grouping) -> int:
             f"offload.frozen_weights.dtype: {fw.dtype!r} is supported in one process only so "
             f"far (this run has {ws} ranks); ZeRO support for a quantized frozen base comes "
             f"later: set offload.frozen_weights.dtype to null, or train on one rank")
-    if cfg.offload.params == "none":
-        raise ConfigError(
-            f"offload.frozen_weights.dtype: {fw.dtype!r} needs offload.params \"cpu\" or "
-            f"\"nvme\" (a quantized base kept on the device comes later); set offload.params "
-            f"to \"cpu\" or \"nvme\", or offload.frozen_weights.dtype to null")
     from infinity.zero.init import is_managed
     if any(is_managed(s.param) for g in grouping.groups for s in g.slots):
         raise NotImplementedError(
@@ -77,16 +72,3 @@ def plan_frozen_weights(engine, grouping) -> int:
                     "nn.Linear / Conv1D / nn.Embedding weight: nothing is quantized", fw.dtype)
     return n
 
-
-def refuse_tiled(tile_specs) -> None:
-    """Memory-centric tiling reads element ranges of a group's home: a quantized payload
-    cannot be read that way yet."""
-    for sp in tile_specs.values():
-        for g in sp.groups:
-            if g.quant is not None:
-                raise NotImplementedError(
-                    f"offload.frozen_weights: group {g.name or '<root>'} "
-                    f"({g.nbytes / 1e6:.1f} MB in the working precision) would be tiled "
-                    f"(memory-centric tiling), which a quantized frozen base does not support "
-                    f"yet; raise tiling.max_group_gb (or offload.device_memory_gb) above that "
-                    f"size, or set offload.frozen_weights.dtype to null")

@@ -4,6 +4,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -95,6 +96,11 @@ class QuantizedFetch:
         staging = qsrc = f = None
         qowner = self.dev if not self.dev.zero_copy else self.host_pool
         try:
+            if g.home == "device":                # the payload is in device memory
+                f = Fetch(None, t0, qsrc=g.host_buf)
+                g.begin_to_device(buf, f)
+                self._inflight[g.gid] = g
+                return True
             if not self.dev.zero_copy:
                 qsrc = self.dev.lease_or_overflow(nb, torch.uint8, "a quantized payload", True)
             if g.home == "cpu":
@@ -139,6 +145,89 @@ class QuantizedFetch:
                 self._give_back(owner, src)   # CUDA: the next copy into it waits for compute
         if g.home == "cpu":
             self.acct.count("frozen_host_read_bytes", g.home_nbytes)
+
+    def _read_range_quantized(self, g: GroupRecord, lo: int, hi: int):
+        """``read_range`` of a quantized group at its home (Note [Quantized tiles] in
+        infinity/memory/frozen_quant.py): the spans of the payload that hold elements
+        ``lo .. hi`` -- in place from a host home, else each 4 KiB-aligned span read from
+        NVMe into one host lease -- moved to the device when it is separate memory, and
+        decoded there into a working-precision lease; returns ``(tensor, lease)``."""
+        rr = g.quant.range_read(g, lo, hi)
+        isz = g.dtype.itemsize
+        out = self.dev.lease_or_overflow(rr.count * isz, g.dtype, "a parameter tile", True)
+        t0 = time.perf_counter()
+        with contextlib.ExitStack() as scope:
+            try:
+                if g.host_buf is not None:        # a host home (or the device's)
+                    views = {k: g.host_buf[a:b] for k, a, b in rr.spans}
+                    if g.home == "cpu":
+                        self.acct.count("frozen_host_read_bytes", rr.nbytes)
+                else:
+                    views = self._read_spans(g, rr.spans, scope, t0)
+                if not self.dev.zero_copy and g.home != "device":
+                    views = self._spans_to_device(views, rr.nbytes, scope, t0)
+                rr.decode(views, out[:rr.count])
+            except BaseException:
+                self._give_back(self.dev, out)
+                raise
+        return out[lo - rr.first:hi - rr.first], out
+
+    def _read_spans(self, g: GroupRecord, spans, scope, t0: float) -> dict:
+        """The ``(name, lo, hi)`` byte spans of ``g``'s NVMe payload read into one host
+        lease -- 4 KiB-aligned, spans sharing or touching a page read together (the small
+        scale tensors of a tile lie side by side); the views of exactly those bytes."""
+        reads = []                              # [a0, a1] aligned, ascending, merged
+        for _k, a, b in sorted(spans, key=lambda x: x[1]):
+            a0, a1 = a // 4096 * 4096, min(-(-b // 4096) * 4096, g.extent.nbytes)
+            if reads and a0 <= reads[-1][1]:
+                reads[-1][1] = max(reads[-1][1], a1)
+            else:
+                reads.append([a0, a1])
+        at, end = [], 0
+        for a0, a1 in reads:
+            at.append(end)
+            end += a1 - a0
+        staging = scope.enter_context(self.host_pool.scoped(end, torch.uint8))
+        handles = []
+        try:
+            for (a0, a1), o in zip(reads, at):
+                handles.append(self.swap.read(g.extent, staging[o:o + a1 - a0], a0))
+        finally:
+            err = None
+            for h in handles:             # every read finishes before its buffer is reused
+                try:
+                    h.wait()
+                except Exception as e:  # noqa: BLE001 - the first error is raised below
+                    err = err or e
+            if err is not None:
+                raise err
+        self._link("nvme_read", end, t0)
+        self.acct.count("frozen_nvme_read_bytes", end)
+        views = {}
+        for k, a, b in spans:
+            (a0, _a1), o = next((r, o) for r, o in zip(reads, at) if r[0] <= a < r[1] or
+                                (a == b and r[0] <= a <= r[1]))
+            views[k] = staging[o + a - a0:o + b - a0]
+        return views
+
+    def _spans_to_device(self, views: dict, nbytes: int, scope, t0: float) -> dict:
+        """Separate device memory: the payload spans copied up into one device lease (each
+        at a 64-byte aligned offset), waited for before they are decoded there."""
+        offs, end = {}, 0
+        for k, v in views.items():
+            offs[k] = end
+            end = -(-(end + v.numel()) // 64) * 64
+        buf = self.dev.lease_or_overflow(end, torch.uint8, "a quantized tile's payload", True)
+        scope.callback(self._give_back, self.dev, buf)
+        out = {}
+        for k, v in views.items():
+            dst = buf[offs[k]:offs[k] + v.numel()]
+            x = self.dev.h2d(dst, v)
+            x.wait_host()
+            self.dev.compute_waits(x)
+            out[k] = dst
+        self._link("h2d", nbytes, t0)
+        return out
 
     def _read_done(self, g: GroupRecord, t0: float, t1) -> None:
         """An NVMe read of ``g``'s home finished: the link, and frozen bytes per tier."""

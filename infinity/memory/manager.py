@@ -91,6 +91,20 @@ class MemoryManager(QuantizedFetch):
     # ------------------------------------------------------------------ setup
     def place(self, g: GroupRecord, staging: torch.Tensor | None = None) -> None:
         """Create ``g``'s home from the parameters' current values (called once)."""
+        if g.home == "device" and g.quant is not None:
+            # Note [Quantized homes]: a device home keeps the payload in device memory
+            # (QLoRA's layout); every use dequantizes it into a leased compute buffer
+            g.host_buf = self.device_pool.lease(g.home_nbytes, torch.uint8)
+            if self.dev.zero_copy:
+                g.quant.pack(g, g.host_buf)
+            else:
+                with self.host_pool.scoped(g.home_nbytes, torch.uint8) as tmp:
+                    g.quant.pack(g, tmp)
+                    x = self.dev.h2d(g.host_buf, tmp)
+                    x.wait_host()
+                    self.dev.compute_waits(x)
+            g.set_home_state()
+            return
         if g.home == "device" and not self.dev.zero_copy:
             # separate device memory (CUDA): the optimizer side works on a host mirror
             # (the fp32 master in fp32, the low-precision copy it writes otherwise); the
@@ -223,13 +237,14 @@ class MemoryManager(QuantizedFetch):
             self.wait_resident(g)
         if g.state is Location.DEVICE and g.device_buf is not None:
             return g.device_buf[lo:hi], None
-        if g.quant is not None:          # refused at initialize (infinity.engine.build)
-            raise NotImplementedError(f"memory: group {g.gid} ({g.name}) is stored quantized "
-                                      f"(offload.frozen_weights): it cannot be tiled yet")
+        if g.quant is not None:          # Note [Quantized tiles] (memory/frozen_quant.py)
+            return self._read_range_quantized(g, lo, hi)
         self.wait_home(g)
         isz = g.dtype.itemsize
         if g.state in (Location.HOST, Location.CACHED):
             src = g.host_buf[lo:hi]
+            if not g.trainable:
+                self.acct.count("frozen_host_read_bytes", (hi - lo) * isz)
             if self.dev.zero_copy:
                 return src, None
             buf = self.dev.lease_or_overflow((hi - lo) * isz, g.dtype, "a parameter tile", True)
@@ -246,6 +261,8 @@ class MemoryManager(QuantizedFetch):
         a0 = (lo * isz) // 4096 * 4096
         a1 = min(-(-(hi * isz) // 4096) * 4096, g.extent.nbytes)
         t0 = time.perf_counter()
+        if not g.trainable:
+            self.acct.count("frozen_nvme_read_bytes", a1 - a0)
         if self.dev.zero_copy:
             buf = self.dev.lease_or_overflow(a1 - a0, torch.uint8, "a parameter tile", True)
             raw = buf[: a1 - a0]
@@ -282,6 +299,8 @@ class MemoryManager(QuantizedFetch):
                     self._give_back(self.dev, buf)
                     raise
                 view = buf[: a1 - a0].view(g.dtype)[(lo * isz - a0) // isz:][: hi - lo]
+                if not g.trainable:
+                    self.acct.count("frozen_nvme_read_bytes", a1 - a0)
                 return ReadingTile(self, h, view, buf, a1 - a0, t0)
         return ReadyTile(*self.read_range(g, lo, hi), self)
 
@@ -660,7 +679,8 @@ class MemoryManager(QuantizedFetch):
     # ------------------------------------------------------------------ host updates
     def mirrored(self) -> list[GroupRecord]:
         """Device-homed groups with a host mirror (separate device memory only)."""
-        return [g for g in self.groups if g.home == "device" and g.host_buf is not None]
+        return [g for g in self.groups
+                if g.home == "device" and g.host_buf is not None and g.quant is None]
 
     def wait_host_reads(self) -> None:
         """Block until no issued copy still reads a host home or mirror, so the optimizer
@@ -689,7 +709,8 @@ class MemoryManager(QuantizedFetch):
         return self._by_storage.get(ptr)
 
     def paged(self, g: GroupRecord) -> bool:
-        return g.home != "device"
+        """Fetched before use and released after (a quantized group on any home)."""
+        return g.home != "device" or g.quant is not None
 
     # ------------------------------------------------------------------ accounting
     def _link(self, name: str, nbytes: int, t0: float, t1: float | None = None) -> None:

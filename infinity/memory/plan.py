@@ -90,7 +90,9 @@ class PlacementPlan:
     links: dict = field(default_factory=dict)     # link -> expected bytes per optimizer step
 
     def compute(self, grad_accum: int) -> "PlacementPlan":
-        paged = [g for g in self.groups if g.home != "device"]
+        # fetched and released: every group off the device, and a quantized group on any
+        # home (its compute buffer is dequantized from the payload for each use)
+        paged = [g for g in self.groups if g.home != "device" or g.quant is not None]
         trainable = [g for g in self.groups if g.trainable]
         # what the homes hold (a quantized group's payload: Note [Quantized homes])
         param_bytes = sum(g.home_nbytes for g in self.groups)
@@ -103,9 +105,13 @@ class PlacementPlan:
         largest_trainable = max((4 * g.padded_numel for g in trainable), default=0)
         sep = self.separate_device
         # device tier
-        self.device["resident params"] = sum(g.nbytes for g in self.groups if g.home == "device")
+        self.device["resident params"] = sum(g.home_nbytes for g in self.groups
+                                             if g.home == "device")
         if self.param_home == "nvme" or (sep and self.param_home == "cpu"):
             self.device["fetch window (largest group x (depth + 2))"] = largest * (self.depth + 2)
+        elif self.param_home == "device" and paged:    # a quantized base kept on the device
+            self.device["dequantized fetch window (largest group x (depth + 2))"] = \
+                largest * (self.depth + 2)
         if sep and trainable:     # GradD2H: groups assembled for their one D2H each (two:
             # the current one and one open across backward, e.g. tied weights) and the
             # sources of the copies in flight (as many as the staging bound)
@@ -115,7 +121,7 @@ class PlacementPlan:
             self.host["param home"] = param_bytes
         if sep and self.param_home == "device":
             self.host["host mirror of resident params (optimizer side)"] = \
-                sum(g.nbytes for g in self.groups if g.home == "device")
+                sum(g.nbytes for g in self.groups if g.home == "device" and g.quant is None)
         if self.param_home == "nvme" and not sep:
             self.host["staging (init only)"] = largest_group
             # quantized payloads read from NVMe land in host leases, dequantized from there

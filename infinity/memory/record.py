@@ -141,7 +141,9 @@ class GroupRecord:
     # storage
     device_buf: torch.Tensor | None = None   # flat, padded_numel, compute dtype, when fetched
     host_buf: torch.Tensor | None = None     # flat home copy when home == "cpu"; the
-    #                                          cached copy of an NVMe home (CACHED)
+    #                                          cached copy of an NVMe home (CACHED); a
+    #                                          quantized group's payload when its home is
+    #                                          memory (host, or device: Note [Quantized homes])
     extent: object | None = None             # SwapSpace extent when home == "nvme"
     pending: object | None = None            # in-flight fetch (READING/TO_DEVICE)
     # bookkeeping used by the hooks (and by Note [Overlap safety] in infinity/engine/overlap.py)
@@ -225,7 +227,7 @@ class GroupRecord:
         Parameters never change during forward/backward, so the home copy is current and
         nothing is written back (the optimizer updates the home directly).
         """
-        if self.home == "device" and not self.sharded:
+        if self.home == "device" and not self.sharded and self.quant is None:
             raise StateError(f"group {self.gid} ({self.name}): a device-homed group is never "
                              f"released (only a ZeRO-3 shard is)")
         self._need(Location.DEVICE, op="release")

@@ -123,6 +123,9 @@ class TileSpec:
         if isinstance(self.module, nn.Embedding):     # the tile, and its gradient rows
             return 2 * (self.rows * self.in_features * isz + 2 * _IO_ALIGN)
         b = self.rows * self.in_features * isz + 2 * _IO_ALIGN
+        q = self.weight[0].quant            # a quantized base: Note [Quantized tiles]
+        if q is not None:
+            b += q.tile_overhead_bytes(self.rows * self.in_features, isz)
         if self.bias is not None:                     # a Conv1D's bias: read whole
             b += (self.in_features if self.conv1d else self.rows) * isz + 2 * _IO_ALIGN
         return b

@@ -139,6 +139,10 @@ def _frozen_read_per_step(model, cfg, home):
             eng.backward(out.loss)
             eng.step()
             seen.append(eng.stats()[key] - before)
+        if "tiling" in cfg:                    # the frozen layers were read tile by tile
+            assert eng.stats()["tiles_forward"] > 0
+            assert any(g.quant is not None or not g.trainable
+                       for sp in eng.tiling.specs.values() for g in sp.groups)
     assert len(set(seen[1:])) == 1, seen       # the same bytes every step (traced)
     return seen[-1]
 
@@ -158,18 +162,25 @@ def test_frozen_base_bytes_read_per_step(dtype, bound, swap_dir, tmp_path):
     assert 0 < hq <= bound * hp, (hq, hp)
 
 
-@pytest.mark.parametrize("dtype,fw,bound", [("nf4", {}, 0.3), ("int8", {}, 0.55)])
-def test_frozen_base_bytes_against_a_bf16_base(dtype, fw, bound, swap_dir, tmp_path):
+@pytest.mark.parametrize("dtype,fw,bound,tiled", [("nf4", {}, 0.3, False),
+                                                   ("int8", {}, 0.55, False),
+                                                   ("nf4", {"double_quant": True}, 0.3, True)])
+def test_frozen_base_bytes_against_a_bf16_base(dtype, fw, bound, tiled, swap_dir, tmp_path):
     """The same bound against a bf16 working precision (2 bytes per element), on a model
-    (d 256) whose layers dwarf the per-group 4096-byte padding."""
+    (d 256) whose layers dwarf the per-group 4096-byte padding; ``tiled``: the MLP and LM
+    head computed tile by tile (Note [Quantized tiles]), each tile reading its spans."""
     def cfg(d, sw):
         c = _cfg("nvme", sw, d, **fw)
         c["precision"] = "bf16"
+        if tiled:
+            c["tiling"] = {"max_group_gb": 600e3 / 1e9}
         return c
-    plain = _frozen_read_per_step(_lora("wide", d=256), cfg(None, swap_dir), "nvme")
-    quant = _frozen_read_per_step(_lora("wide", d=256), cfg(dtype, str(tmp_path / "s2")),
+    d = 512 if tiled else 256                 # tiles of ~0.5 MB, as a real layer's are larger
+    plain = _frozen_read_per_step(_lora("wide", d=d), cfg(None, swap_dir), "nvme")
+    quant = _frozen_read_per_step(_lora("wide", d=d), cfg(dtype, str(tmp_path / "s2")),
                                   "nvme")
     assert 0 < quant <= bound * plain, (quant, plain, quant / plain)
+    print(f"{dtype} tiled={tiled}: {quant / plain:.3f}x the bf16 base's bytes")
 
 
 def test_activation_checkpointing_recompute_reads_the_quantized_base(swap_dir):
@@ -286,16 +297,114 @@ def test_world_size_above_one_refused_naming_zero():
         plan_frozen_weights(E(), None)
 
 
-def test_device_home_refused(swap_dir):
-    with pytest.raises(ConfigError, match=r"offload\.frozen_weights.*offload\.params"):
-        infinity.initialize(_lora("gpt2"), {"offload": {"frozen_weights": {"dtype": "nf4"}}})
+@pytest.mark.parametrize("simulate", [False, True], ids=["zero-copy", "simulated-device"])
+def test_device_home_keeps_the_payload_on_the_device(simulate, swap_dir, monkeypatch):
+    """``offload.params: "none"``: the quantized payload is the frozen base's home in
+    device memory (QLoRA's layout), dequantized into a leased compute buffer for each
+    use; the device holds the payload's bytes, not the working precision's.  Training
+    equals PEFT + AdamW over the dequantized base, on a zero-copy tier and through the
+    separate-device protocol (SimulatedDevice)."""
+    if simulate:
+        monkeypatch.setenv("INFINITY_SIMULATE_DEVICE", "1")
+    model = _lora("llama")
+    ref = _dequantized_reference(model, "nf4", double_quant=True)
+    opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=LR,
+                            weight_decay=0.1)
+    cfg = {"offload": {"params": "none", "optimizer": "cpu",
+                       "frozen_weights": {"dtype": "nf4", "double_quant": True}},
+           "optimizer": {"lr": LR, "weight_decay": 0.1}}
+    with infinity.initialize(model, cfg) as eng:
+        assert eng.mm.dev.zero_copy is not simulate
+        quant = [g for g in eng.grouping.groups if g.quant is not None]
+        assert quant and all(g.home == "device" for g in quant)
+        assert all(eng.mm.paged(g) for g in quant)
+        # the device holds the payloads and the plain groups, not the quantized ones whole
+        want = sum(g.home_nbytes for g in eng.grouping.groups if g.home == "device")
+        assert eng.placement.device["resident params"] == want
+        assert want < sum(g.nbytes for g in eng.grouping.groups)
+        losses, ref_losses = [], []
+        for ids in _ids(3):
+            out = eng(input_ids=ids, labels=ids)
+            eng.backward(out.loss)
+            eng.step()
+            r = ref(input_ids=ids, labels=ids)
+            r.loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(out.loss.item())
+            ref_losses.append(r.loss.item())
+            assert all(g.device_buf is None for g in quant)     # released after use
+        assert _rel(losses, ref_losses) < 1e-5, (losses, ref_losses)
+        sd = eng.state_dict()
+        for n, p in ref.named_parameters():
+            assert _rel(sd[n], p.detach()) < 1e-5, n
+        st = eng.stats()
+        assert st["frozen_nvme_read_bytes"] == 0 and st["frozen_host_read_bytes"] == 0
 
 
-def test_tiled_quantized_group_refused(swap_dir):
-    cfg = _cfg("nvme", swap_dir, "nf4")
-    cfg["tiling"] = {"max_group_gb": 1e-6}
-    with pytest.raises(NotImplementedError, match=r"tiling\.max_group_gb"):
-        infinity.initialize(_lora("gpt2"), cfg)
+def _wide_llama(seed=0, d=64):
+    import transformers
+    torch.manual_seed(seed)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=H.VOCAB, hidden_size=d, intermediate_size=4 * d, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+        use_cache=False, tie_word_embeddings=False))
+
+
+TILED = [("wide", "nf4", "nvme", {"double_quant": True}, False),
+         ("wide-llama", "int4", "cpu", {"group_size": 12}, True),
+         ("wide-llama", "int8", "nvme", {}, False),
+         ("wide-llama", "nf4", "nvme", {}, True)]
+
+
+@pytest.mark.parametrize("kind,dtype,home,fw,ckpt", TILED,
+                         ids=[f"{k}-{d}-{h}{'-dq' if fw.get('double_quant') else ''}"
+                              f"{'-ckpt' if c else ''}" for k, d, h, fw, c in TILED])
+def test_tiled_quantized_base_matches_peft_over_dequantized_base(kind, dtype, home, fw, ckpt,
+                                                                 swap_dir):
+    """Memory-centric tiling of a quantized base (Note [Quantized tiles]): each tile
+    decodes alone from the spans of its blocks; with activation checkpointing the
+    recompute reads quantized tiles too (kept for the backward).  Training equals PEFT +
+    AdamW over the dequantized base, and the tiles read a fraction of the bytes."""
+    if kind == "wide-llama":
+        base = _wide_llama()
+        model = peft.get_peft_model(base, peft.LoraConfig(
+            r=4, lora_alpha=8, target_modules=TARGETS["llama"], lora_dropout=0.0))
+    else:
+        model = _lora(kind)
+    if ckpt:
+        model.base_model.model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
+    ref = _dequantized_reference(model, dtype, **fw)
+    opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=LR,
+                            weight_decay=0.1)
+    cfg = _cfg(home, swap_dir, dtype, **fw)
+    cfg["tiling"] = {"max_group_gb": 40e3 / 1e9}       # 40 kB: the MLP and LM head tiled
+    with infinity.initialize(model, cfg) as eng:
+        eng.train()
+        ref.train()
+        tiled = [g for sp in eng.tiling.specs.values() for g in sp.groups]
+        assert any(g.quant is not None for g in tiled), eng.tiling.describe()
+        losses, ref_losses = [], []
+        for ids in _ids(3):
+            out = eng(input_ids=ids, labels=ids)
+            eng.backward(out.loss)
+            eng.step()
+            r = ref(input_ids=ids, labels=ids)
+            r.loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(out.loss.item())
+            ref_losses.append(r.loss.item())
+        assert _rel(losses, ref_losses) < 1e-5, (losses, ref_losses)
+        sd = eng.state_dict()
+        for n, p in ref.named_parameters():
+            assert _rel(sd[n], p.detach()) < 1e-5, n
+        st = eng.stats()
+        assert st["tiles_forward"] > 0
+        tier = "frozen_nvme_read_bytes" if home == "nvme" else "frozen_host_read_bytes"
+        assert st[tier] > 0
 
 
 def test_bitsandbytes_layers_refused(swap_dir):
