@@ -289,6 +289,27 @@ void nf4_quantize(uintptr_t src, int dtype, size_t n, size_t block, uintptr_t ou
     nf4_quantize_impl(src, dtype, n, block, out, absmax);
 }
 
+// byte -> its two values (high nibble first): one table load per two elements
+struct NF4Pairs {
+    float v[256][2];
+    NF4Pairs() {
+        for (int b = 0; b < 256; ++b) {
+            v[b][0] = kNF4[b >> 4];
+            v[b][1] = kNF4[b & 0xf];
+        }
+    }
+};
+const NF4Pairs kNF4P;
+
+// f32_to_bf16 without a branch (vectorizes): NaN keeps its sign and gets a quiet bit
+inline uint16_t f32_to_bf16_nb(float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    const uint32_t nan = (u >> 16) | 0x40u;
+    return static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
+}
+
 __attribute__((target_clones("avx2", "default")))
 void nf4_dequantize_impl(uintptr_t packed, size_t n, size_t block, uintptr_t absmax,
                          uintptr_t out, int out_dtype) {
@@ -304,15 +325,16 @@ void nf4_dequantize_impl(uintptr_t packed, size_t n, size_t block, uintptr_t abs
         const float s = am[b];
         const uint8_t* p = in + off / 2;
         const size_t pairs = len / 2;
+        float* dst = out_dtype == kF32 ? o32 + off : x;
         for (size_t k = 0; k < pairs; ++k) {
-            x[2 * k] = kNF4[p[k] >> 4] * s;
-            x[2 * k + 1] = kNF4[p[k] & 0xfu] * s;
+            const float* e = kNF4P.v[p[k]];
+            dst[2 * k] = e[0] * s;
+            dst[2 * k + 1] = e[1] * s;
         }
-        if (len % 2) x[len - 1] = kNF4[p[pairs] >> 4] * s;
-        if (out_dtype == kF32) {
-            std::memcpy(o32 + off, x, len * 4);
-        } else {
-            for (size_t i = 0; i < len; ++i) o16[off + i] = f32_to_bf16(x[i]);
+        if (len % 2) dst[len - 1] = kNF4[p[pairs] >> 4] * s;
+        if (out_dtype != kF32) {
+            uint16_t* o = o16 + off;
+            for (size_t i = 0; i < len; ++i) o[i] = f32_to_bf16_nb(x[i]);
         }
     }
 }
