@@ -134,7 +134,11 @@ class EngineCheckpoint:
         """The compute-dtype values of :meth:`_home_range` (flat), from wherever they are
         current."""
         from infinity.memory.record import Location
-        if g.quant is not None:      # stored quantized (one process): dequantized values
+        if g.quant is not None and self.sharded_home:   # Note [Quantized shards]: collective
+            from infinity.zero.quantized_shards import gathered_values
+            lo, hi = self._home_range(g)
+            return gathered_values(g, self.zero.comm, self.e.swap)[lo:hi]
+        if g.quant is not None:      # stored quantized: dequantized values
             from infinity.memory.frozen_quant import home_values
             return home_values(g, self.e.swap)
         if g.host_buf is not None:   # host home, or the host mirror of a resident CUDA group
@@ -181,6 +185,8 @@ class EngineCheckpoint:
         # writes its shard; at stages 1/2 (and world size 1) rank 0 writes them whole
         last, flat = None, None
         for g, s in self._frozen_slots():
+            if self.sharded_home and g.quant is not None and g is not last:
+                flat, last = self._home_read(g), g    # collective: on every rank
             if self.sharded_home:
                 r = self._own(g, s)
                 if r is None:
@@ -315,6 +321,10 @@ class EngineCheckpoint:
             else:
                 a, t = s.offset, reader.read(s.name).reshape(-1)
             frozen.setdefault(g.gid, (g, []))[1].append((a, t.to(g.dtype)))
+        if self.sharded_home:        # Note [Quantized shards]: collective, every rank in order
+            for g in {id(g): g for g, _ in self._frozen_slots()}.values():
+                if g.quant is not None:
+                    self._write_home(g, frozen.pop(g.gid, (g, []))[1])
         for g, items in frozen.values():
             self._write_home(g, items)
         with torch.no_grad():
@@ -354,6 +364,11 @@ class EngineCheckpoint:
             v = values.get(s.name)
             if v is None:
                 continue
+            if g.quant is not None:
+                raise ValueError(
+                    f"GatheredParameters: {s.name} is a frozen weight stored quantized "
+                    f"(offload.frozen_weights); it cannot be modified in place -- change the "
+                    f"base before initialize, or set offload.frozen_weights.dtype to null")
             flat = v.reshape(-1).to(g.dtype)
             if self.sharded_home:
                 r = self._own(g, s)
@@ -390,6 +405,14 @@ class EngineCheckpoint:
         """Write compute values ``(group offset, flat tensor)`` into ``g``'s home (its
         shard of it at stage 3)."""
         lo = self._home_range(g)[0]
+        if g.quant is not None and self.sharded_home:   # Note [Quantized shards]: collective
+            from infinity.zero.quantized_shards import write_gathered_values
+            hi = self._home_range(g)[1]
+            mine = torch.zeros(hi - lo, dtype=g.dtype)
+            for a, t in items:
+                mine[a - lo:a - lo + t.numel()].copy_(t)
+            write_gathered_values(g, self.zero.comm, self.e.swap, lo, mine)
+            return
         if g.quant is not None:      # stored quantized: quantized again (frozen_quant)
             from infinity.memory.frozen_quant import home_values, write_home_values
             flat = home_values(g, self.e.swap)

@@ -10,7 +10,7 @@ from infinity.memory.frozen_quant import QuantSpec, layout_for, quantizable_weig
 
 log = logging.getLogger("infinity.engine")
 
-__all__ = ["refuse_bitsandbytes", "plan_frozen_weights"]
+__all__ = ["refuse_bitsandbytes", "plan_frozen_weights", "refuse_tiles_across_ranks"]
 
 _BNB_CLASSES = ("Linear4bit", "Linear8bitLt", "LinearNF4", "LinearFP4", "Params4bit",
                 "Int8Params")
@@ -36,18 +36,13 @@ def refuse_bitsandbytes(model) -> None:
 def plan_frozen_weights(engine, grouping) -> int:
     """Attach a payload layout to every frozen group holding a quantizable weight when
     ``offload.frozen_weights.dtype`` is set; returns how many groups were given one.
-    Refuses what is not supported yet: several ranks (ZeRO), a model built under
-    ``infinity.Init``."""
+    Refuses what is not supported yet: a model built under ``infinity.Init``.  Across
+    ranks the payloads are replicated at stages 1-2 (device homes) and sharded by bytes at
+    stage 3 (Note [Quantized shards] in infinity/zero/quantized_shards.py)."""
     cfg = engine.cfg
     fw = cfg.offload.frozen_weights
     if fw.dtype is None:
         return 0
-    ws = engine.zero.world_size if engine.zero is not None else 1
-    if ws > 1:
-        raise ConfigError(
-            f"offload.frozen_weights.dtype: {fw.dtype!r} is supported in one process only so "
-            f"far (this run has {ws} ranks); ZeRO support for a quantized frozen base comes "
-            f"later: set offload.frozen_weights.dtype to null, or train on one rank")
     from infinity.zero.init import is_managed
     if any(is_managed(s.param) for g in grouping.groups for s in g.slots):
         raise NotImplementedError(
@@ -72,3 +67,19 @@ def plan_frozen_weights(engine, grouping) -> int:
                     "nn.Linear / Conv1D / nn.Embedding weight: nothing is quantized", fw.dtype)
     return n
 
+
+def refuse_tiles_across_ranks(tile_specs, world_size: int) -> None:
+    """Memory-centric tiling gathers element ranges from their owners across ranks; a
+    quantized payload is sharded by bytes there (Note [Quantized shards]): not yet."""
+    if world_size <= 1:
+        return
+    for sp in tile_specs.values():
+        for g in sp.groups:
+            if g.quant is not None:
+                raise NotImplementedError(
+                    f"offload.frozen_weights: group {g.name or '<root>'} "
+                    f"({g.nbytes / 1e6:.1f} MB in the working precision) would be tiled "
+                    f"across {world_size} ranks (memory-centric tiling), which a quantized "
+                    f"frozen base does not support yet; raise tiling.max_group_gb (or "
+                    f"offload.device_memory_gb) above that size, train on one rank, or set "
+                    f"offload.frozen_weights.dtype to null")

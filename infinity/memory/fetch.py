@@ -143,7 +143,7 @@ class QuantizedFetch:
         finally:
             if owner is not None:
                 self._give_back(owner, src)   # CUDA: the next copy into it waits for compute
-        if g.home == "cpu":
+        if g.home == "cpu" and not g.sharded:      # (across ranks: counted at the read)
             self.acct.count("frozen_host_read_bytes", g.home_nbytes)
 
     def _read_range_quantized(self, g: GroupRecord, lo: int, hi: int):

@@ -323,9 +323,12 @@ def home_values(g, swap) -> torch.Tensor:
 
 
 def write_home_values(g, swap, values: torch.Tensor) -> None:
-    """Quantize the flat working-dtype ``values`` into ``g``'s home (a checkpoint load:
-    values that were dequantized from such a payload quantize back to the same codes,
-    up to the rounding of a block's absmax)."""
+    """Quantize the flat working-dtype ``values`` into ``g``'s home (a checkpoint load).
+    Values equal to what the home already dequantizes to -- the same base saved and
+    loaded -- leave the payload as it is (quantizing dequantized values again is not
+    always the identity: double-quantized scales move)."""
+    if torch.equal(values[:g.padded_numel], home_values(g, swap)):
+        return
     if g.host_buf is not None and g.host_buf.device.type == "cpu":
         g.quant.pack(g, g.host_buf, values)
         return

@@ -279,6 +279,12 @@ def _shard_values(src: ShardSource, g, lo: int, hi: int) -> torch.Tensor:
     if g.trainable:
         src.read_master(g, out)
         return out
+    if g.quant is not None and src.zero.stage < 3:     # replicated, stored quantized
+        from infinity.memory.frozen_quant import home_values
+        return out.copy_(home_values(g, src.swap)[lo:hi])
+    if g.quant is not None:          # Note [Quantized shards]: gathered (collective)
+        from infinity.zero.quantized_shards import gathered_values
+        return out.copy_(gathered_values(g, src.zero.comm, src.swap)[lo:hi])
     if src.zero.stage < 3:
         return out.copy_(g.device_buf[lo:hi])
     if g.home == "nvme":

@@ -45,13 +45,14 @@ from infinity.memory.pool import leased_size
 from infinity.memory.record import GroupRecord, Location
 from infinity.zero.comm import Comm
 from infinity.zero.partition import Partition
+from infinity.zero.quantized_shards import QuantizedShards, qshard_bytes
 
 log = logging.getLogger("infinity.zero")
 
-__all__ = ["PartitionedMemoryManager"]
+__all__ = ["PartitionedMemoryManager", "PendingGather"]
 
 
-class _Gather:
+class PendingGather:
     """The fetch worker's job for one group: the ``handle`` of the manager's ``Fetch``
     (``done()``/``wait()`` like an NVMe read handle).  ``staging``: pinned host staging
     of an NVMe shard on separate device memory (given back once the job is done);
@@ -104,7 +105,7 @@ class _PendingTile:
         self.mm.dev.give_back(self.buf)
 
 
-class PartitionedMemoryManager(MemoryManager):
+class PartitionedMemoryManager(QuantizedShards, MemoryManager):
     def __init__(self, groups: list[GroupRecord], *, comm: Comm, zeropp=None, **kw):
         super().__init__(groups, **kw)
         self.comm = comm
@@ -124,6 +125,8 @@ class PartitionedMemoryManager(MemoryManager):
         return self.part.range(g.padded_numel)
 
     def _shard_bytes(self, g: GroupRecord) -> int:
+        if g.quant is not None:               # Note [Quantized shards]
+            return qshard_bytes(g, self.part.world_size)
         lo, hi = self.shard(g)
         return (hi - lo) * g.dtype.itemsize
 
@@ -131,6 +134,9 @@ class PartitionedMemoryManager(MemoryManager):
 
     # ------------------------------------------------------------------ setup
     def place(self, g: GroupRecord, staging: torch.Tensor | None = None) -> None:
+        if g.quant is not None:               # Note [Quantized shards]
+            self._place_quantized(g)
+            return
         lo, hi = self.shard(g)
         shard_bytes = self._shard_bytes(g)
         own = staging is None or staging.numel() < g.nbytes
@@ -174,6 +180,8 @@ class PartitionedMemoryManager(MemoryManager):
         wait = self._home_busy.pop(g.gid, None)
         if wait is not None:
             wait()          # an overlapped step still writes its home shard (Note [Overlap safety])
+        if g.quant is not None:               # Note [Quantized shards]
+            return self._fetch_quantized_sharded(g, allow_overflow)
         buf = self._lease_device(g, allow_overflow)
         if buf is None:
             return False
@@ -184,7 +192,7 @@ class PartitionedMemoryManager(MemoryManager):
         try:
             if g.home == "nvme" and copy is None and not self.dev.zero_copy:
                 staging = self.host_pool.lease(self._shard_bytes(g), g.dtype)
-            f = Fetch(_Gather(self._worker.submit(self._gather, g, buf, staging, copy),
+            f = Fetch(PendingGather(self._worker.submit(self._gather, g, buf, staging, copy),
                               staging), t0)
         except BaseException:
             if staging is not None:
@@ -237,6 +245,8 @@ class PartitionedMemoryManager(MemoryManager):
 
     def _gather_params(self, g: GroupRecord, buf: torch.Tensor, shard: torch.Tensor,
                        name: str) -> None:
+        if not g.trainable:               # (compared with a quantized base's: Note [Quantized shards])
+            self.acct.count("frozen_allgather_bytes", buf.numel() * buf.element_size())
         if self.zeropp is not None:
             self.zeropp.gather_params(g.gid, buf, shard, name)
         else:
@@ -251,6 +261,8 @@ class PartitionedMemoryManager(MemoryManager):
             finally:
                 self._drop_staging(f)
             self.dev.compute_waits(f.handle.marker)
+            if f.qsrc is not None:            # Note [Quantized shards]: the gathered blob
+                self._dequantize(g, f)
             if g.state is Location.READING:
                 g.finish_read()
             else:
@@ -264,7 +276,7 @@ class PartitionedMemoryManager(MemoryManager):
 
     def _drop_staging(self, f) -> None:
         h = f.handle if isinstance(f, Fetch) else None
-        if isinstance(h, _Gather) and h.staging is not None and h.fut.done():
+        if isinstance(h, PendingGather) and h.staging is not None and h.fut.done():
             staging, h.staging = h.staging, None
             self._give_back(self.host_pool, staging)
 
@@ -350,7 +362,7 @@ class PartitionedMemoryManager(MemoryManager):
     @staticmethod
     def _settle_gather(g: GroupRecord) -> None:
         f = g.pending
-        if isinstance(f, Fetch) and isinstance(f.handle, _Gather):
+        if isinstance(f, Fetch) and isinstance(f.handle, PendingGather):
             try:
                 f.handle.fut.exception()      # finished (its error is raised by its wait)
             except BaseException:  # noqa: BLE001 - cancelled: nothing in flight
@@ -393,6 +405,9 @@ class PartitionedMemoryManager(MemoryManager):
             self.wait_resident(g)
         if g.state is Location.DEVICE and g.device_buf is not None:
             return ReadyTile(g.device_buf[lo:hi], None)   # gathered whole (on every rank)
+        if g.quant is not None:               # refused at initialize (engine/frozen.py)
+            raise NotImplementedError(f"memory: group {g.gid} ({g.name}) is stored "
+                                      f"quantized across ranks: it cannot be tiled")
         self.wait_home(g)
         isz = g.dtype.itemsize
         slo, _ = self.shard(g)
@@ -472,7 +487,7 @@ class PartitionedMemoryManager(MemoryManager):
         if self.dev.zero_copy:
             return
         for g in self.groups:
-            if g.home == "device":
+            if g.home == "device" and g.quant is None:
                 self._refresh(g)
 
     def wait_host_reads(self) -> None:

@@ -283,18 +283,18 @@ def test_config_key_validated_and_round_trips():
         InfinityConfig.load({"offload": {"frozen_weights": "nf4"}})
 
 
-def test_world_size_above_one_refused_naming_zero():
-    from infinity.engine.frozen import plan_frozen_weights
+def test_tiling_across_ranks_refused_naming_the_key():
+    from infinity.engine.frozen import refuse_tiles_across_ranks
+    from infinity.memory.frozen_quant import QuantSpec
 
-    class Zero:
-        world_size = 2
+    class G:
+        quant, name, nbytes = QuantSpec("nf4"), "mlp.up", 8e6
 
-    class E:
-        cfg = InfinityConfig.load({"offload": {"params": "cpu",
-                                               "frozen_weights": {"dtype": "nf4"}}})
-        zero = Zero()
-    with pytest.raises(ConfigError, match=r"offload\.frozen_weights\.dtype.*ZeRO"):
-        plan_frozen_weights(E(), None)
+    class Spec:
+        groups = [G()]
+    refuse_tiles_across_ranks({"m": Spec()}, 1)       # one process: tiles are supported
+    with pytest.raises(NotImplementedError, match=r"tiling\.max_group_gb"):
+        refuse_tiles_across_ranks({"m": Spec()}, 2)
 
 
 @pytest.mark.parametrize("simulate", [False, True], ids=["zero-copy", "simulated-device"])

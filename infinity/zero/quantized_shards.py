@@ -1,0 +1,209 @@
+"""ZeRO stage 3 with a frozen base kept quantized (``offload.frozen_weights``): each rank
+homes a byte shard of every quantized group's payload, and a fetch all-gathers the
+quantized bytes, not the working precision.
+
+Note [Quantized shards]
+~~~~~~~~~~~~~~~~~~~~~~~
+A quantized group's payload (``QuantLayout``, Note [Quantized homes] in
+infinity/memory/frozen_quant.py) is one byte blob of ``quant.nbytes`` bytes.  At stage 3 it
+is split by bytes, not by elements: rank ``r`` homes bytes ``[r * S, (r + 1) * S)`` of the
+blob padded to ``world_size * S`` (``S`` a multiple of 4096, one aligned NVMe extent per
+rank) -- host memory, its NVMe extent, or device memory.  ``place`` packs the whole blob on
+every rank (the parameters are whole there before ``initialize`` returns; the same
+quantizer gives every rank the same bytes) and keeps its shard.
+
+A fetch leases the compute buffer (working precision, as any group) and a device-tier
+buffer of ``world_size * S`` bytes; the gather worker brings this rank's shard into its
+slot of that buffer (NVMe read, host copy / H2D, or the resident shard as the input) and
+all-gathers the other shards into it on the ``param`` group, in the worker's order like
+every parameter gather; ``wait_resident`` dequantizes the gathered blob into the compute
+buffer and gives the blob back.  So the wire carries the quantized form -- about a quarter
+of a bf16 base's bytes at 4 bits -- and each rank dequantizes after the gather; ZeRO++'s
+qwZ (which would quantize again) and hpZ are not applied to these groups (their bytes go
+the ``param`` group's way: NCCL/gloo, or the shared-memory transport between the ranks of
+one machine, as for any all-gather).
+
+What reads a quantized group's values off the fetch path is collective: the values of a
+group are the dequantized gathered blob (:func:`gathered_values`), so ``state_dict``,
+gathered exports and checkpoints gather them on every rank in the same order, and a
+checkpoint load gathers the loaded working-precision values and quantizes them again on
+every rank (:func:`write_gathered_values`), each keeping its shard.  Memory-centric tiling
+of a quantized group across ranks is refused at ``initialize``.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from infinity.memory.manager import Fetch
+from infinity.memory.record import GroupRecord
+
+__all__ = ["qshard_bytes", "QuantizedShards", "home_shard", "gathered_values",
+           "write_gathered_values"]
+
+_ALIGN = 4096
+
+
+def qshard_bytes(g: GroupRecord, world_size: int) -> int:
+    """``S``: the bytes of quantized ``g``'s payload each rank homes (Note [Quantized
+    shards])."""
+    per = -(-g.quant.nbytes // world_size)
+    return -(-per // _ALIGN) * _ALIGN
+
+
+def home_shard(g: GroupRecord, swap, nbytes: int) -> torch.Tensor:
+    """This rank's shard of quantized ``g``'s payload (``nbytes`` bytes) as a CPU uint8
+    tensor, read from its home (host memory, device memory, or its NVMe extent)."""
+    if g.host_buf is not None:
+        return g.host_buf if g.host_buf.device.type == "cpu" else g.host_buf.cpu()
+    if g.home != "nvme" or swap is None:
+        raise RuntimeError(f"frozen_weights: group {g.gid} ({g.name}) has no readable home")
+    from infinity.io import aligned_empty
+    buf = aligned_empty(nbytes, torch.uint8)
+    swap.read(g.extent, buf).wait()
+    return buf
+
+
+def gathered_values(g: GroupRecord, comm, swap) -> torch.Tensor:
+    """Quantized ``g``'s flat values (working dtype, ``padded_numel``), dequantized from
+    the payload gathered from every rank.  Collective (the ``default`` group)."""
+    s = qshard_bytes(g, comm.world_size)
+    blob = torch.empty(s * comm.world_size, dtype=torch.uint8)
+    comm.all_gather_into(blob, home_shard(g, swap, s), group="default",
+                         name=f"quantized payload of group {g.gid} ({g.name or '<root>'})")
+    out = torch.zeros(g.padded_numel, dtype=g.dtype)
+    g.quant.unpack(blob, out, g)
+    return out
+
+
+def write_gathered_values(g: GroupRecord, comm, swap, lo: int, mine: torch.Tensor) -> None:
+    """A checkpoint load: this rank's element shard ``mine`` (working dtype, elements
+    ``lo ..``) of quantized ``g``'s new values; every rank's shards are gathered, quantized
+    again (the same bytes on every rank) and this rank's byte shard written to its home.
+    Collective (the ``default`` group)."""
+    ws = comm.world_size
+    full = torch.zeros(mine.numel() * ws, dtype=g.dtype)
+    comm.all_gather_into(full, mine.contiguous(), group="default",
+                         name=f"loaded values of group {g.gid} ({g.name or '<root>'})")
+    # the same base saved and loaded: the payload stays (see write_home_values); every rank
+    # compares the same gathered tensors, so every rank decides alike
+    if torch.equal(full[:g.padded_numel], gathered_values(g, comm, swap)):
+        return
+    s = qshard_bytes(g, ws)
+    blob = torch.zeros(s * ws, dtype=torch.uint8)
+    g.quant.pack(g, blob[:g.quant.nbytes], full[:g.padded_numel])
+    r = comm.rank
+    mine_b = blob[r * s:(r + 1) * s]
+    if g.host_buf is not None:
+        g.host_buf.copy_(mine_b)
+        return
+    from infinity.io import aligned_empty
+    buf = aligned_empty(s, torch.uint8)
+    buf.copy_(mine_b)
+    swap.write(g.extent, buf).wait()
+
+
+class QuantizedShards:
+    """Placement and fetch of quantized groups at stage 3 (mixed into
+    :class:`~infinity.zero.partitioned_memory.PartitionedMemoryManager`; Note [Quantized
+    shards])."""
+
+    def _qshard(self, g: GroupRecord) -> tuple[int, int]:
+        s = qshard_bytes(g, self.part.world_size)
+        return self.part.rank * s, s
+
+    def _place_quantized(self, g: GroupRecord) -> None:
+        r0, s = self._qshard(g)
+        ws = self.part.world_size
+        with self.host_pool.scoped(s * ws, torch.uint8) as full:
+            full.zero_()
+            g.quant.pack(g, full[:g.quant.nbytes])
+            mine = full[r0:r0 + s]
+            if g.home == "device":
+                g.host_buf = self.device_pool.lease(s, torch.uint8)
+                if self.dev.zero_copy:
+                    g.host_buf.copy_(mine)
+                else:
+                    x = self.dev.h2d(g.host_buf, mine)
+                    x.wait_host()
+                    self.dev.compute_waits(x)
+                self._resident[g.gid] = g.host_buf
+            elif g.home == "cpu":
+                g.host_buf = self.host_pool.lease(s, torch.uint8)
+                g.host_buf.copy_(mine)
+            elif g.home == "nvme":
+                if self.swap is None:
+                    raise RuntimeError("memory: NVMe home requested but no swap space was "
+                                       "opened")
+                g.extent = self.swap.allocate(s)
+                t0 = time.perf_counter()
+                self.swap.write(g.extent, mine).wait()
+                self._link("nvme_write", s, t0)
+            else:
+                raise ValueError(f"memory: unknown home {g.home!r}")
+        g.set_home_state()
+
+    def _fetch_quantized_sharded(self, g: GroupRecord, allow_overflow: bool) -> bool:
+        from infinity.zero.partitioned_memory import PendingGather
+        buf = self._lease_device(g, allow_overflow)
+        if buf is None:
+            return False
+        r0, s = self._qshard(g)
+        t0 = time.perf_counter()
+        staging = blob = None
+        try:
+            blob = self.dev.lease_or_overflow(s * self.part.world_size, torch.uint8,
+                                              "a quantized payload", True)
+            if g.home == "nvme" and not self.dev.zero_copy:
+                staging = self.host_pool.lease(s, torch.uint8)
+            f = Fetch(PendingGather(self._worker.submit(self._gather_quantized, g, blob,
+                                                        staging), staging), t0,
+                      qsrc=blob, qowner=self.dev)
+        except BaseException:
+            if staging is not None:
+                self.host_pool.give_back(staging)
+            if blob is not None:
+                self.dev.give_back(blob)
+            self.dev.give_back(buf)
+            raise
+        if g.home == "nvme":
+            g.begin_read(buf, f)
+        else:
+            g.begin_to_device(buf, f)
+        self._inflight[g.gid] = g
+        return True
+
+    def _gather_quantized(self, g: GroupRecord, blob: torch.Tensor, staging):
+        """Worker thread: this rank's payload shard into its slot of ``blob``, then the
+        all-gather of the others into ``blob``; returns the completion marker."""
+        r0, s = self._qshard(g)
+        mine = blob[r0:r0 + s]
+        name = f"quantized parameters of group {g.gid} ({g.name or '<root>'})"
+        with self.dev.side_stream():
+            src = None
+            if g.home == "device" or (g.home == "cpu" and self.dev.zero_copy):
+                src = g.host_buf              # the resident shard / host home in place
+                if g.home == "cpu":
+                    self.acct.count("frozen_host_read_bytes", s)
+                self.dev.wait_free(blob)
+            else:
+                if g.home == "nvme":
+                    t0 = time.perf_counter()
+                    self.swap.read(g.extent, mine if staging is None else staging).wait()
+                    self._link("nvme_read", s, t0)
+                    self.acct.count("frozen_nvme_read_bytes", s)
+                    host = staging
+                else:
+                    host = g.host_buf
+                    self.acct.count("frozen_host_read_bytes", s)
+                if host is not None:          # separate device memory: H2D of the shard
+                    x = self.dev.h2d(mine, host)
+                    x.wait_host()
+                    self._link("h2d", x.nbytes, x.t0, x.t_end)
+                else:
+                    self.dev.wait_free(blob)
+            self.acct.count("frozen_allgather_bytes", s * self.part.world_size)
+            self.comm.all_gather_into(blob, mine if src is None else src, group="param",
+                                      name=name)
+            return self.dev.mark(blob)
