@@ -70,6 +70,22 @@ def register(sub):
     p.add_argument("--drive-tbw", type=float, metavar="TB",
                    help="the swap drives' rated total TB written: the summary gives their life "
                         "in steps and tokens at this run's rate (always: TB written per step)")
+    g = p.add_argument_group(
+        "LoRA", "train low-rank adapters (PEFT) over a frozen base instead of every weight; "
+                "--output then writes the adapters as PEFT does (docs/finetune.md#lora)")
+    g.add_argument("--lora", type=int, metavar="R",
+                   help="LoRA rank (>= 1); absent: full fine-tuning")
+    g.add_argument("--lora-targets", nargs="+", metavar="NAME",
+                   help="module-name suffixes to adapt, as PEFT's target_modules (default: "
+                        "every nn.Linear / Conv1D but the LM head: the attention and MLP "
+                        "projections)")
+    g.add_argument("--lora-alpha", type=float, metavar="A",
+                   help="LoRA scaling numerator (default 2 x R; the update is scaled by A/R)")
+    g.add_argument("--lora-dropout", type=float, metavar="P",
+                   help="dropout on the adapters' input (default 0.0)")
+    g.add_argument("--frozen-dtype", choices=("nf4", "int8", "int4"),
+                   help="offload.frozen_weights.dtype: keep the frozen base quantized at its "
+                        "home (NVMe by default), dequantized just before use; needs --lora")
     p.add_argument("--no-bench-io", action="store_true",
                    help="ignore a saved `infinity bench-io --sweep --save` result")
     p.set_defaults(func=run)
@@ -90,7 +106,9 @@ def run(args):
                            seed=args.seed, use_bench_io=not args.no_bench_io,
                            tokenizer=args.tokenizer, auto=args.auto,
                            allow_lossy=args.allow_lossy, curriculum=args.curriculum,
-                           drive_tbw=args.drive_tbw)
+                           drive_tbw=args.drive_tbw, lora=args.lora,
+                           lora_targets=args.lora_targets, lora_alpha=args.lora_alpha,
+                           lora_dropout=args.lora_dropout, frozen_dtype=args.frozen_dtype)
     if args.allow_lossy and not args.auto:
         raise CLIError("--allow-lossy goes with --auto")
     try:

@@ -12,7 +12,9 @@ A run is identified by
   seed (the data order) and the tokenizer;
 - the training keys of the config: optimizer (type, lr, betas, ...), schedule, precision,
   gradient clipping, micro-batch, accumulation and sequence length, and the sequence-length
-  curriculum when there is one.
+  curriculum when there is one;
+- with ``--lora``: the adapters (rank, alpha, dropout, target modules) and the frozen
+  base's format (``offload.frozen_weights``, ``--frozen-dtype``) when it is quantized.
 
 ``--steps`` is not part of it: a larger value extends the run. :func:`run_identity`
 builds the dict that every checkpoint's meta records under ``"run"``; :func:`differences`
@@ -102,12 +104,21 @@ def training_identity(cfg, *, micro_batch, grad_accum, seq_len, auto=False):
     return out
 
 
-def run_identity(opts, cfg, *, micro_batch, grad_accum, seq_len, tokenizer):
-    """The JSON-able identity of this run (stored in each checkpoint's meta under ``"run"``)."""
+def run_identity(opts, cfg, *, micro_batch, grad_accum, seq_len, tokenizer, lora=None):
+    """The JSON-able identity of this run (stored in each checkpoint's meta under ``"run"``).
+    ``lora``: the run's :class:`infinity.finetune.lora.LoraSpec` (full fine-tuning: None, and
+    the identity is what it was before LoRA existed)."""
     ident = {"model": model_identity(opts.model), "data": data_identity(opts.data),
              "seed": int(opts.seed), "tokenizer": tokenizer,
              "training": training_identity(cfg, micro_batch=micro_batch, grad_accum=grad_accum,
                                            seq_len=seq_len, auto=bool(opts.auto))}
+    if lora is not None:
+        ident["lora"] = lora.identity()
+        from infinity.config import InfinityConfig
+
+        fw = InfinityConfig.load(cfg).to_dict()["offload"].get("frozen_weights")
+        if fw and fw.get("dtype"):
+            ident["frozen_weights"] = fw
     return json.loads(json.dumps(ident))  # exactly what a round trip through the meta gives
 
 
@@ -136,7 +147,12 @@ _LABELS = {"training.optimizer.lr": "learning rate (--lr / optimizer.lr)",
            "training.optimizer.state_dtype": "optimizer.state_dtype (--state-dtype)",
            "training.seq_len": "sequence length (--seq-len)",
            "training.micro_batch": "micro-batch (--batch-tokens / --seq-len)",
-           "seed": "seed (--seed)", "tokenizer.kind": "tokenizer (--tokenizer)"}
+           "seed": "seed (--seed)", "tokenizer.kind": "tokenizer (--tokenizer)",
+           "lora.rank": "LoRA rank (--lora)", "lora.alpha": "LoRA alpha (--lora-alpha)",
+           "lora.dropout": "LoRA dropout (--lora-dropout)",
+           "lora.targets": "LoRA target modules (--lora-targets)",
+           "frozen_weights.dtype": "frozen base format (--frozen-dtype / "
+                                   "offload.frozen_weights.dtype)"}
 
 
 def differences(saved, current):

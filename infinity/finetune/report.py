@@ -4,6 +4,10 @@
 - everything human-readable goes to stderr: a tqdm bar on a terminal, one plain
   line per step otherwise (logs, CI), and the final summary table.
 - only rank 0 reports (other ranks get a silent reporter).
+
+``params_text`` / ``frozen_base_text`` are the summary's ``params`` and ``frozen base``
+rows: trainable (LoRA adapter) parameters against the total, and the format and bytes of
+the frozen base.
 """
 import json
 import math
@@ -65,6 +69,36 @@ def wear_text(written_per_step: float, tokens_per_step: float, drive_tbw=None) -
     return out
 
 
+def _count(n):
+    return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M" if n >= 1e6 else f"{n:,}"
+
+
+def params_text(trainable, total, lora=None):
+    """``trainable 8,704 of 5.13 M (0.17 %): LoRA rank 8, ...`` (full fine-tuning: all)."""
+    pct = 100.0 * trainable / total if total else 0.0
+    head = f"trainable {_count(trainable)} of {_count(total)} ({pct:.3g} %)"
+    if lora is None:
+        return f"{head}: full fine-tuning"
+    return f"{head}: {lora}"
+
+
+def frozen_base_text(fmt, *, working, read_bytes=None):
+    """The frozen base: its stored format (``fmt`` from
+    :func:`infinity.finetune.lora.frozen_format`, None: the working precision ``working``)
+    and the bytes it was read over the run."""
+    if fmt is None:
+        out = (f"{working}, the working precision (--frozen-dtype nf4|int8|int4 keeps it "
+               "quantized at its home)")
+    else:
+        opts = f"group size {fmt['group_size']}" + (", double quant" if fmt["double_quant"]
+                                                    else "")
+        out = (f"{fmt['dtype']} ({opts}): {_fmt_bytes(fmt['home_bytes'])} at its home instead "
+               f"of {_fmt_bytes(fmt['bytes'])} in {working}")
+    if read_bytes is not None:
+        out += f"; {_fmt_bytes(read_bytes)} read over the run"
+    return out
+
+
 class Reporter:
     """Collects per-step records; prints them as the mode asks."""
 
@@ -85,6 +119,7 @@ class Reporter:
             progress = enabled and hasattr(self.stderr, "isatty") and self.stderr.isatty()
         self._progress = progress
         self._initial = 0
+        self.run_info = {}      # constant fields of every --json line (params, frozen base)
 
     def _ensure_bar(self):
         """Created at the first step, so setup time and setup logs stay off the bar."""
@@ -123,6 +158,11 @@ class Reporter:
         """Training begins (shows the progress bar on a terminal)."""
         self._ensure_bar()
 
+    def set_run_info(self, info):
+        """Fields every ``--json`` line carries (``trainable_params``, ``total_params``, and
+        ``frozen_dtype`` when the frozen base is kept quantized)."""
+        self.run_info = dict(info or {})
+
     def set_initial(self, step):
         """Steps already done (resume): the bar starts there."""
         self._initial = step
@@ -135,6 +175,7 @@ class Reporter:
             return
         if self.json_lines:
             flat = {k: v for k, v in rec.items() if k not in ("bytes", "gbps")}
+            flat.update(self.run_info)
             for k in LINKS:
                 flat[f"{k}_bytes"] = rec["bytes"].get(k, 0)
                 flat[f"{k}_gbps"] = round(rec["gbps"].get(k, 0.0), 4)

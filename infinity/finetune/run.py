@@ -50,6 +50,11 @@ class FinetuneOptions:
     allow_lossy: bool = False       # --auto may choose bf16 Adam moments / bf16 gradient partial sums
     curriculum: str = None          # "seqlen:START:STEPS[:linear|root|discrete]" (infinity.curriculum)
     drive_tbw: float = None         # the drives' rated TB written (the summary gives their life)
+    lora: int = None                # LoRA rank (None: full fine-tuning), infinity.finetune.lora
+    lora_targets: list = None       # module-name suffixes (None: every Linear but the LM head)
+    lora_alpha: float = None        # None: 2 x rank
+    lora_dropout: float = None      # None: 0.0
+    frozen_dtype: str = None        # offload.frozen_weights.dtype override ("nf4"|"int8"|"int4")
 
 
 def dist_env():
@@ -94,6 +99,7 @@ def _validate(opts):
             raise FinetuneError(str(e)) from e
     if opts.lr is not None and not (opts.lr > 0):
         raise FinetuneError(f"--lr must be > 0, got {opts.lr}")
+    _validate_lora(opts)
     if opts.output:
         from infinity.finetune.output import OutputError, check_output_dir
 
@@ -101,6 +107,82 @@ def _validate(opts):
             check_output_dir(opts.output)
         except OutputError as e:
             raise FinetuneError(str(e)) from e
+
+
+def _validate_lora(opts):
+    """The LoRA flags on their own (against the model: :func:`_lora_spec`)."""
+    from infinity.finetune.lora import FROZEN_DTYPES, LoraError, check_values, import_peft
+
+    if opts.frozen_dtype is not None and opts.frozen_dtype not in FROZEN_DTYPES:
+        raise FinetuneError(f"--frozen-dtype must be one of {', '.join(FROZEN_DTYPES)}, got "
+                            f"{opts.frozen_dtype!r}")
+    if opts.lora is None:
+        given = [f for f, v in (("--lora-targets", opts.lora_targets),
+                                ("--lora-alpha", opts.lora_alpha),
+                                ("--lora-dropout", opts.lora_dropout)) if v is not None]
+        if given:
+            raise FinetuneError(f"{'/'.join(given)} set(s) the LoRA adapters: add --lora R "
+                                "(the adapters' rank, e.g. --lora 8)")
+        if opts.frozen_dtype is not None:
+            raise FinetuneError(f"--frozen-dtype {opts.frozen_dtype} stores the frozen base of a "
+                                "LoRA run quantized; full fine-tuning trains every weight, so "
+                                "nothing is frozen: add --lora R (e.g. --lora 8) to train LoRA "
+                                "adapters over the quantized base")
+        return
+    try:
+        check_values(opts.lora, opts.lora_alpha, opts.lora_dropout)
+        if opts.lora_targets is not None and not opts.lora_targets:
+            raise LoraError("--lora-targets needs at least one module name")
+        import_peft()
+    except LoraError as e:
+        raise FinetuneError(str(e)) from e
+    if opts.output and opts.model and os.path.isdir(opts.model) and \
+            os.path.abspath(opts.output) == os.path.abspath(opts.model):
+        raise FinetuneError(f"--output {opts.output} is the --model directory: the LoRA "
+                            "adapters name it as their base, so it must stay; choose another "
+                            "--output")
+    if opts.auto:
+        raise FinetuneError("--auto plans full fine-tuning only (the planner does not model "
+                            "LoRA adapters over a frozen base yet): drop --auto with --lora, "
+                            "and set the offload homes with --config / --nvme-path")
+
+
+def _frozen_dtype(cfg):
+    return ((cfg.get("offload") or {}).get("frozen_weights") or {}).get("dtype")
+
+
+def _check_frozen(opts, cfg):
+    """``offload.frozen_weights.dtype`` (``--frozen-dtype`` or ``--config``) against the
+    run: only a LoRA run has a frozen base. What the engine does not support yet (several
+    ranks, ...) it refuses at ``initialize``, naming the key."""
+    dtype = _frozen_dtype(cfg)
+    if dtype is None:
+        return None
+    where = "--frozen-dtype" if opts.frozen_dtype is not None else \
+        f"offload.frozen_weights.dtype in --config {opts.config}"
+    if opts.lora is None:
+        raise FinetuneError(f"{where} is {dtype!r}: it stores the frozen base of a LoRA run "
+                            "quantized, and full fine-tuning trains every weight (nothing is "
+                            "frozen): add --lora R (e.g. --lora 8), or remove "
+                            "offload.frozen_weights from the config")
+    return dtype
+
+
+def _lora_spec(opts):
+    """The run's :class:`infinity.finetune.lora.LoraSpec`: the flags checked against the
+    model built on the ``meta`` device (nothing allocated), before anything is built."""
+    from infinity.finetune.auto import model_config_path
+    from infinity.finetune.lora import LoraError, make_spec
+    from infinity.finetune.model import build_model, load_model_config, parameters_on_meta
+
+    config = load_model_config(model_config_path(opts.model))
+    with parameters_on_meta():
+        meta = build_model(config)
+    try:
+        return make_spec(meta, rank=opts.lora, alpha=opts.lora_alpha,
+                         dropout=opts.lora_dropout or 0.0, targets=opts.lora_targets)
+    except LoraError as e:
+        raise FinetuneError(str(e)) from e
 
 
 def _shape(opts, model):
@@ -122,8 +204,10 @@ def finetune(opts, *, reporter_streams=None):
                                load_texts)
     from infinity.finetune import checkpoints as ck
     from infinity.finetune import loop
-    from infinity.finetune.model import ModelError, check_vocab, resolve_model
-    from infinity.finetune.report import Reporter
+    from infinity.checkpoint import model_meta
+    from infinity.finetune.lora import param_counts
+    from infinity.finetune.model import SHIPPED_MODELS, ModelError, check_vocab, resolve_model
+    from infinity.finetune.report import Reporter, frozen_base_text, params_text
     from infinity.finetune.settings import SettingsError, build_config
     from infinity.finetune.stop import GracefulStop
 
@@ -132,9 +216,11 @@ def finetune(opts, *, reporter_streams=None):
     try:
         cfg, notes = build_config(config_path=opts.config, nvme_paths=opts.nvme_paths or None,
                                   lr=opts.lr, state_dtype=opts.state_dtype,
+                                  frozen_dtype=opts.frozen_dtype,
                                   use_bench_io=opts.use_bench_io)
     except (SettingsError, ConfigError) as e:
         raise FinetuneError(str(e)) from e
+    frozen_dtype = _check_frozen(opts, cfg)
     streams = reporter_streams or {}
     reporter = Reporter(total_steps=opts.steps, json_lines=opts.json_lines, enabled=(rank == 0),
                         drive_tbw=opts.drive_tbw, **streams)
@@ -169,11 +255,28 @@ def finetune(opts, *, reporter_streams=None):
             own_pg = world > 1 and ensure_process_group(int(cfg.get("dist_timeout_s", 600)))
             if opts.curriculum:
                 cfg = _with_curriculum(opts, cfg)   # before the run's identity, which records it
-            run_id = _run_identity(opts, cfg, auto, tok) if opts.save else None
+            lora = None
+            if opts.lora is not None:
+                if opts.model and opts.model not in SHIPPED_MODELS \
+                        and not os.path.exists(opts.model):
+                    resolve_model(opts.model)   # its ModelError (what --model accepts)
+                lora = _lora_spec(opts)
+            run_id = _run_identity(opts, cfg, auto, tok, lora) if opts.save else None
             resume_from = _check_save_dir(opts, run_id, rank, world, reporter) if opts.save \
                 else None
-            model, desc = resolve_model(opts.model, init_config=cfg)
+            # a quantized frozen base is not built under infinity.Init yet (the engine
+            # refuses Init-managed weights for it): built in host memory, then quantized
+            model, desc = resolve_model(opts.model,
+                                        init_config=None if frozen_dtype else cfg)
+            if frozen_dtype and cfg["offload"].get("params") in ("cpu", "nvme"):
+                desc += (f"; built in host memory: a {frozen_dtype} frozen base is "
+                         "quantized by the engine at initialize, not under infinity.Init")
             check_vocab(model, tok)
+            base_meta = model_meta(model, tokenizer=tok.describe())
+            if lora is not None:
+                from infinity.finetune.lora import apply_lora
+
+                model = apply_lora(model, lora)
             seq_len, batch = _shape(opts, model)
             if auto is not None:
                 batch = auto.micro_batch
@@ -197,7 +300,15 @@ def finetune(opts, *, reporter_streams=None):
         remove_if_empty(swap_dirs)
         raise
     n_params = sum(p.numel() for p in model.parameters())
+    n_trainable, n_total = param_counts(model)
+    run_info = {"trainable_params": n_trainable, "total_params": n_total}
+    if frozen_dtype:
+        run_info["frozen_dtype"] = frozen_dtype
+    reporter.set_run_info(run_info)
     gas = int(cfg.get("gradient_accumulation_steps", 1) or 1)
+    if lora is not None:
+        reporter.info(f"lora: {lora.describe()} | "
+                      + params_text(n_trainable, n_total, "the adapters, over a frozen base"))
     reporter.info(
         f"model {desc}: {n_params / 1e6:.2f} M params | tokenizer "
         f"{'byte-level' if isinstance(tok, ByteTokenizer) else tok.path} | "
@@ -208,13 +319,13 @@ def finetune(opts, *, reporter_streams=None):
 
     curriculum = _curriculum(cfg, seq_len, reporter)
 
-    from infinity.checkpoint import model_meta
     from infinity.curriculum import STATE_KEY as CURRICULUM_KEY
     from infinity.finetune.identity import META_KEY as RUN_META_KEY
 
     checkpointer = ck.Checkpointer(opts.save, keep_last=opts.keep_last, is_rank0=(rank == 0),
-                                   extra_meta=dict(model_meta(model, tokenizer=tok.describe()),
-                                                   **{RUN_META_KEY: run_id}),
+                                   extra_meta=dict(base_meta, **{RUN_META_KEY: run_id},
+                                                   **({"lora": lora.identity()} if lora
+                                                      else {})),
                                    step_meta=(lambda s: {CURRICULUM_KEY: curriculum.state_dict(s)})
                                    if curriculum is not None else None) \
         if opts.save else None
@@ -231,8 +342,9 @@ def finetune(opts, *, reporter_streams=None):
                 timeline = Timeline(rank=rank)  # disabled until the profile session enables it
             try:
                 engine = infinity.initialize(model, cfg, timeline=timeline)
-            except (OSError, ValueError, MemoryError) as e:
-                # swap path not writable, disk full, budgets too small: the message says what to do
+            except (OSError, ValueError, MemoryError, NotImplementedError) as e:
+                # swap path not writable, disk full, budgets too small, a quantized frozen
+                # base in a set-up it does not support yet: the message says what to do
                 raise FinetuneError(f"cannot set up the offload engine: {e}") from e
             # the placement in one line, as the Trainer integration prints it
             reporter.info(f"placement: {engine.placement.summary()}")
@@ -278,11 +390,17 @@ def finetune(opts, *, reporter_streams=None):
                     from infinity.finetune.output import write_output
 
                     try:
-                        write_output(engine, opts.output, tok, rank=rank, world_size=world)
+                        write_output(engine, opts.output, tok, rank=rank, world_size=world,
+                                     lora=lora is not None,
+                                     base_dir=opts.model if opts.model
+                                     and os.path.isdir(opts.model) else None)
                     except OSError as e:
                         raise FinetuneError(f"--output {opts.output}: cannot write the model: "
                                             f"{e}") from e
                 stats = engine.stats()
+                from infinity.finetune.lora import frozen_format
+
+                frozen_fmt = frozen_format(engine)
             finally:
                 stopper.finish()
                 _close_uninterrupted(engine)
@@ -293,9 +411,25 @@ def finetune(opts, *, reporter_streams=None):
                 extra["peak memory"] = peaks
             if result.saved:
                 extra["checkpoints"] = f"{opts.save}: {', '.join(result.saved)}"
-            if opts.output and result.last_step > 0:
+            extra["params"] = params_text(n_trainable, n_total,
+                                          lora.describe() if lora is not None else None)
+            if lora is not None:
+                read = sum(int(stats.get(k) or 0) for k in ("frozen_nvme_read_bytes",
+                                                            "frozen_host_read_bytes")) \
+                    if isinstance(stats, dict) else None
+                extra["frozen base"] = frozen_base_text(frozen_fmt, working=cfg.get(
+                    "precision", "fp32"), read_bytes=read)
+            if opts.output and result.last_step > 0 and lora is not None:
+                base = f"--model {opts.model}" if opts.model and os.path.isdir(opts.model) \
+                    else f"{os.path.join(opts.output, 'base')}"
+                extra["model"] = (f"{opts.output}: LoRA adapters over the base {base} "
+                                  "(peft.AutoPeftModelForCausalLM.from_pretrained(DIR) loads "
+                                  "both, PeftModel.from_pretrained(base, DIR) the adapters)")
+            elif opts.output and result.last_step > 0:
                 extra["model"] = (f"{opts.output} (AutoModelForCausalLM.from_pretrained / "
                                   "AutoTokenizer.from_pretrained load it)")
+            elif result.last_step > 0 and lora is not None:
+                extra["model"] = "not written: pass --output DIR for the LoRA adapters"
             elif result.last_step > 0:
                 extra["model"] = ("not written: pass --output DIR for a directory "
                                   "from_pretrained loads" + (f", or `infinity export {opts.save} "
@@ -418,7 +552,7 @@ def _save_flag(opts):
     return "--resume" if opts.resume else f"--save {opts.save}"
 
 
-def _run_identity(opts, cfg, auto, tok):
+def _run_identity(opts, cfg, auto, tok, lora=None):
     """This run's identity (:mod:`infinity.finetune.identity`), from the model's config
     (micro-batch and sequence length as :func:`_shape` will set them) before it is built."""
     from types import SimpleNamespace
@@ -439,7 +573,7 @@ def _run_identity(opts, cfg, auto, tok):
     gas = int(cfg.get("gradient_accumulation_steps", 1) or 1)
     try:
         return run_identity(opts, cfg, micro_batch=batch, grad_accum=gas, seq_len=seq_len,
-                            tokenizer=tok.describe())
+                            tokenizer=tok.describe(), lora=lora)
     except OSError as e:
         raise FinetuneError(f"cannot read the model or data to identify this run: {e}") from e
 

@@ -9,7 +9,7 @@ Precedence, lowest first:
 3. the ``aio`` block of a saved ``infinity bench-io --sweep --save`` result,
    when one is found (:func:`find_bench_io_result`);
 4. the file given with ``--config`` (JSON or YAML);
-5. command-line flags (``--nvme-path``, ``--lr``, ``--state-dtype``).
+5. command-line flags (``--nvme-path``, ``--lr``, ``--state-dtype``, ``--frozen-dtype``).
 """
 import copy
 import json
@@ -101,7 +101,7 @@ def find_bench_io_result(nvme_paths):
 
 
 def build_config(*, config_path=None, nvme_paths=None, lr=None, state_dtype=None,
-                 use_bench_io=True):
+                 frozen_dtype=None, use_bench_io=True):
     """(config dict, notes) — the dict is validated by ``InfinityConfig.load``."""
     from infinity.config import InfinityConfig
 
@@ -123,5 +123,7 @@ def build_config(*, config_path=None, nvme_paths=None, lr=None, state_dtype=None
         cfg = deep_merge(cfg, {"optimizer": {"lr": float(lr)}})
     if state_dtype is not None:
         cfg = deep_merge(cfg, {"optimizer": {"state_dtype": state_dtype}})
+    if frozen_dtype is not None:    # --frozen-dtype: the dtype only (group_size etc. kept)
+        cfg = deep_merge(cfg, {"offload": {"frozen_weights": {"dtype": frozen_dtype}}})
     InfinityConfig.load(cfg)  # raises ConfigError with the offending key
     return cfg, notes
