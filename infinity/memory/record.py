@@ -151,6 +151,7 @@ class GroupRecord:
     saved_refs: int = 0               # autograd saved tensors that reference the buffer
     grads_pending: set = field(default_factory=set)  # slot indices awaiting grads (backward)
     hold_until_backward_end: bool = False
+    recompute_users: int = 0          # recomputed uses of a frozen group not yet backpropagated
     prefetched: bool = False          # fetched ahead of use by the prefetcher
     grad_buf: torch.Tensor | None = None     # fp32 accumulation buffer (padded_numel)
     sharded: bool = False             # ZeRO-3: only this rank's shard is at home (paged)
@@ -241,6 +242,7 @@ class GroupRecord:
             self.state = Location.HOST
         self.prefetched = False
         self.hold_until_backward_end = False
+        self.recompute_users = 0
         return buf
 
     def abort_fetch(self) -> torch.Tensor | None:

@@ -25,6 +25,7 @@ with a :class:`~infinity.quant.blockwise.QuantizationError` that names the tenso
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 import torch
@@ -36,12 +37,16 @@ from infinity.quant.kernel import (dequantize_flat, nf4_dequantize_flat, nf4_qua
                                    quantize_flat)
 from infinity.quant.nf4 import DQ_BLOCK, double_dequantize, double_quantize, packed_nbytes
 
-__all__ = ["QuantizedWeight", "quantize_weight", "WEIGHT_DTYPES"]
+__all__ = ["QuantizedWeight", "quantize_weight", "WEIGHT_DTYPES", "TORCH_PATH_CHUNK"]
 
 #: The storage formats of :func:`quantize_weight`.
 WEIGHT_DTYPES = ("nf4", "int8", "int4")
 
 _BITS = {"int8": 8, "int4": 4}
+
+#: Elements the torch path (off the CPU kernel: CUDA) dequantizes per pass; its
+#: temporaries (int64 codes, fp32 values) are bounded by this, not by the weight's size.
+TORCH_PATH_CHUNK = 1 << 24
 
 
 @dataclass(frozen=True, eq=False)
@@ -124,18 +129,35 @@ class QuantizedWeight:
                 f"{'' if out.is_contiguous() else ' (not contiguous)'}")
         scales = self.block_scales().contiguous()
         flat = out.view(-1)
-        if self.dtype == "nf4":
-            nf4_dequantize_flat(self.data, scales, n, self.group_size, flat)
-        else:
-            bits = _BITS[self.dtype]
-            if _int_kernel_ok(bits, self.group_size):
-                dequantize_flat(self.data, scales, n, bits, self.group_size, flat)
-            else:
-                q = self.data.view(1, -1) if bits == 8 else unpack_bits(self.data.view(1, -1),
-                                                                        bits, n)
-                flat.copy_(_int_dequantize(q, scales.view(1, -1), self.group_size,
-                                           dtype=torch.float32).view(-1))
+        if self.data.device.type == "cpu" or n <= TORCH_PATH_CHUNK:
+            self._dequantize_range(0, n, scales, flat)
+            return out
+        # the torch path (CUDA) holds several temporaries per element: a pass at a time
+        gs = self.group_size
+        unit = math.lcm(gs, 8) if self.dtype == "int4" else gs
+        step = max(unit, TORCH_PATH_CHUNK // unit * unit)
+        for e0 in range(0, n, step):
+            e1 = min(n, e0 + step)
+            self._dequantize_range(e0, e1, scales, flat[e0:e1])
         return out
+
+    def _dequantize_range(self, e0: int, e1: int, scales: torch.Tensor,
+                          dst: torch.Tensor) -> None:
+        """Elements ``e0 .. e1`` into ``dst`` (``e0`` a whole number of blocks, and of
+        int4 words)."""
+        n, gs = e1 - e0, self.group_size
+        b0, b1 = e0 // gs, -(-e1 // gs)
+        sc = scales[b0:b1]
+        if self.dtype == "nf4":
+            nf4_dequantize_flat(self.data[e0 // 2:-(-e1 // 2)], sc, n, gs, dst)
+            return
+        bits = _BITS[self.dtype]
+        data = self.data[e0:e1] if bits == 8 else self.data[e0 // 8:-(-e1 // 8)]
+        if _int_kernel_ok(bits, gs):
+            dequantize_flat(data, sc, n, bits, gs, dst)
+        else:
+            q = data.view(1, -1) if bits == 8 else unpack_bits(data.view(1, -1), bits, n)
+            dst.copy_(_int_dequantize(q, sc.view(1, -1), gs, dtype=torch.float32).view(-1))
 
 
 def _int_kernel_ok(bits: int, group: int) -> bool:

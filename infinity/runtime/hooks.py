@@ -18,6 +18,7 @@
 """
 from __future__ import annotations
 
+import functools
 import logging
 import time
 
@@ -176,6 +177,7 @@ class ParamHooks:
             g.users = 0
             g.saved_refs = 0
             g.hold_until_backward_end = False
+            g.recompute_users = 0
             g.grads_pending = set()
         self.coord.abandon_pass()
 
@@ -258,6 +260,12 @@ class ParamHooks:
                     self.coord.release(g)
                 elif g.users == 0 and bw:
                     self._maybe_release_bw(g)
+            if not bw and args and isinstance(args[0], torch.Tensor) \
+                    and args[0].requires_grad and self._training_pass():
+                frozen = [g for g in groups if not g.trainable and self.mm.paged(g)]
+                if frozen:                    # Note [Recomputed frozen groups]
+                    done = functools.partial(self._input_grad_done, frozen, self.epoch)
+                    args[0].register_hook(self._gated(done))
         return post
 
     # ------------------------------------------------------------------ saved tensors
@@ -301,6 +309,34 @@ class ParamHooks:
         if recompute:
             g.hold_until_backward_end = True
             g.grads_pending = {i for i, s in enumerate(g.slots) if s.trainable}
+            if not g.grads_pending:
+                g.recompute_users += 1
+
+    # Note [Recomputed frozen groups]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # A group fetched by a recompute (activation checkpointing, in backward) is held: the
+    # non-reentrant checkpoint keeps the recomputed tensors itself, outside the saved-tensor
+    # hooks, so ``saved_refs`` cannot say when they are gone.  A trainable group goes when
+    # its gradients arrived (``grads_pending``); a frozen one gets none, and held to the end
+    # of the backward every recomputed frozen layer of a LoRA model would be fetched at once
+    # (the whole base in the working precision).  So a module's forward (outside backward)
+    # registers, when its input requires grad, a hook on that input's gradient: it fires
+    # once the module's backward has run -- the recomputed tensors of that use are spent --
+    # and counts one recomputed use done (``recompute_users``, incremented by each recompute
+    # of a frozen group); at zero the hold ends and the group goes as any other.  A use
+    # whose input needs no gradient (token ids into an embedding) is never counted down: its
+    # group is held to the end of the backward, as before; so is a group shared by several
+    # modules when one of them is.  Reentrant checkpointing runs its forward without grad:
+    # no hook, held to the end.
+    def _input_grad_done(self, groups, epoch, grad) -> None:
+        if epoch != self.epoch:
+            return                        # a graph of an abandoned window
+        for g in groups:
+            if g.recompute_users > 0:
+                g.recompute_users -= 1
+                if g.recompute_users == 0 and not g.grads_pending:
+                    g.hold_until_backward_end = False
+                    self._maybe_release_bw(g)
 
     def _maybe_release_bw(self, g: GroupRecord) -> None:
         if g.users == 0 and g.saved_refs == 0 and not g.hold_until_backward_end \
@@ -339,6 +375,7 @@ class ParamHooks:
         """Release everything still fetched (called at the end of each backward)."""
         for g in self.mm.groups:
             g.hold_until_backward_end = False
+            g.recompute_users = 0
             g.grads_pending = set()
             if g.users == 0 and self.mm.paged(g) and not g.prefetched:
                 self.mm.release(g)

@@ -45,30 +45,11 @@ from infinity.memory.pool import leased_size
 from infinity.memory.record import GroupRecord, Location
 from infinity.zero.comm import Comm
 from infinity.zero.partition import Partition
-from infinity.zero.quantized_shards import QuantizedShards, qshard_bytes
+from infinity.zero.quantized_shards import PendingGather, QuantizedShards, qshard_bytes
 
 log = logging.getLogger("infinity.zero")
 
-__all__ = ["PartitionedMemoryManager", "PendingGather"]
-
-
-class PendingGather:
-    """The fetch worker's job for one group: the ``handle`` of the manager's ``Fetch``
-    (``done()``/``wait()`` like an NVMe read handle).  ``staging``: pinned host staging
-    of an NVMe shard on separate device memory (given back once the job is done);
-    ``marker``: after ``wait()``, the device-side completion compute waits on."""
-    __slots__ = ("fut", "staging", "marker")
-
-    def __init__(self, fut, staging=None):
-        self.fut = fut
-        self.staging = staging
-        self.marker = None
-
-    def done(self) -> bool:
-        return self.fut.done()
-
-    def wait(self) -> None:
-        self.marker = self.fut.result()     # re-raises the worker's AioError / CollectiveError
+__all__ = ["PartitionedMemoryManager"]
 
 
 class _PendingTile:

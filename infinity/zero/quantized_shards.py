@@ -39,10 +39,29 @@ import torch
 from infinity.memory.manager import Fetch
 from infinity.memory.record import GroupRecord
 
-__all__ = ["qshard_bytes", "QuantizedShards", "home_shard", "gathered_values",
-           "write_gathered_values"]
+__all__ = ["PendingGather", "qshard_bytes", "QuantizedShards", "home_shard",
+           "gathered_values", "write_gathered_values"]
 
 _ALIGN = 4096
+
+
+class PendingGather:
+    """The fetch worker's job for one group: the ``handle`` of the manager's ``Fetch``
+    (``done()``/``wait()`` like an NVMe read handle).  ``staging``: pinned host staging
+    of an NVMe shard on separate device memory (given back once the job is done);
+    ``marker``: after ``wait()``, the device-side completion compute waits on."""
+    __slots__ = ("fut", "staging", "marker")
+
+    def __init__(self, fut, staging=None):
+        self.fut = fut
+        self.staging = staging
+        self.marker = None
+
+    def done(self) -> bool:
+        return self.fut.done()
+
+    def wait(self) -> None:
+        self.marker = self.fut.result()     # re-raises the worker's AioError / CollectiveError
 
 
 def qshard_bytes(g: GroupRecord, world_size: int) -> int:
@@ -145,7 +164,6 @@ class QuantizedShards:
         g.set_home_state()
 
     def _fetch_quantized_sharded(self, g: GroupRecord, allow_overflow: bool) -> bool:
-        from infinity.zero.partitioned_memory import PendingGather
         buf = self._lease_device(g, allow_overflow)
         if buf is None:
             return False

@@ -217,3 +217,22 @@ def test_torch_path_equals_kernel_path(monkeypatch, dtype, double_quant):
         assert torch.equal(slow.tensors()[k], t), k
     for out_dtype in (torch.float32, torch.bfloat16):
         assert torch.equal(slow.dequantize(out_dtype), fast.dequantize(out_dtype))
+
+
+@pytest.mark.parametrize("dtype,gs,dq", [("nf4", 64, True), ("int4", 12, False),
+                                         ("int8", 64, False), ("nf4", 30, False)])
+def test_dequantize_by_ranges_equals_whole(dtype, gs, dq):
+    """The torch path (CUDA) dequantizes a pass of TORCH_PATH_CHUNK elements at a time,
+    each a whole number of blocks (and of int4 words): ranges give the same values."""
+    import math
+    w = torch.randn(97, 131)
+    q = quantize_weight(w, dtype, gs, double_quant=dq)
+    ref = q.dequantize()
+    out = torch.empty(w.numel())
+    scales = q.block_scales().contiguous()
+    unit = math.lcm(gs, 8) if dtype == "int4" else gs
+    step = 1000 // unit * unit
+    for e0 in range(0, w.numel(), step):
+        q._dequantize_range(e0, min(w.numel(), e0 + step), scales,
+                            out[e0:min(w.numel(), e0 + step)])
+    assert torch.equal(out.view_as(ref), ref)
