@@ -261,6 +261,7 @@ def assemble(engine, lr_scheduler) -> None:
     engine.opt.on_extents_moved = engine.follow_extents   # Note [roll forward]
     engine.device_tier_to_own = None                 # owned (and closed) by the manager now
     paged_nvme = [g for g in grouping.groups if g.home == "nvme"]
+    from infinity.procutil import trim_heap
     from infinity.zero.init import adopting   # params built under infinity.Init
     with contextlib.ExitStack() as scope:
         staging = scope.enter_context(engine.host_pool.scoped(
@@ -275,6 +276,8 @@ def assemble(engine, lr_scheduler) -> None:
                             init[s.offset:s.offset + s.numel].copy_(
                                 s.param.detach().reshape(-1))
                 engine.mm.place(g, staging)
+                if g.quant is not None:       # its quantizer's temporaries: not kept resident
+                    trim_heap()
                 _params_follow(g, engine.device)
                 if g.trainable:
                     engine.opt.register(g, init)

@@ -36,19 +36,14 @@ def refuse_bitsandbytes(model) -> None:
 def plan_frozen_weights(engine, grouping) -> int:
     """Attach a payload layout to every frozen group holding a quantizable weight when
     ``offload.frozen_weights.dtype`` is set; returns how many groups were given one.
-    Refuses what is not supported yet: a model built under ``infinity.Init``.  Across
-    ranks the payloads are replicated at stages 1-2 (device homes) and sharded by bytes at
-    stage 3 (Note [Quantized shards] in infinity/zero/quantized_shards.py)."""
+    A model built under ``infinity.Init`` is quantized group by group as ``initialize``
+    adopts it (one group's working-precision values in memory at a time).  Across ranks
+    the payloads are replicated at stages 1-2 (device homes) and sharded by bytes at stage
+    3 (Note [Quantized shards] in infinity/zero/quantized_shards.py)."""
     cfg = engine.cfg
     fw = cfg.offload.frozen_weights
     if fw.dtype is None:
         return 0
-    from infinity.zero.init import is_managed
-    if any(is_managed(s.param) for g in grouping.groups for s in g.slots):
-        raise NotImplementedError(
-            "offload.frozen_weights: a model built under infinity.Init cannot keep its frozen "
-            "weights quantized yet; build it without infinity.Init, or set "
-            "offload.frozen_weights.dtype to null")
     spec = QuantSpec(fw.dtype, fw.group_size, fw.double_quant)
     qids = quantizable_weights(engine.module)
     n = full = packed = 0

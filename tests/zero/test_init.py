@@ -1,4 +1,5 @@
 """infinity.Init: same weights as eager construction, bounded peak RSS, clean patching."""
+import math
 import json
 import os
 import subprocess
@@ -223,3 +224,24 @@ def test_swap_dirs_removed_whichever_rank_closes_last(tmp_path):
     assert (user / "init").is_dir()
     second.close()
     assert not (tmp_path / "swap").exists(), os.listdir(tmp_path)
+
+
+def test_init_built_base_quantized_as_adopted_peak_bounded(tmp_path):
+    """A model 4x the budget built under Init (NVMe home), its base frozen and stored nf4
+    (``offload.frozen_weights``): ``initialize`` quantizes it group by group as it adopts
+    it, so neither building nor adopting nor a training step grows the peak RSS beyond the
+    budget; the frozen values are the quantize round trip of the same model built eagerly."""
+    budget = 96 * 2 ** 20
+    out = subprocess.run([sys.executable, os.path.join(HERE, "init_frozen_quant_child.py"),
+                          str(tmp_path / "swap"), str(budget), "nf4"],
+                         capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["model_bytes"] >= 4 * budget and r["quantized_groups"] == r["layers"]
+    assert r["same"] and math.isfinite(r["loss"])
+    grew = max(r["built"], r["adopted"], r["trained"]) - r["base"]
+    print(f"Init + nf4 RSS: base {r['base'] / 2**20:.0f} MiB, built {r['built'] / 2**20:.0f}, "
+          f"adopted {r['adopted'] / 2**20:.0f}, trained {r['trained'] / 2**20:.0f} MiB; "
+          f"model {r['model_bytes'] / 2**20:.0f} MiB")
+    assert grew <= budget, (grew / 2**20, r)
