@@ -337,8 +337,12 @@ def _zero(ds: Mapping, t: _Translation) -> None:
     for which, ikey in (("offload_param", "params"), ("offload_optimizer", "optimizer")):
         where = f"zero_optimization.{which}"
         sec = _ds_section(zo, which, "zero_optimization.")
-        extra = ("ratio",) if which == "offload_optimizer" else ()
+        # infinity's own extension: a frozen base kept quantized (offload.frozen_weights;
+        # DeepSpeed has no such key, its values are checked as infinity's)
+        extra = ("ratio",) if which == "offload_optimizer" else ("frozen_weights",)
         _ds_unknown(sec, ("device", "nvme_path") + extra + DS_IGNORED_OFFLOAD_KEYS, where)
+        if "frozen_weights" in sec:
+            t.put("offload.frozen_weights", sec["frozen_weights"], f"{where}.frozen_weights")
         t.ignored += [f"{where}.{k}" for k in sec if k in DS_IGNORED_OFFLOAD_KEYS]
         if "ratio" in sec and sec["ratio"] != 1 and sec["ratio"] != 1.0:
             raise _ds_err(f"{where}.ratio", f"partial optimizer offload ({fmt_value(sec['ratio'])}) is "

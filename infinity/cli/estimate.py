@@ -147,6 +147,24 @@ def register(sub):
                         "e.g. nvme/all (default none)")
     k.add_argument("--grad-accum-dtype", choices=("fp32", "bf16"),
                    help="gradient_accumulation_dtype: bf16 = partial sums on NVMe in bf16 (lossy)")
+    lo = p.add_argument_group("LoRA over a frozen base (docs/estimator.md, \"LoRA over a quantized base\")")
+    lo.add_argument("--lora-rank", type=int, metavar="R",
+                    help="LoRA adapters of rank R on every attention and MLP projection of each "
+                         "layer; only they train (fp32 masters, Adam states, gradients), the "
+                         "model's parameters are the frozen base")
+    lo.add_argument("--frozen-dtype", choices=("bf16", "fp16", "fp32", "nf4", "int8", "int4"),
+                    help="with --lora-rank: the frozen base at its home (offload.frozen_weights."
+                         "dtype): nf4/int8/int4 quantized, or the working precision's name = not "
+                         "quantized (the default)")
+    lo.add_argument("--frozen-group-size", type=int, metavar="N",
+                    help="with --lora-rank: elements per quantization block (default 64)")
+    lo.add_argument("--double-quant", action="store_true",
+                    help="with --lora-rank: quantize the block scales too (QLoRA's double "
+                         "quantization)")
+    lo.add_argument("--dequant-gbps", type=float, metavar="GBPS",
+                    help="GB/s of working-precision output one rank dequantizes (default: the "
+                         "engine's torch path on a GPU, ~116 GB/s for nf4 to bf16; measured CPU "
+                         "kernel rates CPU-only)")
     k.add_argument("--only", action="append", metavar="PARAMS/OPTIMIZER",
                    help="estimate only these homes (repeatable), e.g. --only nvme/nvme")
     pl = p.add_argument_group("planner")
@@ -222,7 +240,8 @@ def _machine(args):
                        ("pcie_gbps", "pcie_gbps"), ("tflops", "tflops"),
                        ("interconnect_gbps", "interconnect_gbps"), ("cpu_adam_gps", "cpu_adam_gparams"),
                        ("inter_node_gbps", "inter_node_gbps"), ("host_mem_gbps", "host_mem_gbps"),
-                       ("gpus_per_pcie_link", "gpus_per_pcie_link")):
+                       ("gpus_per_pcie_link", "gpus_per_pcie_link"),
+                       ("dequant_gbps", "dequant_gbps")):
         v = getattr(args, arg)
         if v is not None:
             kw[field] = v
@@ -267,7 +286,8 @@ def run(args):
                        grad_spill=args.grad_spill, activation_model=args.activations,
                        activation_home=act_home, activation_scope=act_scope,
                        grad_accum_dtype=args.grad_accum_dtype,
-                       configs=[_home_pair(t) for t in args.only] if args.only else None)
+                       configs=[_home_pair(t) for t in args.only] if args.only else None,
+                       **_lora_args(args))
     except (EstimateError, ConfigError) as e:
         raise CLIError(str(e)) from e
     if args.json:
@@ -275,6 +295,13 @@ def run(args):
     else:
         print(est.text(details=args.explain and not args.brief), end="")
     return 0 if est.best is not None else NO_FIT
+
+
+def _lora_args(args):
+    """The LoRA keywords of ``estimate()`` from the flags (unset: None)."""
+    return {"lora_rank": args.lora_rank, "frozen_dtype": args.frozen_dtype,
+            "frozen_group_size": args.frozen_group_size,
+            "double_quant": True if args.double_quant else None}
 
 
 def _activation_offload(args):
@@ -307,7 +334,9 @@ def plan_inputs(args):
                                           tiling_max_group_gb=args.tiling_max_group_gb,
                                           state_dtype=args.state_dtype, grouping=args.grouping,
                                           grad_spill=args.grad_spill,
-                                          activation_model=args.activations))
+                                          activation_model=args.activations,
+                                          **{("frozen_double_quant" if k == "double_quant" else k): v
+                                             for k, v in _lora_args(args).items()}))
     return spec, machine, knobs
 
 

@@ -99,8 +99,7 @@ class Estimate:
     def _answer(self):
         b = self.best
         if b is None:
-            out = (f"No: no offload configuration fits {fmt_num(self.model.params)} parameters on "
-                   f"{self._where()}")
+            out = f"No: no offload configuration fits {self._what()} on {self._where()}"
             near = self.closest()
             if near is None:
                 return out + "."
@@ -113,7 +112,7 @@ class Estimate:
         s = c.steps[v]
         ck = "with activation checkpointing" if v == "checkpointing" else "without activation checkpointing"
         grads = "; fp32 gradients on NVMe" if c.plan.grads_on_nvme else ""
-        return (f"Yes: {fmt_num(self.model.params)} parameters fit on {self._where()} with {c.name} "
+        return (f"Yes: {self._what()} fit on {self._where()} with {c.name} "
                 f"({ck}{grads}); estimated {fmt_seconds(s.step_s)} s per step, {s.tokens_per_s:.3g} tokens/s, "
                 f"{bound_text(s.bound)} (lower bound: perfect overlap).")
 
@@ -144,8 +143,24 @@ class Estimate:
                                                 "activation_checkpointing": b[1] == "checkpointing",
                                                 "step_s": b[0].steps[b[1]].step_s},
                 "verdict": self.verdict(),
+                "lora": self.lora_summary(),
                 "gpu_caveat": self.gpu_caveat(),
                 "what_if": None if self.what_if is None else self.what_if.as_dict()}
+
+    def lora_summary(self) -> dict | None:
+        """LoRA (``knobs.lora_rank``): adapters, the frozen base's format and bytes at its
+        home (:func:`.lora.summary`); the best configuration's home when one fits."""
+        if self.knobs.lora_rank is None:
+            return None
+        from .lora import summary
+        b = self.best
+        return summary(self.model, self.machine, self.knobs, b[0].params_home if b else None)
+
+    def _what(self):
+        if self.knobs.lora_rank is None:
+            return f"{fmt_num(self.model.params)} parameters"
+        from .lora import describe
+        return f"{fmt_num(self.model.params)} frozen parameters + {describe(self.model, self.knobs)}"
 
     def gpu_caveat(self) -> str | None:
         """One line while infinity's GPU path has not run on a GPU (``--gpus`` > 0)."""
@@ -237,8 +252,23 @@ def knobs_from(config, overrides):
                   qgz=cfg.zero_pp.quantized_gradients,
                   tiling_max_group_gb=cfg.tiling.max_group_gb,
                   reuse_gb=cfg.prefetch.reuse_gb,
-                  commit_shadow_gb=cfg.offload.commit_shadow_gb)
+                  commit_shadow_gb=cfg.offload.commit_shadow_gb,
+                  frozen_dtype=cfg.offload.frozen_weights.dtype,
+                  frozen_group_size=cfg.offload.frozen_weights.group_size,
+                  frozen_double_quant=cfg.offload.frozen_weights.double_quant)
+    frozen_given = any(overrides.get(n) not in (None, False) for n in
+                       ("frozen_dtype", "frozen_group_size", "frozen_double_quant"))
     kw.update({k: v for k, v in overrides.items() if v is not None})
+    from .lora import check_knobs, normalize_frozen_dtype
+    if kw.get("lora_rank") is None:
+        # a frozen-base setting means nothing without LoRA (nothing is frozen): refused
+        # when passed, a config's offload.frozen_weights ignored
+        check_knobs(Knobs(), frozen_given=frozen_given)
+        for n in ("frozen_dtype", "frozen_group_size", "frozen_double_quant"):
+            kw.pop(n, None)
+    else:
+        kw["frozen_dtype"] = normalize_frozen_dtype(kw.get("frozen_dtype"),
+                                                    kw.get("precision", Knobs.precision))
     k = Knobs(**kw)
     if k.precision not in ("fp32", "bf16", "fp16"):
         raise EstimateError(f"precision must be fp32, bf16 or fp16, got {k.precision!r}")
@@ -266,6 +296,7 @@ def knobs_from(config, overrides):
     for name in ("tile_numel", "pipeline_depth", "grad_accum"):
         if not isinstance(getattr(k, name), int) or getattr(k, name) < 1:
             raise EstimateError(f"{name} must be a positive integer, got {getattr(k, name)!r}")
+    check_knobs(k)
     return k
 
 
@@ -280,7 +311,8 @@ def estimate(model=None, *, params=None, layers=None, hidden=None, seq=2048, bat
              prefetch_depth=None, grad_accum=None, host_cap_gb=None, tile_numel=None,
              state_dtype=None, grouping=None, grad_spill=None, activation_model=None, configs=None,
              gradient_clipping=None, activation_home=None, activation_scope=None,
-             grad_accum_dtype=None, tiling_max_group_gb=None, commit_shadow_gb=None):
+             grad_accum_dtype=None, tiling_max_group_gb=None, commit_shadow_gb=None,
+             lora_rank=None, frozen_dtype=None, frozen_group_size=None, double_quant=None):
     """Estimate memory per tier and step time for every valid offload configuration.
 
     model: an ``nn.Module`` (ideally built on the meta device), a factory (callable or
@@ -298,6 +330,11 @@ def estimate(model=None, *, params=None, layers=None, hidden=None, seq=2048, bat
         partial sums in bf16).
     commit_shadow_gb: ``offload.commit_shadow_gb`` (None: automatic, as the engine sizes
         it from the NVMe left: :func:`.memory_plan.size_shadows`).
+    lora_rank: LoRA adapters of this rank on every projection of each layer over the
+        frozen base (the spec's parameters); ``frozen_dtype`` ("nf4", "int8", "int4", or
+        the working precision's name / None: not quantized), ``frozen_group_size``,
+        ``double_quant``: ``offload.frozen_weights`` (docs/estimator.md, "LoRA over a
+        quantized base"; :mod:`.lora`).  Without ``lora_rank`` they are refused.
     tiling_max_group_gb: ``tiling.max_group_gb``: groups above it that tiling can split
         (``nn.Linear``/``nn.Embedding``, one rank) put one tile on the device per fetch.
     grad_spill: where the fp32 gradients live: ``"auto"`` (default) as the engine decides
@@ -343,7 +380,10 @@ def estimate(model=None, *, params=None, layers=None, hidden=None, seq=2048, bat
                                      activation_home=activation_home,
                                      activation_scope=activation_scope,
                                      grad_accum_dtype=grad_accum_dtype,
-                                     commit_shadow_gb=commit_shadow_gb))
+                                     commit_shadow_gb=commit_shadow_gb,
+                                     lora_rank=lora_rank, frozen_dtype=frozen_dtype,
+                                     frozen_group_size=frozen_group_size,
+                                     frozen_double_quant=double_quant))
     valid = valid_configs(knobs)
     if configs is not None:
         want = [tuple(c) for c in configs]

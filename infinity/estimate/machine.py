@@ -54,6 +54,9 @@ class Machine:
     # of 8 or more GPUs -- a PCIe switch per pair -- else 1)
     host_mem_gbps: float | None = None
     gpus_per_pcie_link: int | None = None
+    # LoRA over a quantized base: GB/s of working-precision output one rank dequantizes
+    # (None: infinity/estimate/lora.py's default for the device and the format)
+    dequant_gbps: float | None = None
     #: where each value came from, by field name: "described" (a flag), "detected" (this
     #: machine), "default" or "measured (...)"; printed with the machine (machine_lines)
     sources: dict = field(default_factory=dict, compare=False, repr=False)
@@ -66,7 +69,7 @@ class Machine:
                                     f"{0 if name == 'gpus' else 1}, got {v!r}")
         for name in ("gpu_mem_gb", "host_mem_gb", "nvme_gb", "pcie_gbps", "interconnect_gbps",
                      "cpu_adam_gparams", "host_copy_gbps", "nvme_gbps", "nvme_write_gbps", "tflops", "gpu_reserve_gb",
-                     "inter_node_gbps", "host_mem_gbps"):
+                     "inter_node_gbps", "host_mem_gbps", "dequant_gbps"):
             v = getattr(self, name)
             if v is None:
                 continue
@@ -89,6 +92,8 @@ class Machine:
         v = self.gpus_per_pcie_link
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise EstimateError(f"machine.gpus_per_pcie_link must be an integer >= 1, got {v!r}")
+        if self.dequant_gbps is not None and not self.dequant_gbps > 0:
+            raise EstimateError(f"machine.dequant_gbps must be > 0, got {self.dequant_gbps!r}")
         for name in ("nvme_gbps", "nvme_write_gbps", "tflops", "pcie_gbps", "cpu_adam_gparams",
                      "inter_node_gbps", "host_copy_gbps"):
             if not getattr(self, name) > 0:

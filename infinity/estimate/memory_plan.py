@@ -102,6 +102,11 @@ class Knobs:
     reuse_gb: float | None = None      # [prefetch.reuse_gb] (None: automatic, as the engine)
     commit_shadow_gb: float | None = None  # [offload.commit_shadow_gb] per rank (None:
                                        # automatic from the NVMe left, as the engine)
+    # LoRA over a frozen base (infinity/estimate/lora.py; `infinity finetune --lora R`):
+    lora_rank: int | None = None       # adapters' rank (None: full fine-tuning)
+    frozen_dtype: str | None = None    # [offload.frozen_weights.dtype] None: working precision
+    frozen_group_size: int = 64        # [offload.frozen_weights.group_size]
+    frozen_double_quant: bool = False  # [offload.frozen_weights.double_quant]
 
     def __post_init__(self):
         if self.grad_spill is True or self.grad_spill is False:   # the old boolean form
@@ -278,6 +283,26 @@ def reuse_budget(machine, knobs) -> int | None:
 
 
 def plan_memory(spec, machine, knobs, params_home, optimizer_home):
+    if knobs.lora_rank is not None:
+        return _plan_lora(spec, machine, knobs, params_home, optimizer_home)
+    return _plan(spec, machine, knobs, params_home, optimizer_home)
+
+
+def _plan_lora(spec, machine, knobs, params_home, optimizer_home):
+    """LoRA (infinity/estimate/lora.py): the frozen base and the adapters at their home
+    (:func:`.lora.param_items`), then the full-fine-tuning lines of the trainable part,
+    with ``N`` = the adapters."""
+    from .lora import adapter_spec, param_items
+    base = [Item(*t) for t in param_items(spec, machine, knobs, params_home)]
+    pl = _plan(adapter_spec(spec, knobs), machine, knobs, params_home, optimizer_home,
+               param_items=base)
+    pl.notes.insert(0, "LoRA: the gradient, optimizer and tile-ring lines count the adapters "
+                       "(N = Na adapter params, Gmax = the largest adapter group); Nf, qb: the "
+                       "frozen base's params and bytes per param at its home")
+    return pl
+
+
+def _plan(spec, machine, knobs, params_home, optimizer_home, param_items=None):
     N, R, r = spec.params, machine.ranks, machine.ranks_per_node
     lp, sb = knobs.lp, knobs.sb
     G = spec.group_numel(knobs.grouping)
@@ -311,7 +336,9 @@ def plan_memory(spec, machine, knobs, params_home, optimizer_home):
                             f"{Gf:,} elements (Gmax {G:,})")
 
     # ---------------------------------------------------------------- parameters
-    if params_home == "none":
+    if param_items is not None:     # LoRA: the frozen base and the adapters (lora.py)
+        pl.items.extend(param_items)
+    elif params_home == "none":
         if stage == 3 and R > 1:
             add(Item("device", "param shard", shard * lp, "N/R*lp"))
             add(Item("device", "gathered groups (all-gather window)", win * G * lp, "(d+2)*Gmax*lp"))
@@ -337,7 +364,7 @@ def plan_memory(spec, machine, knobs, params_home, optimizer_home):
             else:
                 add(Item("pinned", "NVMe staging (initialisation only)", G * lp, "Gmax*lp"))
 
-    kept = reuse_budget(machine, knobs)
+    kept = reuse_budget(machine, knobs) if param_items is None else 0   # (LoRA: not modelled)
     if kept and (R > 1 or params_home == "nvme"):
         # groups kept resident from forward for backward (not counted on a GPU by default:
         # they only use what the device budget leaves)

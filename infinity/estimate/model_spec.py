@@ -49,6 +49,12 @@ class ModelSpec:
     # is read twice (forward, backward) however many modules use it.
     tileable: list = field(default_factory=list)
     source: str = "dimensions"
+    # LoRA (infinity/estimate/lora.py): the projections it adapts, ``[in, out, count]`` (the
+    # nn.Linear / Conv1D inside the repeated blocks; empty: a GPT block's by dimensions),
+    # the elements of quantizable weights (Linear / Conv1D / Embedding; None: by
+    # dimensions)
+    projections: list = field(default_factory=list)
+    quantizable: int | None = None
 
     def group_numel(self, grouping: str) -> int:
         if grouping not in GROUPINGS:
@@ -115,6 +121,8 @@ def spec_from_dims(params, layers, hidden, *, seq=2048, batch=1, vocab=None, hea
         tileable.append([emb, 3, 1])
     return ModelSpec(params=params, layers=layers, hidden=hidden, seq=seq, batch=batch, vocab=vocab,
                      heads=heads, tileable=tileable,
+                     projections=[[hidden, 3 * hidden, layers], [hidden, hidden, layers],
+                                  [hidden, 4 * hidden, layers], [4 * hidden, hidden, layers]],
                      largest_group={"module": max(leaf, emb), "block": max(per_block, emb)},
                      groups={"module": layers * 6 + (2 if emb else 1), "block": layers + 1},
                      source="dimensions")
@@ -211,6 +219,25 @@ def spec_from_module(model, *, seq=2048, batch=1, layers=None, hidden=None, voca
             if len({type(k) for k in kids}) == 1 and any(True for _ in kids[0].parameters()):
                 if best is None or len(kids) > len(best):
                     best = kids
+    # LoRA (infinity/estimate/lora.py): the projections inside the blocks, the quantizable
+    # weights (infinity.memory.frozen_quant.quantizable_weights' kinds), counted once
+    proj = {}
+    for k in best or []:
+        for m in k.modules():
+            w = getattr(m, "weight", None)
+            if isinstance(m, nn.Linear):
+                key = (m.in_features, m.out_features)
+            elif _is_conv1d(m) and w is not None and w.dim() == 2:
+                key = (int(w.shape[0]), int(w.shape[1]))    # Conv1D stores (in, out)
+            else:
+                continue
+            proj[key] = proj.get(key, 0) + 1
+    qids = {}
+    for m in model.modules():
+        w = getattr(m, "weight", None)
+        if (isinstance(m, (nn.Linear, nn.Embedding)) or _is_conv1d(m)) and \
+                isinstance(w, nn.Parameter) and w.is_floating_point():
+            qids[id(w)] = w.numel()
     if best is not None:
         block_sizes = [sum(p.numel() for p in k.parameters()) for k in best]
         n_layers, largest_block = len(best), max(block_sizes)
@@ -254,6 +281,8 @@ def spec_from_module(model, *, seq=2048, batch=1, layers=None, hidden=None, voca
                      tileable=[[n, r, c] for (n, r), c in sorted(tileable.items())],
                      groups={"module": n_module_groups,
                              "block": n_layers + (1 if total > in_blocks else 0)},
+                     projections=[[i, o, c] for (i, o), c in sorted(proj.items())],
+                     quantizable=int(sum(qids.values())),
                      source=f"module {type(model).__name__}")
 
 

@@ -104,6 +104,9 @@ class Choice:
             cfg["gradient_clipping"] = k.gradient_clipping
         if k.tiling_max_group_gb is not None:
             cfg["tiling"] = {"max_group_gb": k.tiling_max_group_gb}
+        if k.lora_rank is not None and k.frozen_dtype is not None:
+            off["frozen_weights"] = {"dtype": k.frozen_dtype, "group_size": k.frozen_group_size,
+                                     "double_quant": bool(k.frozen_double_quant)}
         return cfg
 
     def describe(self):
@@ -113,7 +116,9 @@ class Choice:
         lossy = [w for w, on in (("bf16 Adam moments", k.state_dtype == "bf16"),
                                  ("bf16 gradient partial sums",
                                   k.grad_accum_dtype == "bf16" and k.grad_accum > 1)) if on]
-        return (f"params={self.params_home}, optimizer={self.optimizer_home}, "
+        lora = "" if k.lora_rank is None else (
+            f"LoRA r{k.lora_rank} over {k.frozen_dtype or k.precision} base, ")
+        return (f"{lora}params={self.params_home}, optimizer={self.optimizer_home}, "
                 f"{'activation checkpointing' if self.checkpointing else 'no checkpointing'}, "
                 f"{act}, micro-batch {self.micro_batch} x accumulation {k.grad_accum}, "
                 f"prefetch depth {k.prefetch_depth}, "
@@ -149,6 +154,7 @@ class Plan:
     # what the plan assumed (:func:`planned_machine`): headroom, derate, clipping, the
     # machine as given and the drives' rating (None: not given)
     assumptions: dict = field(default_factory=dict)
+    lora: object = None       # LoRA: the base Knobs (lora_rank, frozen_*); None: full fine-tuning
 
     def mfu(self, choice=None):
         """Model FLOPs utilization (../shared/DESIGN.md §3.5): model FLOPs per second (6*N
@@ -156,7 +162,7 @@ class Plan:
         b = choice or self.best
         if b is None:
             return None
-        return b.step.tokens_per_s * model_flops_per_token(self.model) / \
+        return b.step.tokens_per_s * model_flops_per_token(self.model, knobs=b.knobs) / \
             (self.machine.ranks * self.machine.tflops * 1e12)
 
     def hfu(self, choice=None):
@@ -165,7 +171,7 @@ class Plan:
         if b is None:
             return None
         return b.step.tokens_per_s * model_flops_per_token(
-            self.model, checkpointing=b.checkpointing, hardware=True) / \
+            self.model, checkpointing=b.checkpointing, hardware=True, knobs=b.knobs) / \
             (self.machine.ranks * self.machine.tflops * 1e12)
 
     def wear(self):
@@ -194,7 +200,12 @@ class Plan:
         if checkpointing is None:
             checkpointing = self.best.checkpointing if self.best is not None else True
         f = 8 if checkpointing else 6
-        return self.machine.ranks * self.machine.tflops * 1e12 / (f * self.model.params)
+        flops = f * self.model.params
+        if self.lora is not None:     # LoRA: 6*Nf + 8*Na (4*Nf + 6*Na without checkpointing)
+            from .lora import adapter_params
+            na = adapter_params(self.model, self.lora.lora_rank)
+            flops = (6 if checkpointing else 4) * self.model.params + f * na
+        return self.machine.ranks * self.machine.tflops * 1e12 / flops
 
     def headline(self):
         if self.best is None:
@@ -233,6 +244,11 @@ class Plan:
                "drive_tb_written_per_step": None if b is None else self.wear()["tb_written_per_step"]}
         if b is not None:
             out["drive_wear"] = self.wear()
+        if self.lora is not None:
+            from .lora import summary
+            out.update(summary(self.model, self.machine, self.lora,
+                               None if b is None else b.params_home))
+            out["frozen_home"] = out.get("frozen_home")
         if b is None and self.closest is not None:
             out["closest"] = self.closest.as_dict()
             out["closest"]["problems"] = list(self.closest.problems)
@@ -286,6 +302,9 @@ class Plan:
                      f"{self.fitting} fit; global batch {self.global_batch} sequences x "
                      f"{self.model.seq} tokens = {self.global_batch * self.model.seq:,} tokens "
                      f"per step")
+        if self.lora is not None:
+            from .report import lora_line
+            lines.append("  " + lora_line(self.model, m, self.lora))
         if b is None:
             return "\n".join(lines + self.assumption_lines()) + "\n"
         lines.extend(self.assumption_lines())
@@ -380,8 +399,9 @@ def _zeropp(knobs) -> bool:
 
 def _tile_choices(spec, knobs, R, params_home):
     """``tiling.max_group_gb`` values to try after the untiled depths (none when tiling does
-    not apply or is set already)."""
+    not apply or is set already; nor with LoRA: not modelled)."""
     if params_home == "none" or knobs.tiling_max_group_gb is not None \
+            or knobs.lora_rank is not None \
             or knobs.grouping != "module" or (R > 1 and (knobs.zero_stage != 3 or _zeropp(knobs))):
         return []
     G = spec.group_numel("module")
@@ -426,7 +446,9 @@ def make_plan(spec, machine, knobs, *, global_batch=None, micro_batch=None, grad
     rated TB written (drive life in :meth:`Plan.wear`).
     """
     from . import evaluate_config  # the estimator's per-configuration evaluation
+    from .lora import check_knobs
 
+    check_knobs(knobs)
     machine, assumptions = planned_machine(machine, nvme_headroom, host_headroom, nvme_derate)
     if clip and not knobs.gradient_clipping:
         knobs = dataclasses.replace(knobs, gradient_clipping=float(clip))
@@ -542,4 +564,4 @@ def make_plan(spec, machine, knobs, *, global_batch=None, micro_batch=None, grad
     model = dataclasses.replace(spec, batch=best.micro_batch if best else 1)
     return Plan(model, machine, global_batch, allow_lossy, best, alts, closest, evaluated,
                 len(found), searched, candidates=found, rejected=rejected,
-                assumptions=assumptions)
+                assumptions=assumptions, lora=knobs if knobs.lora_rank is not None else None)

@@ -34,7 +34,26 @@ def format_header(est):
         f"Adam states {k.state_dtype}, largest group {fmt_num(s.group_numel(k.grouping))} params "
         f"(grouping: {k.grouping})" + (f", host cap {k.host_cap_gb:g} GB" if k.host_cap_gb else ""),
     ]
+    if k.lora_rank is not None:
+        lines.append(lora_line(s, m, k))
     return lines
+
+
+def lora_line(spec, machine, knobs):
+    """``LoRA: rank 64, 3.36B adapters train; frozen base 1T params as nf4 ...``."""
+    from .lora import adapter_params, dequant_rate, frozen_home_bytes
+    base = frozen_home_bytes(spec, knobs)
+    fmt = knobs.frozen_dtype or f"{knobs.precision} (not quantized)"
+    if knobs.frozen_dtype:
+        fmt += f", group {knobs.frozen_group_size}" + (", double quant" if
+                                                        knobs.frozen_double_quant else "")
+    out = (f"LoRA: rank {knobs.lora_rank}, {fmt_num(adapter_params(spec, knobs.lora_rank))} "
+           f"adapter params train; frozen base {fmt_num(spec.params)} params as {fmt}: "
+           f"{base / GB:,.1f} GB at its home ({base / spec.params:.4g} B/param)")
+    if knobs.frozen_dtype:
+        out += (f", dequantized at {dequant_rate(machine, knobs):.4g} GB/s"
+                + ("" if machine.dequant_gbps else " (default)"))
+    return out
 
 
 def binding_limit(totals, variant, machine, knobs):

@@ -146,6 +146,8 @@ def param_cache_reads(spec, machine, knobs, plan):
     which gives them up to gradient buffers (leased only while held): with the overlap
     about two groups' gradients are live, without it all of them by the end of backward."""
     N = spec.params
+    if knobs.lora_rank is not None:      # LoRA: not modelled (a quantized group is never
+        return 0, 0, 0, False            # cached; the base is read at every use)
     if not (machine.cpu_only and plan.params_home == "nvme"
             and plan.master_is_param and not plan.grads_on_nvme):
         return 0, 0, 0, False
@@ -227,6 +229,8 @@ def reused_fraction(spec, machine, knobs, plan) -> float:
     ``N*lp``, at most 1.  On a GPU by default the engine keeps what the device budget
     leaves besides activations, which the plan does not know: not counted (0)."""
     from .memory_plan import reuse_budget
+    if knobs.lora_rank is not None:      # LoRA: not modelled (the memory plan keeps none)
+        return 0.0
     if plan.params_home == "none" and (machine.ranks == 1 or knobs.zero_stage != 3):
         return 0.0
     kept = reuse_budget(machine, knobs)
@@ -479,10 +483,17 @@ def attention_flops_per_token(spec) -> int:
     return 12 * spec.layers * spec.hidden * spec.seq
 
 
-def model_flops_per_token(spec, *, checkpointing: bool = False, hardware: bool = False) -> float:
+def model_flops_per_token(spec, *, checkpointing: bool = False, hardware: bool = False,
+                          knobs=None) -> float:
     """Model FLOPs per token (../shared/DESIGN.md §3.5, "MFU"): ``6*N`` + attention.  With
     ``hardware`` and activation checkpointing the recomputed forward counts too
-    (``8*N`` + 4/3 of the attention): the hardware FLOPs the device executes."""
+    (``8*N`` + 4/3 of the attention): the hardware FLOPs the device executes.  LoRA
+    (``knobs.lora_rank``): ``4*Nf + 6*Na`` + attention, ``6*Nf + 8*Na`` + 4/3 of it
+    (:func:`.lora.lora_flops`)."""
+    if knobs is not None and knobs.lora_rank is not None:
+        from .lora import lora_flops
+        return lora_flops(spec, knobs, attention_flops_per_token(spec),
+                          checkpointing=checkpointing, hardware=hardware)
     if hardware and checkpointing:
         return 8 * spec.params + attention_flops_per_token(spec) * 4 // 3
     return 6 * spec.params + attention_flops_per_token(spec)
@@ -494,8 +505,24 @@ def overlaps_optimizer(machine, knobs) -> bool:
     return knobs.precision in ("fp32", "bf16") and (machine.ranks == 1 or knobs.zero_stage == 3)
 
 
+def _lora_traffic(spec, machine, knobs, plan):
+    """LoRA: the adapters' traffic (the full-fine-tuning terms with ``N`` = the adapters)
+    plus the frozen base read at every use (:func:`.lora.frozen_traffic`)."""
+    from .lora import adapter_spec, frozen_traffic
+    parts = traffic_per_step(adapter_spec(spec, knobs), machine, knobs, plan)
+    for ph in parts.values():
+        for link, terms in ph.items():
+            ph[link] = [("adapters " + w.replace("N*", "Na*").replace("N/", "Na/"), b)
+                        for w, b in terms]
+    for link, terms in frozen_traffic(spec, machine, knobs, plan.params_home).items():
+        parts["mb"][link] = terms + parts["mb"][link]
+    return parts
+
+
 def estimate_step(spec, machine, knobs, plan, *, checkpointing):
-    parts = _with_activations(traffic_per_step(spec, machine, knobs, plan), plan, checkpointing,
+    lora = knobs.lora_rank is not None
+    parts = _with_activations(_lora_traffic(spec, machine, knobs, plan) if lora else
+                              traffic_per_step(spec, machine, knobs, plan), plan, checkpointing,
                               machine)
     _recompute_tiles(parts, spec, machine, knobs, plan, checkpointing)
     mb, opt = _sum(parts["mb"]), _sum(parts["opt"])
@@ -504,13 +531,21 @@ def estimate_step(spec, machine, knobs, plan, *, checkpointing):
     rd, wr = machine.nvme_gbps * GB, machine.nvme_write_gbps * GB
     share_pcie = machine.pcie_share
     pcie, ic = machine.pcie_gbps * GB / share_pcie, machine.interconnect_gbps * GB
-    fpt = model_flops_per_token(spec, checkpointing=checkpointing, hardware=True)
+    fpt = model_flops_per_token(spec, checkpointing=checkpointing, hardware=True, knobs=knobs)
     tokens = spec.seq * spec.batch
     flops = fpt * tokens
     t_comp = flops / (machine.tflops * 1e12)
     what = ("8*N + 16*L*H*S" if checkpointing else "6*N + 12*L*H*S") \
         if attention_flops_per_token(spec) else ("8*N" if checkpointing else "6*N")
+    if lora:
+        what = ("6*Nf + 8*Na" if checkpointing else "4*Nf + 6*Na") + (
+            (" + 16*L*H*S" if checkpointing else " + 12*L*H*S")
+            if attention_flops_per_token(spec) else "")
     d1 = [f"compute: ({what})*S*B = {flops:.3g} FLOP / {machine.tflops:g} TFLOPS = {fmt_seconds(t_comp)} s"]
+    t_deq = 0.0
+    if lora:   # the frozen base dequantized at every fetch, on the compute stream / cores
+        from .lora import dequant_seconds
+        t_deq = dequant_seconds(spec, machine, knobs, d1)
     t_nvme = mb["nvme_read"] / rd + mb["nvme_write"] / wr
     if t_nvme:
         txt = f"NVMe: read {_fmt_b(mb['nvme_read'])} ({_what(parts['mb'], 'nvme_read')}) / {machine.nvme_gbps:g} GB/s"
@@ -533,7 +568,7 @@ def estimate_step(spec, machine, knobs, plan, *, checkpointing):
                   f"{machine.interconnect_gbps:g} GB/s = {fmt_seconds(t_coll)} s")
     t_act = _activation_copies(spec, machine, knobs, plan, checkpointing, d1)
     fb = _phase("forward+backward (one micro-batch)",
-                {"compute": t_comp + t_act, "nvme": t_nvme, "pcie": t_pcie, "collectives": t_coll,
+                {"compute": t_comp + t_act + t_deq, "nvme": t_nvme, "pcie": t_pcie, "collectives": t_coll,
                  "host_memory": t_mem}, d1)
 
     d2 = []
@@ -545,16 +580,20 @@ def estimate_step(spec, machine, knobs, plan, *, checkpointing):
         txt += (f"write {_fmt_b(opt['nvme_write'])} ({_what(parts['opt'], 'nvme_write')}) / "
                 f"{machine.nvme_write_gbps:g} GB/s = {fmt_seconds(t_onvme)} s (same drives: times add)")
         d2.append(txt)
-    # the engine's optimizer is CPU Adam for every offload.optimizer ("none" included)
-    n_node = machine.ranks_per_node * -(-spec.params // machine.ranks)
+    # the engine's optimizer is CPU Adam for every offload.optimizer ("none" included);
+    # LoRA: it steps the adapters only
+    n_train = spec.params
+    if lora:
+        from .lora import adapter_params
+        n_train = adapter_params(spec, knobs.lora_rank)
+    n_node = machine.ranks_per_node * -(-n_train // machine.ranks)
     t_adam = n_node / (machine.cpu_adam_gparams * 1e9)
     d2.append(f"CPU Adam: {n_node:.3g} params / {machine.cpu_adam_gparams:g} G params/s = {fmt_seconds(t_adam)} s")
     t_opcie = opt["h2d"] / pcie
     if t_opcie:
         d2.append(f"PCIe: updated params H2D {_fmt_b(opt['h2d'])} / ({machine.pcie_gbps:g} GB/s"
                   f"{shared}) = {fmt_seconds(t_opcie)} s")
-    t_omem = _host_memory(machine, opt, d2, n_node_adam=machine.ranks_per_node
-                          * -(-spec.params // machine.ranks))
+    t_omem = _host_memory(machine, opt, d2, n_node_adam=n_node)
     t_ocoll = (opt["allgather"] - opt["inter_node"]) / ic + opt["inter_node"] / xb
     if t_ocoll:
         d2.append(f"collectives: all-gather updated params {_fmt_b(opt['allgather'])} / "
@@ -568,7 +607,10 @@ def estimate_step(spec, machine, knobs, plan, *, checkpointing):
         # micro-batch's backward (Note [Streamed gradients]): the optimizer's work shares
         # that micro-batch's links and starts after its forward
         fwd = t_comp / (4 if checkpointing else 3)
-        last = {"compute": t_comp + t_act, "nvme": t_nvme + t_onvme, "pcie": t_pcie + t_opcie,
+        if lora:      # forward: 2*Nf + 2*Na + attention/3 of the hardware FLOPs
+            fwd = t_comp * (2 * spec.params + 2 * n_train + attention_flops_per_token(spec) / 3) \
+                / fpt + t_deq / 2
+        last = {"compute": t_comp + t_act + t_deq, "nvme": t_nvme + t_onvme, "pcie": t_pcie + t_opcie,
                 "collectives": t_coll + t_ocoll, "host_memory": t_mem + t_omem,
                 "optimizer after forward": fwd + op.seconds}
         t_last = max(last.values())

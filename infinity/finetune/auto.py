@@ -233,7 +233,10 @@ def make_auto_plan(opts, cfg, *, seq_len, global_batch, allow_lossy=False):
                                                    ("nvme_write_gbps", "nvme_write")) if c in ceil})
             except (OSError, ValueError) as e:
                 log.warning("auto: ignoring bench-io result %s: %s", found, e)
-    knobs = knobs_from(cfg, {})
+    # LoRA (--lora R): the planner counts adapters on every projection of the blocks and
+    # the frozen base in its stored format (offload.frozen_weights)
+    lora = getattr(opts, "lora", None)
+    knobs = knobs_from(cfg, {"lora_rank": lora} if lora else {})
 
     def rate(micro_batch):
         r = measure_model_tflops(config, spec, seq_len, micro_batch)

@@ -141,10 +141,6 @@ def _validate_lora(opts):
         raise FinetuneError(f"--output {opts.output} is the --model directory: the LoRA "
                             "adapters name it as their base, so it must stay; choose another "
                             "--output")
-    if opts.auto:
-        raise FinetuneError("--auto plans full fine-tuning only (the planner does not model "
-                            "LoRA adapters over a frozen base yet): drop --auto with --lora, "
-                            "and set the offload homes with --config / --nvme-path")
 
 
 def _frozen_dtype(cfg):

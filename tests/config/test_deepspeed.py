@@ -259,3 +259,20 @@ def test_bf16_check_grad_overflow_translates_to_skip():
     assert c.precision == "bf16" and c.nonfinite_grads == "skip"
     with pytest.raises(ConfigError, match="check_grad_overflow"):
         InfinityConfig.from_deepspeed({"bf16": {"enabled": True, "check_grad_overflow": "yes"}})
+
+
+def test_frozen_weights_extension_in_offload_param():
+    """infinity's own key in a DeepSpeed config: ``zero_optimization.offload_param.
+    frozen_weights`` becomes ``offload.frozen_weights`` (a LoRA base kept quantized), its
+    values checked as infinity's; in offload_optimizer it stays an unknown key."""
+    from infinity.config import ConfigError, InfinityConfig
+    ds = {"zero_optimization": {"stage": 3, "offload_param": {
+        "device": "cpu", "frozen_weights": {"dtype": "nf4", "double_quant": True}}}}
+    fw = InfinityConfig.from_deepspeed(ds).offload.frozen_weights
+    assert (fw.dtype, fw.group_size, fw.double_quant) == ("nf4", 64, True)
+    ds["zero_optimization"]["offload_param"]["frozen_weights"] = {"dtype": "fp8"}
+    with pytest.raises(ConfigError, match=r"offload\.frozen_weights\.dtype"):
+        InfinityConfig.from_deepspeed(ds)
+    with pytest.raises(ConfigError, match=r"offload_optimizer\.frozen_weights"):
+        InfinityConfig.from_deepspeed({"zero_optimization": {"stage": 3, "offload_optimizer": {
+            "device": "cpu", "frozen_weights": {"dtype": "nf4"}}}})

@@ -2,6 +2,7 @@
 --frozen-dtype), written as PEFT writes them, resumable; refusals name what to change."""
 import io
 import json
+import math
 import os
 import sys
 
@@ -245,7 +246,6 @@ def test_refusals_name_what_to_change(tmp_path, monkeypatch):
     fails(r"--lora-targets/--lora-alpha set\(s\) the LoRA adapters: add --lora R",
           lora_targets=["q_proj"], lora_alpha=8.0)
     fails(r"--frozen-dtype must be one of nf4, int8, int4", lora=4, frozen_dtype="fp8")
-    fails(r"--auto plans full fine-tuning only", lora=4, auto=True)
     base = tmp_path / "base"
     base.mkdir()
     (base / "config.json").write_text(json.dumps(TINY_LLAMA))
@@ -301,3 +301,14 @@ def test_pretrained_directory_is_the_adapters_base(tmp_path):
     assert recs[0]["frozen_dtype"] == "nf4" and "built in host memory" in err
     assert json.loads((tmp_path / "out-nf4" / "adapter_config.json").read_text())[
         "base_model_name_or_path"] == str(pre)
+
+
+def test_auto_plans_the_lora_run(tmp_path):
+    """``--auto --lora R --frozen-dtype nf4``: the planner sizes the LoRA run (adapters on
+    the projections, the base in its stored format) and the run trains with its plan."""
+    model = _tiny(tmp_path, "llama")
+    lines, err, res = _run(tmp_path, model=model, steps=2, lora=4, frozen_dtype="nf4",
+                           auto=True)
+    losses = [r["loss"] for r in lines if "loss" in r]
+    assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
+    assert lines[-1].get("frozen_dtype") == "nf4"
