@@ -207,8 +207,9 @@ def quantize_weight(t: torch.Tensor, dtype: str = "nf4", group_size: int = 64, *
     flat = t.detach().reshape(-1)
     if not flat.is_contiguous():
         flat = flat.contiguous()
-    _check_finite(flat, t.shape, name)
     n = flat.numel()
+    # inf/NaN: the kernels give such a block a non-finite scale, so the scan for the first
+    # bad value (a pass over the weight) runs only when a scale says there is one
     if dtype == "nf4":
         data, scales = nf4_quantize_flat(flat, group_size)
     else:
@@ -216,9 +217,12 @@ def quantize_weight(t: torch.Tensor, dtype: str = "nf4", group_size: int = 64, *
         if _int_kernel_ok(bits, group_size):
             data, scales = quantize_flat(flat, bits, group_size)
         else:
+            _check_finite(flat, t.shape, name)
             qt = _int_quantize(flat.view(1, -1), bits, group_size, name=name)
             data = qt.q.reshape(-1) if bits == 8 else pack_bits(qt.q, bits).reshape(-1)
             scales = qt.scale.reshape(-1).float()
+    if n and not bool(torch.isfinite(scales).all()):
+        _check_finite(flat, t.shape, name)
     expected = packed_nbytes(n) if dtype == "nf4" else (n if dtype == "int8" else -(-n // 8))
     if data.numel() != expected:             # an internal invariant, not user input
         raise QuantizationError(f"quantize {name or 'tensor'}: payload of {data.numel()} "
