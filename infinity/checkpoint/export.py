@@ -15,6 +15,10 @@ passes to every save), ``OUT/config.json`` and ``OUT/generation_config.json`` ar
 written too, so ``AutoModelForCausalLM.from_pretrained(OUT)`` loads the export as is.
 ``meta["tokenizer"]`` says where the tokenizer came from; ``infinity export`` (the
 CLI, a layer above) writes its files.
+
+A LoRA checkpoint (``infinity finetune --lora R --save``) is exported as its base model
+with the adapters merged (:mod:`.lora_merge`), or with :func:`export_adapters` as PEFT
+adapter files.
 """
 import json
 import logging
@@ -23,6 +27,8 @@ import os
 from .errors import CheckpointError
 from .fsutil import atomic_write_text, check_path
 from .hf_shards import INDEX_NAME, Entry, write_hf_shards
+from .lora_merge import (adapter_config, lora_checkpoint, recorded_base_dir,
+                         write_adapter_config, write_adapter_weights)
 from .reader import CheckpointReader
 from infinity.fsmode import makedirs
 
@@ -127,10 +133,16 @@ def model_names(reader):
 
 
 def export_model(ckpt_dir, out_dir, tag=None, *, max_shard_bytes=DEFAULT_MAX_SHARD_BYTES,
-                 dtype=None, verify=True, meta_out=None):
+                 dtype=None, verify=True, meta_out=None, report=None):
     """Write the checkpoint's model weights (and ``config.json`` +
     ``generation_config.json`` when its meta records the model) to ``out_dir``; returns
-    the list of files. ``meta_out`` (a dict), when given, receives the checkpoint's meta."""
+    the list of files. ``meta_out`` (a dict), when given, receives the checkpoint's meta.
+
+    A LoRA checkpoint (``infinity finetune --lora``: ``meta["lora"]``, PEFT's tensor names)
+    is written as its base model with the adapters merged (:mod:`.lora_merge`): the base
+    model's own names, each adapted weight ``W + (alpha / r) B @ A`` (transposed for
+    Conv1D) in the base weight's dtype or ``dtype``. ``report`` (a dict), when given,
+    receives ``{"lora": "<what was merged>"}`` then."""
     if max_shard_bytes <= 0:
         raise CheckpointError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
     with CheckpointReader(ckpt_dir, tag) as r:
@@ -139,18 +151,21 @@ def export_model(ckpt_dir, out_dir, tag=None, *, max_shard_bytes=DEFAULT_MAX_SHA
         names = model_names(r)
         if not names:
             raise CheckpointError(f"{r.path} contains no model tensors to export")
+        lora = lora_checkpoint(r, names)
+        info = r.info
+        if lora is not None:
+            names, info = lora.names, lora.info
         sources = []
         for n in names:
-            shape, dt = r.info(n)
+            shape, dt = info(n)
             odt = dtype if (dtype is not None and dt.is_floating_point) else dt
             sources.append((n, [Entry(n, odt, tuple(shape))]))
-        out_dir = check_path(out_dir, "export target")
-        if os.path.exists(out_dir) and not os.path.isdir(out_dir):
-            raise CheckpointError(f"export target {out_dir} exists and is not a directory")
-        makedirs(out_dir)
+        out_dir = _make_out_dir(out_dir)
         odts = dict((n, ents[0].dtype) for n, ents in sources)
 
         def produce(n):
+            if lora is not None:
+                return {n: lora.read(n, odts[n])}
             t = r.read(n)
             return {n: t.to(odts[n]) if t.dtype != odts[n] else t}
 
@@ -158,7 +173,7 @@ def export_model(ckpt_dir, out_dir, tag=None, *, max_shard_bytes=DEFAULT_MAX_SHA
                                          max_shard_bytes=max_shard_bytes)
         cfg_files = write_model_config(r.meta, out_dir)
         if cfg_files and dtype is not None:
-            _set_config_dtype(cfg_files[0], dtype)
+            set_config_dtype(cfg_files[0], dtype)
         written += cfg_files
         public_file_modes(out_dir, written)
         if not cfg_files:
@@ -167,11 +182,81 @@ def export_model(ckpt_dir, out_dir, tag=None, *, max_shard_bytes=DEFAULT_MAX_SHA
                         r.path, out_dir)
         if meta_out is not None:
             meta_out.update(r.meta)
+        if lora is not None:
+            if report is not None:
+                report["lora"] = lora.describe()
+            log.info("%s: %s", r.path, lora.describe())
         log.info("exported %d tensors (%d bytes) from %s to %s", len(sources), total, r.path, out_dir)
         return written
 
 
-def _set_config_dtype(path, dtype):
+def _make_out_dir(out_dir):
+    out_dir = check_path(out_dir, "export target")
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise CheckpointError(f"export target {out_dir} exists and is not a directory")
+    makedirs(out_dir)
+    return out_dir
+
+
+def export_adapters(ckpt_dir, out_dir, tag=None, *, max_shard_bytes=DEFAULT_MAX_SHARD_BYTES,
+                    dtype=None, verify=True, meta_out=None, report=None):
+    """The adapters of a LoRA checkpoint as PEFT's ``save_pretrained`` writes them:
+    ``out_dir/adapter_model.safetensors`` + ``out_dir/adapter_config.json``, whose
+    ``base_model_name_or_path`` names the base: the ``--model`` directory the run loaded it
+    from when the meta records one that still holds a model, else ``out_dir/base/``, written
+    here from the checkpoint (the base's own names, unmerged, with ``config.json``: the
+    values the adapters were trained over). Returns the files written; ``report`` receives
+    ``{"lora": ..., "base": path, "base_written": bool}``."""
+    with CheckpointReader(ckpt_dir, tag) as r:
+        if verify:
+            r.verify()
+        names = model_names(r)
+        lora = lora_checkpoint(r, names)
+        if lora is None:
+            raise CheckpointError(f"{r.path} is not a LoRA checkpoint (its meta has no 'lora' "
+                                  f"entry and it holds no lora_A/lora_B tensors): there are no "
+                                  f"adapters to write; export the whole model without "
+                                  f"--adapters-only")
+        out_dir = _make_out_dir(out_dir)
+        base = recorded_base_dir(r.meta)
+        written, base_written = [], base is None
+        if base_written:
+            base = os.path.join(out_dir, "base")
+        acfg = adapter_config(lora, os.path.abspath(base))    # needs peft: before any write
+        cfg = r.meta.get("model_config")
+        if base_written and not (isinstance(cfg, dict) and "model_type" in cfg):
+            raise CheckpointError(f"{r.path} does not record its model's config "
+                                  f"(meta['model_config']), so a base written beside the "
+                                  f"adapters could not be loaded; export it merged instead")
+        if base_written:
+            makedirs(base)
+            sources = []
+            for n in lora.names:
+                shape, dt = lora.info(n)
+                odt = dtype if (dtype is not None and dt.is_floating_point) else dt
+                sources.append((n, [Entry(n, odt, tuple(shape))]))
+            odts = dict((n, ents[0].dtype) for n, ents in sources)
+            files, _ = write_hf_shards(base, sources,
+                                       lambda n: {n: lora.read_base(n, odts[n])},
+                                       max_shard_bytes=max_shard_bytes)
+            cfg_files = write_model_config(r.meta, base)
+            if dtype is not None:
+                set_config_dtype(cfg_files[0], dtype)
+            public_file_modes(base, files + cfg_files)
+            written += files + cfg_files
+        written.append(write_adapter_weights(lora, out_dir, dtype))
+        written.append(write_adapter_config(acfg, out_dir))
+        public_file_modes(out_dir, written[-2:])
+        if meta_out is not None:
+            meta_out.update(r.meta)
+        if report is not None:
+            report.update(lora=lora.describe(merged=False), base=os.path.abspath(base),
+                          base_written=base_written)
+        log.info("wrote the LoRA adapters of %s to %s (base: %s)", r.path, out_dir, base)
+        return written
+
+
+def set_config_dtype(path, dtype):
     """The exported weights' dtype in config.json (``torch_dtype``/``dtype``, as recorded)."""
     with open(path, encoding="utf-8") as f:
         d = json.load(f)

@@ -5,7 +5,9 @@ decoder block and the calibration activations), so the model is never whole in m
 
 Which tensors are Linear weights comes from the model itself, built on the meta device
 from the ``config.json`` the checkpoint's meta records (``infinity finetune`` checkpoints
-do; :func:`~infinity.checkpoint.model_meta` for others).
+do; :func:`~infinity.checkpoint.model_meta` for others). A LoRA checkpoint (``infinity
+finetune --lora``) is quantized as its base model with the adapters merged
+(:mod:`.lora_merge`): each adapted Linear's merged fp32 weight is what gets quantized.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from .errors import CheckpointError
 from .fsutil import check_path
 from .export import DEFAULT_MAX_SHARD_BYTES, model_names, public_file_modes, write_model_config
 from .lkd import LKDOptions, distil_block, quantized_mse, round_to_nearest
+from .lora_merge import lora_checkpoint
 from .reader import CheckpointReader
 
 log = logging.getLogger("infinity.checkpoint")
@@ -51,33 +54,43 @@ def export_quantized(ckpt_dir, out_dir, tag=None, *, options: QuantOptions,
                 f"quantized export needs it to know which tensors are Linear weights. Save the "
                 f"checkpoint with extra_meta=model_meta(model) (infinity finetune does)")
         names = model_names(r)
+        # a LoRA checkpoint: its base model's names, the adapters merged (.lora_merge)
+        lora = lora_checkpoint(r, names)
+        src = r if lora is None else lora
+        if lora is not None:
+            names = lora.names
         if options.include_lm_head and cfg.get("tie_word_embeddings", True) \
                 and "lm_head.weight" not in names:
             raise CheckpointError(f"{r.path}: the LM head is tied to the input embedding (one "
                                   f"tensor), which stays 16-bit; drop --quantize-lm-head")
         plan = plan_linears(linear_modules(meta_model(cfg)), options)
-        absent = [n for n in plan.layers if n not in r]
+        absent = [n for n in plan.layers if n not in src]
         if absent:
             raise CheckpointError(f"{r.path}: the model's Linear weights {absent[:5]} are not in the "
                                   f"checkpoint (were its tensors saved under other names?)")
-        src_dtype = next((r.info(n)[1] for n in plan.layers), torch.float32)
+        src_dtype = next((src.info(n)[1] for n in plan.layers), torch.float32)
         dtype16 = output_dtype(src_dtype, options)
         out_dir = check_path(out_dir, "export target")
         if os.path.exists(out_dir) and not os.path.isdir(out_dir):
             raise CheckpointError(f"export target {out_dir} exists and is not a directory")
         makedirs(out_dir)
-        get, src = r.read, None
+        if lora is None:
+            get = r.read
+        else:
+            def get(n):     # a merged weight is quantized from fp32: one rounding, not two
+                return lora.read(n, torch.float32) if n in plan else lora.read(n)
+        lkd_src = None
         if lkd is not None:
-            src = _LKDSource(r, cfg, names, plan, options, lkd, calib_ids, calib_generate,
-                             seed, dtype16, report if report is not None else {},
-                             swap_path=lkd.swap_path or out_dir)
-            get, names = src.get, src.ordered(names)
+            lkd_src = _LKDSource(src, cfg, names, plan, options, lkd, calib_ids, calib_generate,
+                                 seed, dtype16, report if report is not None else {},
+                                 swap_path=lkd.swap_path or out_dir)
+            get, names = lkd_src.get, lkd_src.ordered(names)
         try:
-            files, total = write_quantized(out_dir, names, r.info, get, plan, options,
+            files, total = write_quantized(out_dir, names, src.info, get, plan, options,
                                            max_shard_bytes=max_shard_bytes)
         finally:
-            if src is not None:
-                src.close()
+            if lkd_src is not None:
+                lkd_src.close()
         cfg_files = write_model_config(r.meta, out_dir)
         set_quantization_config(cfg_files[0], quantization_config(plan, options), dtype16)
         files += cfg_files
@@ -87,6 +100,8 @@ def export_quantized(ckpt_dir, out_dir, tag=None, *, options: QuantOptions,
         if report is not None:
             report["seconds"] = time.monotonic() - t0
             report["bytes"] = total
+            if lora is not None:
+                report["lora"] = lora.describe()
         log.info("exported %s (%d Linear layers quantized, group %d) from %s to %s: %d bytes",
                  options.scheme, len(plan.layers), options.group_size, r.path, out_dir, total)
         return files

@@ -2,7 +2,9 @@
 consolidated safetensors model from a checkpoint, with ``config.json``/
 ``generation_config.json`` and the tokenizer's files when the checkpoint records them
 (``infinity finetune`` checkpoints do); with ``--quantize`` the Linear weights in the
-compressed-tensors format, optionally distilled layer by layer (``--lkd``)."""
+compressed-tensors format, optionally distilled layer by layer (``--lkd``). A LoRA
+checkpoint (``infinity finetune --lora``) is written as its base model with the adapters
+merged, or with ``--adapters-only`` as PEFT adapter files."""
 import argparse
 import logging
 import sys
@@ -34,7 +36,11 @@ def register(subparsers):
                     "config.json, generation_config.json and the tokenizer files when the "
                     "checkpoint records its model (infinity finetune checkpoints do), so "
                     "AutoModelForCausalLM/AutoTokenizer.from_pretrained(OUT) load it. Optimizer "
-                    "states are not exported. Every checksum is verified first.")
+                    "states are not exported. Every checksum is verified first. A LoRA "
+                    "checkpoint (infinity finetune --lora) is written as its base model with "
+                    "the adapters merged (W + alpha/r * B @ A), under the base model's own "
+                    "names, 16-bit or --quantize'd like any model; --adapters-only writes the "
+                    "adapters as PEFT does instead.")
     p.add_argument("dir", metavar="DIR", help="checkpoint directory (the one holding 'latest')")
     p.add_argument("out", metavar="OUT", help="output directory (created if missing)")
     p.add_argument("--tag", default=None, help="checkpoint tag (default: the one in DIR/latest)")
@@ -44,6 +50,12 @@ def register(subparsers):
                    help="cast floating-point weights (default: as saved)")
     p.add_argument("--no-tokenizer", action="store_true",
                    help="do not write the tokenizer files the checkpoint records")
+    p.add_argument("--adapters-only", action="store_true",
+                   help="LoRA checkpoints: write the adapters as PEFT does "
+                        "(adapter_model.safetensors + adapter_config.json, loaded by "
+                        "peft.AutoPeftModelForCausalLM.from_pretrained(OUT)) instead of merging "
+                        "them into the base; the base is the run's --model directory, or, when "
+                        "the run had none, OUT/base/ written from the checkpoint")
     q = p.add_argument_group(
         "quantized export", "weight-only, symmetric, group-wise INT8/INT4 quantization of the "
         "nn.Linear layers (and GPT-2-style Conv1D layers, in their stored layout), written in "
@@ -125,23 +137,44 @@ def run(args):
         raise CLIError(f"{' and '.join(lkd_only)} need --quantize int8|int4")
     if args.calib_data and not args.lkd:
         raise CLIError("--calib-data is the calibration data of --lkd; add --lkd")
+    if args.adapters_only and args.quantize is not None:
+        raise CLIError("--adapters-only writes the LoRA adapters unmerged; --quantize quantizes a "
+                       "merged model: choose one")
+    report = {}
     try:
-        if args.quantize is None:
+        if args.adapters_only:
+            from infinity.checkpoint.export import export_adapters
+            files = export_adapters(args.dir, args.out, args.tag,
+                                    max_shard_bytes=args.max_shard_size, dtype=dtype,
+                                    meta_out=meta, report=report)
+        elif args.quantize is None:
             files = export_model(args.dir, args.out, args.tag, max_shard_bytes=args.max_shard_size,
-                                 dtype=dtype, meta_out=meta)
+                                 dtype=dtype, meta_out=meta, report=report)
         else:
-            files = _export_quantized(args, dtype, meta)
+            files = _export_quantized(args, dtype, meta, report)
     except CheckpointError as e:
         raise CLIError(str(e)) from e
-    if "model_config" not in meta:
+    if args.adapters_only:
+        base = report["base"]
+        print(f"LoRA adapters written as PEFT's files ({report['lora']}); their base: {base}"
+              + (" (written from the checkpoint)" if report["base_written"] else
+                 " (the run's --model directory)"), file=sys.stderr)
+    elif report.get("lora"):
+        print(f"LoRA checkpoint: {report['lora']}, written under the base model's names",
+              file=sys.stderr)
+    if "model_config" not in meta and not args.adapters_only:
         print(f"note: the checkpoint does not record its model's config, so {args.out} holds the "
               "weights only; write config.json beside them (model.config.save_pretrained(OUT)) "
               "to load it with from_pretrained", file=sys.stderr)
     source = meta.get("tokenizer")
     if source and not args.no_tokenizer:
         from infinity.data import DataError, write_tokenizer
+        targets = [args.out]
+        if report.get("base_written"):
+            targets.append(report["base"])      # the base directory loads on its own too
         try:
-            files += write_tokenizer(source, args.out)
+            for target in targets:
+                files += write_tokenizer(source, target)
         except (DataError, OSError, ValueError) as e:
             print(f"note: tokenizer not exported: {e}", file=sys.stderr)
     for f in files:
@@ -149,7 +182,7 @@ def run(args):
     return 0
 
 
-def _export_quantized(args, dtype, meta):
+def _export_quantized(args, dtype, meta, report):
     from infinity.checkpoint import CheckpointReader
     from infinity.checkpoint.compressed import QuantOptions
     from infinity.checkpoint.lkd import LKDOptions
@@ -173,7 +206,6 @@ def _export_quantized(args, dtype, meta):
                                         args.calib_len)
             except (DataError, OSError) as e:
                 raise CLIError(f"calibration data: {e}") from e
-    report = {}
     files = export_quantized(args.dir, args.out, args.tag, options=opts,
                              max_shard_bytes=args.max_shard_size, meta_out=meta, lkd=lkd,
                              calib_ids=calib, calib_generate=(args.calib_samples, args.calib_len),
