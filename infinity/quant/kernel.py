@@ -20,7 +20,9 @@ and it dequantizes to NaN (never raised: these run inside collectives).
 """
 from __future__ import annotations
 
+import math
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -57,6 +59,32 @@ def native(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and x.dtype in _CODES and x.is_contiguous()
 
 
+#: Elements below which a kernel call runs on the calling thread alone.
+PARALLEL_MIN = 1 << 22
+_pool = None
+
+
+def _parallel(n: int, unit: int, fn) -> None:
+    """``fn(e0, e1)`` over ``[0, n)`` split into ranges of whole ``unit``s, on up to
+    ``torch.get_num_threads()`` threads (the kernels release the GIL; blocks are
+    independent, so the bytes are those of one call)."""
+    k = min(torch.get_num_threads(), n // (PARALLEL_MIN // 2))
+    if k <= 1:
+        fn(0, n)
+        return
+    global _pool
+    with _lock:
+        if _pool is None or _pool._max_workers < k:
+            _pool = ThreadPoolExecutor(k, thread_name_prefix="infinity-quant")
+    step = -(-n // k // unit) * unit
+    futs = [_pool.submit(fn, e0, min(n, e0 + step)) for e0 in range(step, n, step)]
+    try:
+        fn(0, min(n, step))
+    finally:
+        for f in futs:
+            f.result()
+
+
 def payload_numel(n: int, bits: int) -> int:
     return n if bits == 8 else -(-n // 8)
 
@@ -82,8 +110,13 @@ def quantize_flat(x: torch.Tensor, bits: int, block: int) -> tuple[torch.Tensor,
     ext = _kernel()
     out = torch.empty(payload_numel(n, bits), dtype=torch.int8 if bits == 8 else torch.int32)
     scales = torch.empty(nb, dtype=torch.float32)
-    ext.quantize(flat.data_ptr(), _CODES[flat.dtype], n, block, bits, out.data_ptr(),
-                 scales.data_ptr())
+    src, code, isz = flat.data_ptr(), _CODES[flat.dtype], flat.element_size()
+    per = 1 if bits == 8 else 0.5                 # payload bytes per element
+
+    def run(e0, e1):
+        ext.quantize(src + e0 * isz, code, e1 - e0, block, bits, out.data_ptr() + int(e0 * per),
+                     scales.data_ptr() + 4 * (e0 // block))
+    _parallel(n, block if bits == 8 else math.lcm(block, 8), run)
     return out, scales
 
 
@@ -106,8 +139,13 @@ def dequantize_flat(payload: torch.Tensor, scales: torch.Tensor, n: int, bits: i
         q = payload.view(1, -1) if bits == 8 else unpack_bits(payload.view(1, -1), bits, n)
         flat.copy_(dequantize(q, scales.view(1, -1), block, dtype=torch.float32).view(-1))
         return out
-    _kernel().dequantize(payload.data_ptr(), n, block, bits, scales.data_ptr(),
-                         flat.data_ptr(), _CODES[flat.dtype])
+    ext, code, isz = _kernel(), _CODES[flat.dtype], flat.element_size()
+    per = 1 if bits == 8 else 0.5
+
+    def run(e0, e1):
+        ext.dequantize(payload.data_ptr() + int(e0 * per), e1 - e0, block, bits,
+                       scales.data_ptr() + 4 * (e0 // block), flat.data_ptr() + e0 * isz, code)
+    _parallel(n, block if bits == 8 else math.lcm(block, 8), run)
     return out
 
 
@@ -141,8 +179,12 @@ def nf4_quantize_flat(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.
     n = flat.numel()
     out = torch.empty(packed_nbytes(n), dtype=torch.uint8)
     absmax = torch.empty(-(-n // block), dtype=torch.float32)
-    _nf4_kernel().nf4_quantize(flat.data_ptr(), _CODES[flat.dtype], n, block, out.data_ptr(),
-                               absmax.data_ptr())
+    ext, code, isz = _nf4_kernel(), _CODES[flat.dtype], flat.element_size()
+
+    def run(e0, e1):
+        ext.nf4_quantize(flat.data_ptr() + e0 * isz, code, e1 - e0, block,
+                         out.data_ptr() + e0 // 2, absmax.data_ptr() + 4 * (e0 // block))
+    _parallel(n, block, run)
     return out, absmax
 
 
@@ -165,6 +207,10 @@ def nf4_dequantize_flat(packed: torch.Tensor, absmax: torch.Tensor, n: int, bloc
             and absmax.is_contiguous()):
         flat.copy_(nf4_dequantize_ref(packed, absmax, n, block, torch.float32))
         return out
-    _nf4_kernel().nf4_dequantize(packed.data_ptr(), n, block, absmax.data_ptr(), flat.data_ptr(),
-                                 _CODES[flat.dtype])
+    ext, code, isz = _nf4_kernel(), _CODES[flat.dtype], flat.element_size()
+
+    def run(e0, e1):
+        ext.nf4_dequantize(packed.data_ptr() + e0 // 2, e1 - e0, block,
+                           absmax.data_ptr() + 4 * (e0 // block), flat.data_ptr() + e0 * isz, code)
+    _parallel(n, block, run)
     return out

@@ -236,3 +236,20 @@ def test_dequantize_by_ranges_equals_whole(dtype, gs, dq):
         q._dequantize_range(e0, min(w.numel(), e0 + step), scales,
                             out[e0:min(w.numel(), e0 + step)])
     assert torch.equal(out.view_as(ref), ref)
+
+
+@pytest.mark.parametrize("dtype,gs", [("nf4", 64), ("int4", 64), ("int8", 128), ("nf4", 30)])
+def test_kernels_split_across_threads_give_the_same_bytes(dtype, gs, monkeypatch):
+    """Large tensors are quantized / dequantized in ranges of whole blocks on several
+    threads (infinity.quant.kernel._parallel): the same payload, scales and values as one
+    call on one thread."""
+    import infinity.quant.kernel as K
+    w = torch.randn(5 * (1 << 20) + 37).bfloat16()
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
+    monkeypatch.setattr(K, "PARALLEL_MIN", 1 << 20)
+    par = quantize_weight(w, dtype, gs)
+    par_out = par.dequantize()
+    monkeypatch.setattr(K, "PARALLEL_MIN", 1 << 40)
+    one = quantize_weight(w, dtype, gs)
+    assert torch.equal(par.data, one.data) and torch.equal(par.scales, one.scales)
+    assert torch.equal(par_out, one.dequantize())
