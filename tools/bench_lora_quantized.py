@@ -258,10 +258,15 @@ def cmd_bytes(a):
 def cmd_speed(a):
     import peft
     os.makedirs(a.workdir, exist_ok=True)
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+    def sync():
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
 
     def model_fn():
         return peft.get_peft_model(_llama(hidden=a.hidden, layers=a.layers), peft.LoraConfig(
-            r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+            r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)).to(dev)
     engines = {}
     for fmt, dt, fw in (FORMATS[0], FORMATS[1]):
         off = {"params": "nvme", "optimizer": "cpu", "host_memory_gb": a.host_gb,
@@ -276,31 +281,39 @@ def cmd_speed(a):
               f"{sum(g.home_nbytes for g in engines[fmt].grouping.groups if not g.trainable) / 1e9:.2f}"
               f" GB", flush=True)
     times = {k: [] for k in engines}
-    xs = list(_batches(torch.randint(0, 256, (10000,)), a.steps + 1, 1, a.tokens, seed=3))
+    xs = [x.to(dev) for x in _batches(torch.randint(0, 256, (10000,)), a.steps + 1, 1,
+                                      a.tokens, seed=3)]
     try:
         for i, x in enumerate(xs):
             for fmt, eng in engines.items():
+                sync()
                 t0 = time.perf_counter()
                 out = eng(input_ids=x, labels=x)
                 eng.backward(out.loss)
                 eng.step()
+                sync()
                 if i:                               # the first step warms up
                     times[fmt].append(time.perf_counter() - t0)
+        st = {k: e.stats() for k, e in engines.items()}
+        for e in engines.values():
+            e.close()
         # compute alone: the bf16 model resident, the same step
         m = model_fn().to(torch.bfloat16)
         ct = []
         for x in xs[1:4]:
+            sync()
             t0 = time.perf_counter()
             m(input_ids=x, labels=x).loss.backward()
+            sync()
             ct.append(time.perf_counter() - t0)
-        st = {k: e.stats() for k, e in engines.items()}
+        del m
     finally:
         for e in engines.values():
             e.close()
     med = {k: statistics.median(v) for k, v in times.items()}
     comp = statistics.median(ct)
     print(f"Llama d {a.hidden}, {a.layers} layers, 1 x {a.tokens} tokens per step, params on "
-          f"NVMe, host cap {a.host_gb} GB, {a.steps} alternating steps each:")
+          f"NVMe, host cap {a.host_gb} GB, {a.steps} alternating steps each, on {dev.type}:")
     for k in engines:
         print(f"  {k:5s} median step {med[k]:.3f} s (min {min(times[k]):.3f}), frozen NVMe "
               f"read {st[k]['frozen_nvme_read_bytes'] / 1e9:.2f} GB in all")

@@ -59,6 +59,8 @@ PARTS = {
     "nvme": [("rates", 45), ("infinity_nvme", 240), ("deepspeed_nvme", 240)],
     # diagnosis of a wrong first update (tools/gpu_diag.py) and the CPU Adam roofline
     "diag": [("diag", 170), ("adam", 30)],
+    # LoRA over an nf4 base against a bf16 base, params on NVMe (tools/bench_lora_quantized.py)
+    "lora": [("rates", 45), ("lora_speed", 300)],
 }
 SUMMARY_RESERVE_S = 15
 

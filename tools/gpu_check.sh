@@ -19,7 +19,7 @@
 # Exit status: 0 in GPU mode (the files must come back whatever failed); in dry mode 1 when
 # the build or a step failed.
 set -uo pipefail
-usage() { echo "usage: tools/gpu_check.sh DIR [--part core|nvme] [--budget-s SECONDS]" >&2; exit 2; }
+usage() { echo "usage: tools/gpu_check.sh DIR [--part core|nvme|diag|lora] [--budget-s SECONDS]" >&2; exit 2; }
 [ $# -ge 1 ] || usage
 DIR=$1; shift
 PART=core
@@ -31,7 +31,7 @@ while [ $# -gt 0 ]; do
         *) usage ;;
     esac
 done
-case $PART in core|nvme|diag) ;; *) echo "gpu_check: --part must be core, nvme or diag, got '$PART'" >&2; exit 2 ;; esac
+case $PART in core|nvme|diag|lora) ;; *) echo "gpu_check: --part must be core, nvme, diag or lora, got '$PART'" >&2; exit 2 ;; esac
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 mkdir -p "$DIR" || { echo "gpu_check: cannot create $DIR" >&2; exit 2; }
 DIR=$(cd "$DIR" && pwd)
