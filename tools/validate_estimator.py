@@ -25,6 +25,7 @@ estimator's OS/runtime reserve and the initialisation-only staging buffer.
     .venv/bin/python tools/validate_estimator.py            # default configurations
     .venv/bin/python tools/validate_estimator.py --quick    # smaller model, 4 configurations
     .venv/bin/python tools/validate_estimator.py --zero     # ZeRO-3, 2 ranks, streamed shards
+    .venv/bin/python tools/validate_estimator.py --lora     # LoRA over a bf16 / nf4 / int8 base
 """
 import argparse
 import ctypes
@@ -82,6 +83,12 @@ RECOMPUTE = [("fp32", "nvme", "nvme", 1, None, {"ckpt": True}),
 # shards streamed (Note [Streamed gradients]); predicted as two one-rank CPU nodes (per rank)
 ZERO = [("bf16", "nvme", "nvme", 2, 0.08, {"ws": 2}),
         ("bf16", "nvme", "nvme", 2, 0.08, {"ws": 2, "gdtype": "bf16"})]
+# --lora: PEFT LoRA (rank 8 on every projection of the blocks) over the frozen base, params
+# and optimizer on NVMe: the base in the working precision, then kept quantized
+# (offload.frozen_weights): the frozen bytes read per step are what the estimator counts
+LORA = [("bf16", "nvme", "nvme", 1, None, {"lora": 8}),
+        ("bf16", "nvme", "nvme", 1, None, {"lora": 8, "frozen": "nf4"}),
+        ("bf16", "nvme", "nvme", 1, None, {"lora": 8, "frozen": "int8"})]
 # --planned (issue 18): the configuration `infinity estimate --plan` picks for the validation
 # model under these offload.host_memory_gb caps (global batch 4 sequences, fp32), run here
 PLANNED_CAPS = (0.5, 0.4)
@@ -158,6 +165,11 @@ def child(spec):
     if spec.get("ckpt"):
         model.gradient_checkpointing_enable()
         model.train()
+    if spec.get("lora"):
+        import peft
+        model = peft.get_peft_model(model, peft.LoraConfig(
+            r=spec["lora"], lora_alpha=2 * spec["lora"], lora_dropout=0.0,
+            target_modules=["c_attn", "c_proj", "c_fc"], fan_in_fan_out=True))
     conf = {"precision": spec["precision"],
             "offload": {"params": spec["params"], "optimizer": spec["optimizer"],
                         "nvme_paths": [spec["swap"]]},
@@ -170,6 +182,8 @@ def child(spec):
         conf["offload"]["host_memory_gb"] = spec["cap"]
     if spec.get("tile"):
         conf["tiling"] = {"max_group_gb": spec["tile"]}
+    if spec.get("frozen"):
+        conf["offload"]["frozen_weights"] = {"dtype": spec["frozen"]}
     if spec.get("ws", 1) > 1:
         conf["zero_stage"] = 3
         conf["dist_timeout_s"] = 300
@@ -238,7 +252,8 @@ def predict(spec):
                    host_cap_gb=spec["cap"], configs=[(spec["params"], spec["optimizer"])],
                    activation_home=act[0], activation_scope=act[1],
                    grad_accum_dtype=spec.get("gdtype", "fp32"),
-                   tiling_max_group_gb=spec.get("tile"))
+                   tiling_max_group_gb=spec.get("tile"), lora_rank=spec.get("lora"),
+                   frozen_dtype=spec.get("frozen"))
     c = est.configs[0]
     v = "checkpointing" if spec.get("ckpt") else "none"
     init_only = sum(i.nbytes for i in c.plan.items if "initialisation only" in i.name)
@@ -322,6 +337,8 @@ def main():
                     help="only the checkpointed rows, untiled and tiled (the recompute's tiles)")
     ap.add_argument("--zero", action="store_true",
                     help="only the ZeRO rows: 2 ranks, spilled and streamed gradient shards")
+    ap.add_argument("--lora", action="store_true",
+                    help="only the LoRA rows: the base in bf16, nf4 and int8")
     ap.add_argument("--json", action="store_true", help="print the rows as JSON")
     args = ap.parse_args()
     if args.child:
@@ -339,6 +356,8 @@ def main():
             configs = RECOMPUTE
         elif args.zero:
             configs = ZERO
+        elif args.lora:
+            configs = LORA
         elif args.planned:
             configs = planned_configs(model)
         elif not args.only_new:
@@ -372,6 +391,8 @@ def main():
                     + (f" grads {extra['gdtype']}" if extra.get("gdtype") else "")
                     + (f" act={extra['act'][0]}/{extra['act'][1]}" if extra.get("act") else "")
                     + (" ckpt" if extra.get("ckpt") else "")
+                    + (f" LoRA r={extra['lora']}" if extra.get("lora") else "")
+                    + (f" base {extra['frozen']}" if extra.get("frozen") else "")
                     + (f" tiling={extra['tile']:g}GB" if extra.get("tile") else "")
                     + (f" ZeRO-3 ws={extra['ws']} rank 0" if extra.get("ws", 1) > 1 else "")
                     + (" streamed" if pred["grads_streamed"] and extra.get("ws", 1) > 1

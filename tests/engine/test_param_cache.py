@@ -165,5 +165,5 @@ def test_master_handoff_under_clipping_as_the_estimator_assumes(harness, swap_di
     machine = SimpleNamespace(cpu_only=True, ranks=1)
     plan = SimpleNamespace(params_home="nvme", master_is_param=True, grads_on_nvme=False)
     for clip in (0.0, 1e4):
-        knobs = SimpleNamespace(gradient_clipping=clip, host_cap_gb=None)
+        knobs = SimpleNamespace(gradient_clipping=clip, host_cap_gb=None, lora_rank=None)
         assert param_cache_reads(SimpleNamespace(params=1), machine, knobs, plan)[3], clip
