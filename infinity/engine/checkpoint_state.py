@@ -343,6 +343,21 @@ class EngineCheckpoint:
         self._check_idle("GatheredParameters")
         self._release_cached()
         self.e.mm.wait_host_reads()     # no copy still reads a home about to be written
+        # a frozen weight stored quantized cannot take new values: refused before anything
+        # is written when one changed; given back unchanged (every gathered parameter is),
+        # it is skipped
+        values = dict(values)
+        for g, s in self._frozen_slots():
+            v = values.get(s.name)
+            if v is None or g.quant is None:
+                continue
+            if not torch.equal(v.reshape(-1).to(g.dtype), self._quantized_value(g, s)):
+                raise ValueError(
+                    f"GatheredParameters: {s.name} is a frozen weight stored quantized "
+                    f"(offload.frozen_weights) and was changed; it cannot be modified in "
+                    f"place -- change the base before initialize, or set "
+                    f"offload.frozen_weights.dtype to null")
+            del values[s.name]
         home_copy = self.e.cfg.precision != "fp32" and not self.replicated
         homes = {}
         for g, key, s in self._trainable_slots():
@@ -364,11 +379,6 @@ class EngineCheckpoint:
             v = values.get(s.name)
             if v is None:
                 continue
-            if g.quant is not None:
-                raise ValueError(
-                    f"GatheredParameters: {s.name} is a frozen weight stored quantized "
-                    f"(offload.frozen_weights); it cannot be modified in place -- change the "
-                    f"base before initialize, or set offload.frozen_weights.dtype to null")
             flat = v.reshape(-1).to(g.dtype)
             if self.sharded_home:
                 r = self._own(g, s)
@@ -381,6 +391,15 @@ class EngineCheckpoint:
         for g, items in homes.values():
             self._write_home(g, items)
         self.e.mm.refresh_resident()    # separate device: resident copies from host mirrors
+
+    def _quantized_value(self, g, s):
+        """Slot ``s`` of quantized group ``g`` as training sees it (dequantized, flat, the
+        working dtype); at stage 3 gathered from every rank (collective)."""
+        if self.sharded_home:
+            from infinity.zero.quantized_shards import gathered_values
+            return gathered_values(g, self.zero.comm, self.e.swap)[s.offset:s.offset + s.numel]
+        from infinity.memory.frozen_quant import slot_value
+        return slot_value(g, self.e.swap, s)
 
     def _saved_state_dtype(self, reader, own):
         """The dtype the checkpoint's Adam moments were saved in (that of its first

@@ -149,8 +149,8 @@ def _frozen_dtype(cfg):
 
 def _check_frozen(opts, cfg):
     """``offload.frozen_weights.dtype`` (``--frozen-dtype`` or ``--config``) against the
-    run: only a LoRA run has a frozen base. What the engine does not support yet (several
-    ranks, ...) it refuses at ``initialize``, naming the key."""
+    run: only a LoRA run has a frozen base. What the engine does not support it refuses at
+    ``initialize``, naming the key."""
     dtype = _frozen_dtype(cfg)
     if dtype is None:
         return None
@@ -260,13 +260,9 @@ def finetune(opts, *, reporter_streams=None):
             run_id = _run_identity(opts, cfg, auto, tok, lora) if opts.save else None
             resume_from = _check_save_dir(opts, run_id, rank, world, reporter) if opts.save \
                 else None
-            # a quantized frozen base is not built under infinity.Init yet (the engine
-            # refuses Init-managed weights for it): built in host memory, then quantized
-            model, desc = resolve_model(opts.model,
-                                        init_config=None if frozen_dtype else cfg)
-            if frozen_dtype and cfg["offload"].get("params") in ("cpu", "nvme"):
-                desc += (f"; built in host memory: a {frozen_dtype} frozen base is "
-                         "quantized by the engine at initialize, not under infinity.Init")
+            # a quantized frozen base is built under infinity.Init like any other and
+            # quantized group by group as initialize adopts it
+            model, desc = resolve_model(opts.model, init_config=cfg)
             check_vocab(model, tok)
             base_meta = model_meta(model, tokenizer=tok.describe())
             if lora is not None:

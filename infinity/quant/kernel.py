@@ -21,6 +21,7 @@ and it dequantizes to NaN (never raised: these run inside collectives).
 from __future__ import annotations
 
 import math
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -61,7 +62,18 @@ def native(x: torch.Tensor) -> bool:
 
 #: Elements below which a kernel call runs on the calling thread alone.
 PARALLEL_MIN = 1 << 22
-_pool = None
+_pool: ThreadPoolExecutor | None = None
+_pool_size = 0
+
+
+def _forget_pool() -> None:
+    """In a forked child: the parent's worker threads do not exist there."""
+    global _pool, _pool_size
+    _pool, _pool_size = None, 0
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool)
 
 
 def _parallel(n: int, unit: int, fn) -> None:
@@ -72,17 +84,28 @@ def _parallel(n: int, unit: int, fn) -> None:
     if k <= 1:
         fn(0, n)
         return
-    global _pool
+    global _pool, _pool_size
     with _lock:
-        if _pool is None or _pool._max_workers < k:
-            _pool = ThreadPoolExecutor(k, thread_name_prefix="infinity-quant")
+        if _pool is None or _pool_size < k:
+            old, _pool, _pool_size = _pool, ThreadPoolExecutor(
+                k, thread_name_prefix="infinity-quant"), k
+            if old is not None:
+                old.shutdown(wait=False)
+        pool = _pool
     step = -(-n // k // unit) * unit
-    futs = [_pool.submit(fn, e0, min(n, e0 + step)) for e0 in range(step, n, step)]
+    futs = [pool.submit(fn, e0, min(n, e0 + step)) for e0 in range(step, n, step)]
+    err = None
     try:
         fn(0, min(n, step))
-    finally:
-        for f in futs:
+    except BaseException as e:  # noqa: BLE001 - raised below, after every range finished
+        err = e
+    for f in futs:
+        try:
             f.result()
+        except BaseException as e:  # noqa: BLE001 - the first error is the one raised
+            err = err or e
+    if err is not None:
+        raise err
 
 
 def payload_numel(n: int, bits: int) -> int:

@@ -70,6 +70,13 @@ class _SavedRef:
 never_raise_in(_SavedRef.__del__)
 
 
+def _input_grad_ends_use(module: nn.Module) -> bool:
+    """Whether the gradient of ``module``'s one input is the last of its backward that
+    needs its weight (Note [Recomputed frozen groups])."""
+    t = type(module)
+    return t is nn.Linear or (t.__name__ == "Conv1D" and t.__module__.startswith("transformers"))
+
+
 class ParamHooks:
     def __init__(self, model: nn.Module, grouping: Grouping, manager: MemoryManager,
                  coordinator: PrefetchCoordinator, on_grad, gate: InterruptGate | None = None,
@@ -90,6 +97,7 @@ class ParamHooks:
         self._saved_ctx = []              # stack of entered saved_tensors_hooks contexts
         self._fwd_depth = 0
         self._bw_callback_queued = False
+        self._owner_count: dict | None = None   # gid -> modules fetching it (_owners)
         self.enabled = True
         self.epoch = 0                    # bumped by reset(): saved refs of older windows are inert
         # profiling (only when the timeline is enabled): per-module forward spans and
@@ -140,6 +148,7 @@ class ParamHooks:
             self._install_module(module, groups)
         elif g not in groups:
             groups.append(g)
+        self._owner_count = None
 
     def remove(self) -> None:
         for h in self.handles:
@@ -260,13 +269,25 @@ class ParamHooks:
                     self.coord.release(g)
                 elif g.users == 0 and bw:
                     self._maybe_release_bw(g)
-            if not bw and args and isinstance(args[0], torch.Tensor) \
-                    and args[0].requires_grad and self._training_pass():
-                frozen = [g for g in groups if not g.trainable and self.mm.paged(g)]
+            if not bw and len(args) == 1 and isinstance(args[0], torch.Tensor) \
+                    and args[0].requires_grad and _input_grad_ends_use(module) \
+                    and self._training_pass():
+                frozen = [g for g in groups if not g.trainable and self.mm.paged(g)
+                          and self._owners(g) == 1]
                 if frozen:                    # Note [Recomputed frozen groups]
                     done = functools.partial(self._input_grad_done, frozen, self.epoch)
                     args[0].register_hook(self._gated(done))
         return post
+
+    def _owners(self, g: GroupRecord) -> int:
+        """How many modules fetch ``g`` (tied weights, external parameters: several)."""
+        if self._owner_count is None:
+            counts: dict[int, int] = {}
+            for gs in self.grouping.module_groups.values():
+                for x in gs:
+                    counts[x.gid] = counts.get(x.gid, 0) + 1
+            self._owner_count = counts
+        return self._owner_count.get(g.gid, 0)
 
     # ------------------------------------------------------------------ saved tensors
     def _pack(self, t: torch.Tensor):
@@ -323,11 +344,14 @@ class ParamHooks:
     # registers, when its input requires grad, a hook on that input's gradient: it fires
     # once the module's backward has run -- the recomputed tensors of that use are spent --
     # and counts one recomputed use done (``recompute_users``, incremented by each recompute
-    # of a frozen group); at zero the hold ends and the group goes as any other.  A use
-    # whose input needs no gradient (token ids into an embedding) is never counted down: its
-    # group is held to the end of the backward, as before; so is a group shared by several
-    # modules when one of them is.  Reentrant checkpointing runs its forward without grad:
-    # no hook, held to the end.
+    # of a frozen group); at zero the hold ends and the group goes as any other.  Only where
+    # that is exact: a module whose one input's gradient is the last thing its backward
+    # computes from the weight (``nn.Linear``, GPT-2's ``Conv1D``: grad_input = grad_out @ W;
+    # a frozen W needs no gradient of its own), the group fetched by that module alone.
+    # Anything else -- a module applying the weight to several inputs or to a parameter, a
+    # group shared by several modules (tied, external), an input that needs no gradient
+    # (token ids), reentrant checkpointing (its forward runs without grad) -- is held to the
+    # end of the backward, as before.
     def _input_grad_done(self, groups, epoch, grad) -> None:
         if epoch != self.epoch:
             return                        # a graph of an abandoned window

@@ -498,3 +498,24 @@ def test_recomputed_frozen_groups_go_after_their_backward(dtype, swap_dir):
             group = max(g.nbytes for g in eng.grouping.groups if not g.trainable)
         losses[ckpt] = got
     assert peaks[True] - peaks[False] < 2 * group, (peaks, group)
+
+
+def test_gathered_parameters_over_a_quantized_base(swap_dir):
+    """GatheredParameters(modifier_rank=0) over a set holding quantized frozen weights: the
+    adapters' changes are stored, the quantized weights given back unchanged are skipped;
+    changing one is refused before anything is written."""
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+    model[0].requires_grad_(False)
+    with infinity.initialize(model, _cfg("cpu", swap_dir, "nf4")) as eng:
+        before = eng.state_dict()["0.weight"].clone()
+        with infinity.GatheredParameters(list(model.parameters()), modifier_rank=0):
+            with torch.no_grad():
+                model[1].weight.zero_()
+        sd = eng.state_dict()
+        assert torch.equal(sd["0.weight"], before) and not sd["1.weight"].any()
+        with pytest.raises(ValueError, match=r"0\.weight is a frozen weight stored quantized"):
+            with infinity.GatheredParameters(list(model.parameters()), modifier_rank=0):
+                with torch.no_grad():
+                    model[1].weight.fill_(1.0)
+                    model[0].weight.zero_()
+        assert not eng.state_dict()["1.weight"].any()      # nothing was written

@@ -298,7 +298,7 @@ def test_pretrained_directory_is_the_adapters_base(tmp_path):
         assert _rel(m(input_ids=IDS).logits, logits) < 1e-5
     _losses_fall(recs)
     recs, err, _, _ = _lora_run(tmp_path, str(pre), "out-nf4", frozen_dtype="nf4")
-    assert recs[0]["frozen_dtype"] == "nf4" and "built in host memory" in err
+    assert recs[0]["frozen_dtype"] == "nf4"
     assert json.loads((tmp_path / "out-nf4" / "adapter_config.json").read_text())[
         "base_model_name_or_path"] == str(pre)
 
