@@ -50,12 +50,11 @@ import dataclasses
 
 from infinity.quant.weight import TORCH_PATH_CHUNK
 
+from infinity.config_sections import FROZEN_WEIGHT_DTYPES as FROZEN_DTYPES
+
 from .machine import GB
 from .model_spec import EstimateError
 
-#: storage formats of a quantized frozen base (``offload.frozen_weights.dtype``;
-#: infinity.quant.WEIGHT_DTYPES)
-FROZEN_DTYPES = ("nf4", "int8", "int4")
 #: what ``--frozen-dtype`` accepts: a quantized format, or the working precision's name
 #: (= no quantization)
 FROZEN_CHOICES = ("bf16", "fp16", "fp32") + FROZEN_DTYPES

@@ -15,9 +15,10 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from infinity.config_sections import FROZEN_WEIGHT_DTYPES as FROZEN_DTYPES
+
 log = logging.getLogger("infinity.finetune")
 
-FROZEN_DTYPES = ("nf4", "int8", "int4")
 PEFT_REQUIREMENT = "peft>=0.15"
 
 
@@ -215,13 +216,8 @@ def base_model_of(model):
 def base_name(name):
     """A PEFT parameter name as the base model names it (``None`` for an adapter):
     ``base_model.model.X.base_layer.weight`` -> ``X.weight``."""
-    for prefix in ("base_model.model.",):
-        if name.startswith(prefix):
-            name = name[len(prefix):]
-    parts = name.split(".")
-    if any(p.startswith("lora_") for p in parts):
-        return None
-    return ".".join(p for p in parts if p != "base_layer")
+    from infinity.checkpoint import lora_merge
+    return None if lora_merge.has_adapters([name]) else lora_merge.base_name(name)
 
 
 def frozen_format(engine):
