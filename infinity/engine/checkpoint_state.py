@@ -434,10 +434,11 @@ class EngineCheckpoint:
             return
         if g.quant is not None:      # stored quantized: quantized again (frozen_quant)
             from infinity.memory.frozen_quant import home_values, write_home_values
-            flat = home_values(g, self.e.swap)
+            current = home_values(g, self.e.swap)
+            flat = current.clone()
             for a, t in items:
                 flat[a:a + t.numel()].copy_(t)
-            write_home_values(g, self.e.swap, flat)
+            write_home_values(g, self.e.swap, flat, current)
             return
         if g.home == "nvme":
             flat = self._home_read(g)

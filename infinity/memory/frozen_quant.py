@@ -322,12 +322,15 @@ def home_values(g, swap) -> torch.Tensor:
     return out
 
 
-def write_home_values(g, swap, values: torch.Tensor) -> None:
+def write_home_values(g, swap, values: torch.Tensor, current: torch.Tensor | None = None
+                      ) -> None:
     """Quantize the flat working-dtype ``values`` into ``g``'s home (a checkpoint load).
-    Values equal to what the home already dequantizes to -- the same base saved and
-    loaded -- leave the payload as it is (quantizing dequantized values again is not
-    always the identity: double-quantized scales move)."""
-    if torch.equal(values[:g.padded_numel], home_values(g, swap)):
+    Values equal to what the home already dequantizes to (``current``, read when not
+    given) -- the same base saved and loaded -- leave the payload as it is (quantizing
+    dequantized values again is not always the identity: double-quantized scales move)."""
+    if current is None:
+        current = home_values(g, swap)
+    if torch.equal(values[:g.padded_numel], current):
         return
     if g.host_buf is not None and g.host_buf.device.type == "cpu":
         g.quant.pack(g, g.host_buf, values)

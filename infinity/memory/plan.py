@@ -112,6 +112,11 @@ class PlacementPlan:
         elif self.param_home == "device" and paged:    # a quantized base kept on the device
             self.device["dequantized fetch window (largest group x (depth + 2))"] = \
                 largest * (self.depth + 2)
+        qpaged = max((g.home_nbytes for g in paged if g.quant is not None and g.home != "device"),
+                     default=0)
+        if sep and qpaged:        # a quantized payload lands on the device, then dequantized
+            self.device["quantized payloads in flight (largest x (depth + 2))"] = \
+                qpaged * (self.depth + 2)
         if sep and trainable:     # GradD2H: groups assembled for their one D2H each (two:
             # the current one and one open across backward, e.g. tied weights) and the
             # sources of the copies in flight (as many as the staging bound)

@@ -221,6 +221,10 @@ def test_simulated_device_dequantizes_on_the_device_tier(swap_dir, monkeypatch):
         model = _lora("gpt2")
         with infinity.initialize(model, _cfg(home, swap_dir, "nf4")) as eng:
             assert not eng.mm.dev.zero_copy
+            # the payloads landing on the device before they are dequantized are planned
+            qmax = max(g.home_nbytes for g in eng.grouping.groups if g.quant is not None)
+            assert eng.placement.device["quantized payloads in flight (largest x "
+                                        "(depth + 2))"] == qmax * (eng.cfg.prefetch.depth + 2)
             res[home] = []
             for ids in _ids(3):
                 out = eng(input_ids=ids, labels=ids)
