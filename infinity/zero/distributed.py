@@ -218,7 +218,8 @@ def zeropp_placement(placement, zpp, stage: int) -> None:
     one gather (the int8 values and scales, the fp32 dequantized group)."""
     from infinity.memory.pool import ALIGN, round_up
     from infinity.zero.zeropp import qwz_wire_bytes
-    groups = placement.groups
+    # a frozen base kept quantized goes its own way (Note [Quantized shards]): no hpZ, no qwZ
+    groups = [g for g in placement.groups if g.quant is None]
     if stage == 3 and zpp.hpz > 1:
         placement.device[f"hpZ secondary partition (1/{zpp.hpz} of the params)"] = sum(
             round_up(zpp.secondary_numel(g.padded_numel) * g.dtype.itemsize, ALIGN)
