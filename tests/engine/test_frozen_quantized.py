@@ -74,6 +74,25 @@ def _cfg(home, swap_dir, dtype, **fw):
             "optimizer": {"lr": LR, "weight_decay": 0.1}}
 
 
+def _train_beside(eng, ref, opt, batches, after_step=None):
+    """One engine step and one reference step (``ref`` with ``opt``) per batch of token
+    ids; their losses."""
+    losses, ref_losses = [], []
+    for ids in batches:
+        out = eng(input_ids=ids, labels=ids)
+        eng.backward(out.loss)
+        eng.step()
+        r = ref(input_ids=ids, labels=ids)
+        r.loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(out.loss.item())
+        ref_losses.append(r.loss.item())
+        if after_step is not None:
+            after_step()
+    return losses, ref_losses
+
+
 def _rel(a, b):
     a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
@@ -194,17 +213,7 @@ def test_activation_checkpointing_recompute_reads_the_quantized_base(swap_dir):
     with infinity.initialize(model, _cfg("nvme", swap_dir, "nf4")) as eng:
         eng.train()
         ref.train()
-        losses, ref_losses = [], []
-        for ids in _ids(3):
-            out = eng(input_ids=ids, labels=ids)
-            eng.backward(out.loss)
-            eng.step()
-            r = ref(input_ids=ids, labels=ids)
-            r.loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(out.loss.item())
-            ref_losses.append(r.loss.item())
+        losses, ref_losses = _train_beside(eng, ref, opt, _ids(3))
         assert _rel(losses, ref_losses) < 1e-5
         sd = eng.state_dict()
         for n, p in ref.named_parameters():
@@ -326,18 +335,9 @@ def test_device_home_keeps_the_payload_on_the_device(simulate, swap_dir, monkeyp
         want = sum(g.home_nbytes for g in eng.grouping.groups if g.home == "device")
         assert eng.placement.device["resident params"] == want
         assert want < sum(g.nbytes for g in eng.grouping.groups)
-        losses, ref_losses = [], []
-        for ids in _ids(3):
-            out = eng(input_ids=ids, labels=ids)
-            eng.backward(out.loss)
-            eng.step()
-            r = ref(input_ids=ids, labels=ids)
-            r.loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(out.loss.item())
-            ref_losses.append(r.loss.item())
-            assert all(g.device_buf is None for g in quant)     # released after use
+        def released():                          # after each step: released after use
+            assert all(g.device_buf is None for g in quant)
+        losses, ref_losses = _train_beside(eng, ref, opt, _ids(3), after_step=released)
         assert _rel(losses, ref_losses) < 1e-5, (losses, ref_losses)
         sd = eng.state_dict()
         for n, p in ref.named_parameters():
@@ -390,17 +390,7 @@ def test_tiled_quantized_base_matches_peft_over_dequantized_base(kind, dtype, ho
         ref.train()
         tiled = [g for sp in eng.tiling.specs.values() for g in sp.groups]
         assert any(g.quant is not None for g in tiled), eng.tiling.describe()
-        losses, ref_losses = [], []
-        for ids in _ids(3):
-            out = eng(input_ids=ids, labels=ids)
-            eng.backward(out.loss)
-            eng.step()
-            r = ref(input_ids=ids, labels=ids)
-            r.loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(out.loss.item())
-            ref_losses.append(r.loss.item())
+        losses, ref_losses = _train_beside(eng, ref, opt, _ids(3))
         assert _rel(losses, ref_losses) < 1e-5, (losses, ref_losses)
         sd = eng.state_dict()
         for n, p in ref.named_parameters():
