@@ -108,16 +108,19 @@ def main():
             loss.backward()
             opt.step()
             opt.zero_grad()
-        n = 2
+        def train(eng, batches, n=2):
+            """This rank's slice of each global batch; the losses averaged over ranks."""
+            out = []
+            for x, y in batches:
+                loss = lm_loss(eng(x[rank * n:(rank + 1) * n]), y[rank * n:(rank + 1) * n])
+                eng.backward(loss)
+                eng.step()
+                t = loss.detach().clone().reshape(1)
+                dist.all_reduce(t)
+                out.append(float(t) / ws)
+            return out
         eng = infinity.initialize(model, cfg)
-        losses = []
-        for x, y in data[:steps]:
-            loss = lm_loss(eng(x[rank * n:(rank + 1) * n]), y[rank * n:(rank + 1) * n])
-            eng.backward(loss)
-            eng.step()
-            t = loss.detach().clone().reshape(1)
-            dist.all_reduce(t)
-            losses.append(float(t) / ws)
+        losses = train(eng, data[:steps])
         quantized = sum(1 for g in eng.grouping.groups if g.quant is not None)
         stats = {k: v for k, v in eng.stats().items() if isinstance(v, (int, float))}
         sd = gathered_state_dict(eng)
@@ -134,14 +137,7 @@ def main():
                     p.normal_()
         eng2 = infinity.initialize(model2, cfg)
         eng2.load_checkpoint(ckpt)
-        more = []
-        for x, y in data[steps:]:
-            loss = lm_loss(eng2(x[rank * n:(rank + 1) * n]), y[rank * n:(rank + 1) * n])
-            eng2.backward(loss)
-            eng2.step()
-            t = loss.detach().clone().reshape(1)
-            dist.all_reduce(t)
-            more.append(float(t) / ws)
+        more = train(eng2, data[steps:])
         sd2 = gathered_state_dict(eng2)
         eng2.close()
         ref_sd = dict(ref.named_parameters())
