@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from infinity.config_sections import FROZEN_WEIGHT_DTYPES as FROZEN_DTYPES
+from infinity.memory.frozen_quant import is_conv1d
 
 log = logging.getLogger("infinity.finetune")
 
@@ -57,11 +58,6 @@ def import_peft():
                         "(it is a dependency of infinity-offload: `pip install -e .` or "
                         "scripts/setup.sh installs it)") from e
     return peft
-
-
-def is_conv1d(mod):
-    t = type(mod)
-    return t.__name__ == "Conv1D" and t.__module__.startswith("transformers")
 
 
 def is_linear(mod):

@@ -40,7 +40,7 @@ from infinity.quant import QuantizationError, QuantizedWeight, quantize_weight
 from infinity.quant.nf4 import DQ_BLOCK, double_dequantize, packed_nbytes
 
 __all__ = ["QuantSpec", "PackedSlot", "QuantLayout", "RangeRead", "layout_for",
-           "quantizable_weights", "QUANTIZABLE", "read_payload", "home_values",
+           "quantizable_weights", "QUANTIZABLE", "is_conv1d", "read_payload", "home_values",
            "write_home_values", "slot_value"]
 
 _ALIGN = 64            # each stored tensor starts at a multiple of this many bytes
@@ -63,7 +63,9 @@ class QuantSpec:
     double_quant: bool = False
 
 
-def _is_conv1d(mod) -> bool:
+def is_conv1d(mod) -> bool:
+    """GPT-2's ``Conv1D`` (transformers), known by its class name and module (transformers
+    is not imported)."""
     t = type(mod)
     return t.__name__ == "Conv1D" and t.__module__.startswith("transformers")
 
@@ -73,7 +75,7 @@ def quantizable_weights(model: torch.nn.Module) -> set[int]:
     in ``model`` (tied weights once)."""
     out = set()
     for mod in model.modules():
-        if isinstance(mod, (torch.nn.Linear, torch.nn.Embedding)) or _is_conv1d(mod):
+        if isinstance(mod, (torch.nn.Linear, torch.nn.Embedding)) or is_conv1d(mod):
             w = getattr(mod, "weight", None)
             if isinstance(w, torch.nn.Parameter) and not w.requires_grad \
                     and w.is_floating_point():

@@ -25,6 +25,7 @@ import time
 import torch
 from torch import nn
 
+from infinity.memory.frozen_quant import is_conv1d
 from infinity.memory.manager import MemoryManager
 from infinity.memory.record import GroupRecord, Location
 from infinity.runtime.activations import ActivationOffload, SavedActivation, SavedView
@@ -73,8 +74,7 @@ never_raise_in(_SavedRef.__del__)
 def _input_grad_ends_use(module: nn.Module) -> bool:
     """Whether the gradient of ``module``'s one input is the last of its backward that
     needs its weight (Note [Recomputed frozen groups])."""
-    t = type(module)
-    return t is nn.Linear or (t.__name__ == "Conv1D" and t.__module__.startswith("transformers"))
+    return type(module) is nn.Linear or is_conv1d(module)
 
 
 class ParamHooks:
