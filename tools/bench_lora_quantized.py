@@ -32,13 +32,15 @@ import glob
 import json
 import os
 import statistics
+import importlib.util
 import sys
 import time
 
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+if importlib.util.find_spec("infinity") is None:   # else the installed or built one (the
+    sys.path.insert(0, ROOT)                        # GPU check's, for its own Python)
 
 import infinity  # noqa: E402
 from infinity.quant import quantize_weight  # noqa: E402

@@ -65,6 +65,19 @@ PARTS = {
 SUMMARY_RESERVE_S = 15
 
 
+def part_steps(part: str) -> list[tuple[str, int]]:
+    """The steps of ``part``: one part's name, or several joined by commas ("core,lora"),
+    in order, a step shared by two parts run once.  ValueError names an unknown part."""
+    steps: dict[str, int] = {}
+    for p in part.split(","):
+        if p not in PARTS:
+            raise ValueError(f"unknown part {p!r} in {part!r}: one of {', '.join(sorted(PARTS))}"
+                             f", or several joined by commas")
+        for name, limit in PARTS[p]:
+            steps.setdefault(name, limit)
+    return list(steps.items())
+
+
 # ----------------------------------------------------------------------------- runner
 def run_steps(args):
     out = os.path.abspath(args.out)
@@ -88,7 +101,7 @@ def run_steps(args):
     except Exception as e:  # noqa: BLE001 -- reported, never fatal
         summary["machine"] = {"error": f"{type(e).__name__}: {e}"}
     write_json(os.path.join(out, "summary.json"), summary)
-    for name, limit in PARTS[args.part]:
+    for name, limit in part_steps(args.part):
         left = args.budget_s - (time.monotonic() - t_start) - SUMMARY_RESERVE_S
         lim = int(min(limit, left)) if not dry else int(limit)
         entry = {"status": "skipped", "seconds": 0.0, "limit_s": lim, "dry": dry, "result": None}
@@ -233,6 +246,10 @@ def targets(summary):
             put(f"nvme_{k}", nv.get(k), "reported", None)
         r = nv["tokens_per_s"] / dsn["tokens_per_s"] if dsn and dsn.get("tokens_per_s") else None
         put("nvme_tokens_per_s_vs_deepspeed", r, "> 1", None if r is None else r > 1)
+    lo = _res(summary, "lora_speed")
+    if lo:
+        v = lo.get("nf4_over_bf16_step")
+        put("lora_nf4_over_bf16_step", v, "<= 0.4", None if v is None else v <= 0.4)
     if small and small.get("profile"):
         f = small["profile"].get("h2d_overlap_fraction")
         put("h2d_overlaps_compute", f, "> 0", None if f is None else f > 0)
@@ -303,7 +320,8 @@ def main(argv=None):
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run")
     r.add_argument("--out", required=True)
-    r.add_argument("--part", choices=sorted(PARTS), default="core")
+    r.add_argument("--part", default="core", help="core, nvme, diag or lora; or several "
+                   "joined by commas (core,lora)")
     r.add_argument("--mode", choices=("gpu", "dry"), required=True)
     r.add_argument("--budget-s", type=float, default=360.0)
     s = sub.add_parser("step")
@@ -312,6 +330,10 @@ def main(argv=None):
     s.add_argument("--mode", choices=("gpu", "dry"), required=True)
     args = ap.parse_args(argv)
     if args.cmd == "run":
+        try:
+            part_steps(args.part)
+        except ValueError as e:
+            ap.error(str(e))
         return run_steps(args)
     return step_main(args.name, args.out, args.mode)
 
