@@ -101,10 +101,17 @@ def group_scales(x: torch.Tensor, bits: int, group_size: int, *,
     _, qmax = qrange(bits)
     g, _ = _grouped(x.float(), group_size)
     amax = g.abs().amax(dim=-1)
-    s = amax / qmax
+    s = _div_qmax(amax, qmax)
     tiny = torch.finfo(scale_dtype).tiny
     s = torch.where(amax == 0, torch.ones_like(s), s.clamp_min(tiny))
     return s.to(scale_dtype)
+
+
+def _div_qmax(amax: torch.Tensor, qmax: int) -> torch.Tensor:
+    """``amax / qmax`` correctly rounded on every device: CUDA turns a division by a
+    Python number into a product with its reciprocal (off by one ulp from the CPU's and the
+    C++ kernel's scales, seen on an H200), a division by a tensor it does not."""
+    return amax / torch.full_like(amax, float(qmax))
 
 
 def quantize(x: torch.Tensor, bits: int, group_size: int, *, scale_dtype=torch.float32,
@@ -146,7 +153,7 @@ def _quantize_nan(x: torch.Tensor, bits: int, group_size: int,
     g, n = _grouped(x.float(), group_size)
     amax = g.abs().amax(dim=-1)                  # NaN/inf for a group holding one
     bad = ~torch.isfinite(amax)
-    s = amax / qmax
+    s = _div_qmax(amax, qmax)
     tiny = torch.finfo(scale_dtype).tiny
     s = torch.where(amax == 0, torch.ones_like(s), s.clamp_min(tiny))
     s = s.to(scale_dtype)

@@ -332,7 +332,10 @@ def test_checkpoint_round_trip_on_a_separate_device(tmp_path, swap_dir, monkeypa
 def test_cuda_engine_trains_like_torch_adamw(swap_dir, params):
     """Against torch's CUDA AdamW (the engine steps with the CPU Adam kernel): on an H200
     (torch 2.11) the losses differed by 1.0e-4 relative after three updates at lr 1e-2,
-    the same for every home (arithmetic order, not paging), so the bound is 1e-3 relative."""
+    the same for every home (arithmetic order, not paging), so the bound is 1e-3 relative;
+    the weights after four updates within 1e-4 absolute, a hundredth of one update's size
+    (lr 1e-2; measured 7.1e-5 on 2 of 512 elements, elements whose tiny early gradients
+    meet eps, 2026-11-28 on an H200)."""
     torch.manual_seed(0)
     ref = _model().cuda()
     model = _model().cuda()
@@ -360,7 +363,7 @@ def test_cuda_engine_trains_like_torch_adamw(swap_dir, params):
         st = e.stats()
     for k, p in ref.state_dict().items():
         assert sd[k].device.type == "cpu"
-        torch.testing.assert_close(sd[k], p.cpu(), rtol=1e-3, atol=1e-5)
+        torch.testing.assert_close(sd[k], p.cpu(), rtol=1e-3, atol=1e-4)
     assert st["device_budget_overflows"] == 0
     assert st["device_peak_bytes"] <= BUDGET_GB * 1e9
     assert st["h2d_bytes"] > 0 and st["d2h_bytes"] > 0
