@@ -61,6 +61,8 @@ PARTS = {
     "diag": [("diag", 170), ("adam", 30)],
     # LoRA over an nf4 base against a bf16 base, params on NVMe (tools/bench_lora_quantized.py)
     "lora": [("rates", 45), ("lora_speed", 300)],
+    # the 8 x 2048 comparison alone (a re-measure after a change, in a short lease)
+    "small": [("rates", 45), ("infinity_small", 120), ("deepspeed_small", 150)],
 }
 SUMMARY_RESERVE_S = 15
 
@@ -320,7 +322,7 @@ def main(argv=None):
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run")
     r.add_argument("--out", required=True)
-    r.add_argument("--part", default="core", help="core, nvme, diag or lora; or several "
+    r.add_argument("--part", default="core", help="core, nvme, diag, lora or small; or several "
                    "joined by commas (core,lora)")
     r.add_argument("--mode", choices=("gpu", "dry"), required=True)
     r.add_argument("--budget-s", type=float, default=360.0)

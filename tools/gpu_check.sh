@@ -2,7 +2,7 @@
 # `make gpu-check`: the prepared run for a lent GPU machine (one NVIDIA GPU, no network, its
 # own python3 with CUDA torch, no .venv).
 #
-#   tools/gpu_check.sh DIR [--part core|nvme|diag|lora[,...]] [--budget-s S]
+#   tools/gpu_check.sh DIR [--part core|nvme|diag|lora|small[,...]] [--budget-s S]
 #
 # 1. picks the Python: $PYTHON, else python3 when it sees a CUDA device (GPU mode), else the
 #    project's .venv (dry mode: simulated device, toy sizes; the first line says so);
@@ -19,7 +19,7 @@
 # Exit status: 0 in GPU mode (the files must come back whatever failed); in dry mode 1 when
 # the build or a step failed.
 set -uo pipefail
-usage() { echo "usage: tools/gpu_check.sh DIR [--part core|nvme|diag|lora[,...]] [--budget-s SECONDS]" >&2; exit 2; }
+usage() { echo "usage: tools/gpu_check.sh DIR [--part core|nvme|diag|lora|small[,...]] [--budget-s SECONDS]" >&2; exit 2; }
 [ $# -ge 1 ] || usage
 DIR=$1; shift
 PART=core
@@ -32,7 +32,7 @@ while [ $# -gt 0 ]; do
     esac
 done
 for p in ${PART//,/ }; do
-    case $p in core|nvme|diag|lora) ;; *) echo "gpu_check: --part must be core, nvme, diag or lora (or several joined by commas: core,lora), got '$PART'" >&2; exit 2 ;; esac
+    case $p in core|nvme|diag|lora|small) ;; *) echo "gpu_check: --part must be core, nvme, diag, lora or small (or several joined by commas: core,lora), got '$PART'" >&2; exit 2 ;; esac
 done
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 mkdir -p "$DIR" || { echo "gpu_check: cannot create $DIR" >&2; exit 2; }

@@ -504,6 +504,7 @@ class Engine:
                     with self.timeline.span("optimizer", "step"):
                         # Note [Overlap safety]: every early step ended before homes are read
                         done = self.overlap.finish() if self.overlap is not None else None
+                        norms = self.overlap.take_norms() if self.overlap is not None else None
                         txn = self._txn
 
                         def on_commit(moved):
@@ -521,7 +522,8 @@ class Engine:
                                                              shield=self._shield,
                                                              on_commit=on_commit,
                                                              on_rollback=on_rollback,
-                                                             on_undo=self._after_rollback)
+                                                             on_undo=self._after_rollback,
+                                                             norms=norms or None)
                         if not applied and txn is None:
                             on_rollback(())
                         self._txn = None

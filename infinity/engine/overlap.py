@@ -20,7 +20,10 @@ its parameters again in this backward (:meth:`OverlappedStep.grad_arrived`): pag
 modules or external registrations), not recomputed (activation checkpointing), every
 trainable slot got its gradient in this backward, no saved view of it is still alive, it
 is not in use, prefetched or being read, and the prefetch trace does not need it again.
-Every other group waits for the boundary as before.
+Every other group waits for the boundary as before.  When nothing is stepped early
+(the last update was clipped, speculation is off or stopped) the squared gradient norm
+of each group is still computed as soon as its gradient is final (Note [Norms during
+backward]), so the boundary step starts from the clip decision.
 
 Master hand-off (fp32, NVMe-homed params): the fp32 parameter buffer IS the master, and
 backward just read it from NVMe.  When such a group is released during the boundary
@@ -42,6 +45,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from infinity.grads.norm import squared_norm
 from infinity.memory.plan import STREAM_GRAD_WINDOW
 from infinity.memory.record import GroupRecord, Location
 
@@ -133,6 +137,23 @@ log = logging.getLogger("infinity.engine")
 # ranks (ZeRO stage 3, zero-copy tier) the released buffer holds the gathered group and
 # this rank's slice [lo, hi) of it is its shard's master, just read from NVMe: the same.
 
+#
+# Note [Norms during backward]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The boundary step starts with the global gradient norm (the clip coefficient, the
+# non-finite check): one read of every fp32 gradient, which on a GPU node (3B parameters,
+# 12 GB, an H200 host) took longer than the rest of backward's tail -- the CPU idle all
+# backward while the GPU computes.  When no group is stepped early in a window (the last
+# update was clipped, commit_shadow_gb 0, or speculation stopped part-way) the same
+# rule that makes a group steppable makes its gradient final: used by one module call in
+# this forward and every trainable slot arrived in this backward (on a separate device:
+# its D2H landed).  Its squared norm is then computed on the worker thread from its host
+# buffer while backward goes on (norms_on, _submit_norm), and boundary_step takes those
+# values instead of reading the buffers again (EngineOptimizer.grad_norm(known=)): the
+# same function over the same unchanged values, so the same norm.  Not across ranks
+# (the partitioned norm is a collective over shards) nor for gradients homed on NVMe
+# (their norms are taken as they stream, NvmeGradStore.finish_window).
+
 __all__ = ["OverlappedStep", "eligible", "MAX_HANDOFF", "GRAD_WINDOW"]
 
 MAX_HANDOFF = 3      # released parameter buffers held for their group's step at once
@@ -178,6 +199,10 @@ class OverlappedStep:
         self._pending: dict[int, set[int]] = {}
         self._single_use: set[int] = set()
         self.done: dict[int, float] = {}  # gid -> squared grad norm, stepped early
+        # Note [Norms during backward]: gid -> squared norm (a Future while it runs)
+        self.norms: dict[int, Future | float] = {}
+        self.norms_on = False
+        self._norm_pending: dict[int, set[int]] = {}
         # ZeRO stage 3 (Note [Overlap across ranks]): a group's gradient is final when its
         # reduced shard landed (grad_final), not per slot (grad_arrived)
         self.sharded = sharded
@@ -218,20 +243,24 @@ class OverlappedStep:
         module call in this forward may be stepped as soon as their gradient is final,
         into ``txn`` (committed or rolled back by the engine, Note [commit point])."""
         self.txn = txn
-        if not self.coord.in_pass or (txn is not None and not self.speculate):
-            self.active = False
+        self.active = False
+        if not self.coord.in_pass:
+            return
+        uses = Counter(self.coord.recorded_uses())   # this forward's uses per group
+        self._single_use = {gid for gid, n in uses.items() if n == 1}
+        pending = {g.gid: {i for i, s in enumerate(g.slots) if s.trainable}
+                   for g in self.opt.groups if g.gid in self._single_use}
+        if txn is not None and not self.speculate:
+            self._norms_from(pending)
             return
         if self.clip > 0 and (txn is None or (self.predict and self.opt.boundaries and not
                                                self.opt.last_grad_norm + 1e-6 <= self.clip)):
             # Note [Speculative clipping]: the last update was clipped (or nothing could
             # roll a speculative step back): no speculation in this window
-            self.active = False
             self.acct.count("optimizer_speculation_skipped")
+            self._norms_from(pending)
             return
-        uses = Counter(self.coord.recorded_uses())   # this forward's uses per group
-        self._single_use = {gid for gid, n in uses.items() if n == 1}
-        self._pending = {g.gid: {i for i, s in enumerate(g.slots) if s.trainable}
-                         for g in self.opt.groups if g.gid in self._single_use}
+        self._pending = pending
         self._undo_planned = 0
         self.active = True
 
@@ -243,7 +272,7 @@ class OverlappedStep:
     def land(self) -> None:
         """Backward completed: on a separate device the gradients still on their way land
         now, while early steps may still start (their groups stream too)."""
-        if self.active and self._d2h is not None:
+        if (self.active or self.norms_on) and self._d2h is not None:
             self._d2h.drain()
 
     def end(self) -> None:
@@ -251,6 +280,8 @@ class OverlappedStep:
         master), so their held buffers go back now."""
         self.active = False
         self._pending = {}
+        self.norms_on = False
+        self._norm_pending = {}
         held, self._held = self._held, {}     # forgotten before returned: Note [held interrupts]
         for buf in held.values():
             self.mm.give_back_device(buf)
@@ -270,6 +301,8 @@ class OverlappedStep:
         the buffer over when it can serve as the master of ``g``'s early step (Note
         [Master hand-off]).  Also submits ``g`` if its gradient was already final."""
         if not self.active:
+            if self.norms_on and self._d2h is not None:
+                self._d2h.poll()            # landed meanwhile: their norms can start
             return False
         if self.sharded:
             self.opt.poll_reductions()      # shards that landed meanwhile (grad_final)
@@ -315,6 +348,8 @@ class OverlappedStep:
     def grad_arrived(self, g: GroupRecord, slot_index: int) -> None:
         """Called after slot ``slot_index`` of ``g`` accumulated its gradient."""
         if not self.active:
+            if self.norms_on:
+                self._norm_arrived(g, slot_index)
             return
         pend = self._pending.get(g.gid)
         if pend is None:
@@ -398,7 +433,11 @@ class OverlappedStep:
             # Note [Speculative clipping]: this update clips; stop speculating
             self.acct.count("optimizer_speculation_stopped")
             self._decline(g)
+            rest = self._pending
             self.end()
+            if not self.sharded and self.opt.host_grad_buffer(g) is grad:
+                self.norms[g.gid] = n * n   # Note [Norms during backward]: the rest's too
+            self._norms_from(rest)
             return
         buf = self._held.pop(g.gid, None)
         if buf is not None and self.mm.cached(g):   # Note [Master hand-off]
@@ -454,6 +493,61 @@ class OverlappedStep:
         if buf is not None:
             self.acct.count("optimizer_master_handoffs")
         self.opt.count_master_in_hand(item)
+
+    # ------------------------------------------------------------------ norms
+    def _norms_from(self, pending: dict[int, set[int]]) -> None:
+        """Nothing more is stepped early in this window: compute each pending group's
+        squared gradient norm once its gradient is final (Note [Norms during backward])."""
+        if self.sharded or not pending:
+            return
+        self._norm_pending = {gid: set(p) for gid, p in pending.items()}
+        self.norms_on = True
+        by_gid = {g.gid: g for g in self.opt.groups}
+        for gid in [gid for gid, p in pending.items() if not p]:   # final already
+            del self._norm_pending[gid]
+            self._submit_norm(by_gid[gid])
+
+    def _norm_arrived(self, g: GroupRecord, slot_index: int) -> None:
+        pend = self._norm_pending.get(g.gid)
+        if pend is None:
+            return
+        pend.discard(slot_index)
+        if not pend:
+            del self._norm_pending[g.gid]
+            self._submit_norm(g)
+
+    def _submit_norm(self, g: GroupRecord) -> None:
+        grad = self.opt.host_grad_buffer(g)
+        if grad is None or g.gid in self.norms:   # (NVMe-homed: taken as it streams)
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="infinity-step")
+        self.norms[g.gid] = self._pool.submit(squared_norm, grad)
+        self.acct.count("optimizer_norms_during_backward")
+
+    def take_norms(self) -> dict[int, float]:
+        """``{gid: squared gradient norm}`` of the groups whose norm was computed while
+        backward ran (Note [Norms during backward]), waited for and forgotten; a norm that
+        failed is left out (the boundary computes it)."""
+        norms, self.norms = self.norms, {}
+        out = {}
+        for gid, v in norms.items():
+            if isinstance(v, Future):
+                _wait_quietly(v)
+                if v.exception() is not None:
+                    continue
+                v = v.result()
+            out[gid] = v
+        return out
+
+    def _drop_norms(self) -> None:
+        """The window is dropped: wait for the norms still running (they read gradient
+        buffers about to be released) and forget them."""
+        from concurrent.futures import wait
+        futs = [v for v in self.norms.values() if isinstance(v, Future)]
+        if futs:
+            wait(futs)
+        self.norms = {}
 
     # ------------------------------------------------------------------ boundary
     def finish(self) -> dict[int, float]:
@@ -514,6 +608,7 @@ class OverlappedStep:
             self.mm.unpin(g.gid)
         self._stepping = []
         self.done = {}
+        self._drop_norms()
         self.txn = None
 
     @property
@@ -530,6 +625,7 @@ class OverlappedStep:
         finally:
             self._futures = []
             self.end()
+            self._drop_norms()
             self.mm.detach_listener(self)
             if self.sharded and getattr(self.opt, "on_shard_final", None) == self.grad_final:
                 self.opt.on_shard_final = None

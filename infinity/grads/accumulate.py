@@ -17,6 +17,7 @@ import math
 
 import torch
 
+from infinity.grads.norm import squared_norm
 from infinity.memory.record import GroupRecord, ParamSlot
 
 __all__ = ["GradAccumulation"]
@@ -167,6 +168,11 @@ class GradAccumulation:
             return self.nvme_grads.held.get(g.gid)
         return g.grad_buf
 
+    def host_grad_buffer(self, g: GroupRecord) -> torch.Tensor | None:
+        """``g``'s host gradient buffer, the one :meth:`grad_norm` reads; None when its
+        gradient is homed on NVMe (or none was accumulated yet)."""
+        return None if self._on_nvme(g) else g.grad_buf
+
     def grad_source(self, g: GroupRecord):
         """What the optimizer step reads as ``g``'s gradient: a host buffer or an extent."""
         return self.nvme_grads.grad_of(g.gid) if self._on_nvme(g) else g.grad_buf
@@ -194,15 +200,21 @@ class GradAccumulation:
                 if s.trainable and id(s) not in self._written:
                     self._grad_buf(g)[s.offset:s.offset + s.numel].zero_()
 
-    def grad_norm(self, skip: dict[int, float] | None = None) -> float:
-        """``skip``: ``{gid: squared norm}`` already computed (groups stepped early)."""
+    def grad_norm(self, skip: dict[int, float] | None = None,
+                  known: dict[int, float] | None = None) -> float:
+        """``skip``: ``{gid: squared norm}`` already computed (groups stepped early);
+        ``known``: squared norms of host gradient buffers computed while backward ran
+        (Note [Norms during backward] in infinity/engine/overlap.py)."""
         skip = skip or {}
+        known = known or {}
         total = sum(skip.values())
         if self.nvme_grads is not None:
             total += self.nvme_grads.finish_window()
         for g in self.groups:
             if g.gid in skip or self._on_nvme(g):
                 continue
-            n = float(torch.linalg.vector_norm(g.grad_buf))
-            total += n * n
+            if g.gid in known:
+                total += known[g.gid]
+                continue
+            total += squared_norm(g.grad_buf)
         return math.sqrt(total)

@@ -199,11 +199,13 @@ class EngineOptimizer(GradAccumulation):
     gathered_on_device: frozenset = frozenset()
 
     def boundary_step(self, done: dict[int, float] | None = None, *, txn=None,
-                      shield=None, on_commit=None, on_rollback=None, on_undo=None) -> bool:
+                      shield=None, on_commit=None, on_rollback=None, on_undo=None,
+                      norms: dict[int, float] | None = None) -> bool:
         """Apply (or skip) one optimizer step over the accumulated gradients.
         ``done``: ``{gid: squared grad norm}`` of groups already stepped (overlapped with
         backward, :mod:`infinity.engine.overlap`) into ``txn``; only the others are stepped
-        here.  With ``txn`` (Note [commit point] in infinity.optim.step_txn) the
+        here.  ``norms``: ``{gid: squared grad norm}`` computed while backward ran (Note
+        [Norms during backward]), not read again.  With ``txn`` (Note [commit point] in infinity.optim.step_txn) the
         update is all-or-nothing: the remaining groups are stepped into it, then
         committed — or, when the step is skipped (fp16 overflow, non-finite gradients),
         rolled back.  ``shield(fn)`` runs the state-changing part (Note [window abort] in
@@ -216,7 +218,8 @@ class EngineOptimizer(GradAccumulation):
         shield = shield or (lambda fn: fn())
         self._zero_unwritten(skip=done)
         scale = float(self.scaler.scale)
-        raw_norm = self.grad_norm(skip=done) if done else self.grad_norm()  # ZeRO: no skip
+        kw = {"known": norms} if norms else {}   # (one process only: ZeRO gives none)
+        raw_norm = self.grad_norm(skip=done, **kw) if done else self.grad_norm(**kw)
         overflow = not math.isfinite(raw_norm)
         norm = raw_norm / scale
         self.last_nonfinite_groups = ()

@@ -45,6 +45,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from infinity.optim.driver import EngineOptimizer
+from infinity.grads.norm import squared_norm
 from infinity.memory.pool import per_size_class
 from infinity.memory.record import GroupRecord, ParamSlot
 from infinity.zero.comm import Comm, CommHandle
@@ -633,8 +634,7 @@ class PartitionedOptimizer(EngineOptimizer):
         for g in self.groups:
             lo, hi = self.shard(g)
             gb = g.grad_buf[lo:hi] if self.stage == 1 else g.grad_buf
-            n = float(torch.linalg.vector_norm(gb))
-            local += n * n
+            local += squared_norm(gb)
         return self.comm.all_reduce_scalar(local, name="squared gradient norm") ** 0.5
 
     # ------------------------------------------------------------------ the step
