@@ -163,11 +163,12 @@ class Estimate:
         return f"{fmt_num(self.model.params)} frozen parameters + {describe(self.model, self.knobs)}"
 
     def gpu_caveat(self) -> str | None:
-        """One line while infinity's GPU path has not run on a GPU (``--gpus`` > 0)."""
+        """One line while the GPU figures are not validated (``--gpus`` > 0)."""
         if not self.machine.gpus:
             return None
-        return ("Note: infinity's GPU path is written and tested through simulated devices "
-                "and has not yet run on a GPU; treat GPU figures as unvalidated.")
+        return ("Note: on one GPU (an H200, docs/benchmarks.md \"On a GPU\") the step and "
+                "device-peak predictions were off by up to 1.6x (over-predicted); several "
+                "GPUs have not run infinity yet: treat GPU figures as unvalidated.")
 
     def text(self, details=False):
         from .report import format_estimate

@@ -75,11 +75,12 @@ def test_cli_json_parses(capsys):
     assert d["what_if"]["best"] is None and d["what_if"]["knobs"]["grad_spill"] == "off"
     assert {(c["params"], c["optimizer"]) for c in d["configs"]} >= {("nvme", "nvme"), ("none", "none")}
     assert d["model"]["params"] == 10**12
-    # until it has run on a GPU, a GPU answer says so (one line), a CPU-only one does not
-    assert "has not yet run on a GPU" in d["gpu_caveat"]
+    # until the GPU figures are validated, a GPU answer says so (one line), a CPU-only one
+    # does not
+    assert "treat GPU figures as unvalidated" in d["gpu_caveat"]
     assert main([a for a in args if a != "--json"]) == 0
     text = capsys.readouterr().out
-    assert sum("has not yet run on a GPU" in line for line in text.splitlines()) == 1
+    assert sum("treat GPU figures as unvalidated" in line for line in text.splitlines()) == 1
     from types import SimpleNamespace as NS
     from infinity.estimate import Estimate
     assert Estimate.gpu_caveat(NS(machine=NS(gpus=0))) is None      # CPU only: no caveat
