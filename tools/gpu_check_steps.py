@@ -122,11 +122,44 @@ def step_rates(out, dry):
                                  dtype=torch.bfloat16)
         res["block_tflops"][str(b)] = r
         log(f"block rate at micro-batch {b}: {r:.4g} TFLOPS")
+    res["model_compute"] = _model_compute(lb, spec, seq, SMALL_BATCH["dry" if dry else "gpu"],
+                                          dev, "dry" if dry else "3b")
     if cuda:
         res.update(_pcie_rates())
     res.update(_disk_rates(dry))
     log("rates: " + json.dumps({k: v for k, v in res.items() if k != "block_tflops"}))
     return res
+
+
+def _model_compute(lb, spec, seq, micro_batch, dev, size):
+    """The whole model's forward+backward alone (resident in bf16 on ``dev``, activation
+    checkpointing, no optimizer) at ``micro_batch``: seconds per pass and the rate the
+    estimator's FLOP count ((8 N + 16 L H S) S B) implies -- beside the block probe, it
+    says whether the probe or the count is what a step prediction gets wrong."""
+    import time
+
+    import torch
+    model = lb.build_model(size, seq, device=dev)
+    ids = torch.randint(0, model.config.vocab_size, (micro_batch, seq), device=dev)
+
+    def one():
+        model(input_ids=ids, labels=ids).loss.backward()
+        model.zero_grad(set_to_none=False)
+    one()
+    _sync(dev)
+    n, t0 = 3, time.perf_counter()
+    for _ in range(n):
+        one()
+    _sync(dev)
+    sec = (time.perf_counter() - t0) / n
+    del model, ids
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    flop = (8 * spec.params + 16 * spec.layers * spec.hidden * seq) * seq * micro_batch
+    r = {"micro_batch": micro_batch, "seconds": sec, "estimator_tflops": flop / sec / 1e12}
+    log(f"model compute alone at micro-batch {micro_batch}: {sec:.3f} s per pass, "
+        f"{r['estimator_tflops']:.4g} TFLOPS as the estimator counts")
+    return r
 
 
 def _meta_spec(lb, size, seq):
