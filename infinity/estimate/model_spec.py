@@ -55,6 +55,11 @@ class ModelSpec:
     # dimensions)
     projections: list = field(default_factory=list)
     quantizable: int | None = None
+    # whether attention keeps its S x S scores for backward: True for eager attention,
+    # False for fused kernels (SDPA / flash attention: Hugging Face's _attn_implementation
+    # "sdpa", "flash_attention_*", "flex_attention"); None: not known (counted, the
+    # conservative side)
+    attention_scores: bool | None = None
 
     def group_numel(self, grouping: str) -> int:
         if grouping not in GROUPINGS:
@@ -268,6 +273,7 @@ def spec_from_module(model, *, seq=2048, batch=1, layers=None, hidden=None, voca
             vocab = big_emb.num_embeddings
     if heads is None and cfg is not None:
         heads = _config_attr(cfg, "num_attention_heads", "n_head", "num_heads")
+    scores = attention_keeps_scores(cfg)
     if hidden is None:
         raise EstimateError(f"cannot tell the hidden size of {type(model).__name__}: "
                             "no config.hidden_size/n_embd and no nn.Embedding; pass --hidden")
@@ -282,8 +288,26 @@ def spec_from_module(model, *, seq=2048, batch=1, layers=None, hidden=None, voca
                      groups={"module": n_module_groups,
                              "block": n_layers + (1 if total > in_blocks else 0)},
                      projections=[[i, o, c] for (i, o), c in sorted(proj.items())],
-                     quantizable=int(sum(qids.values())),
+                     quantizable=int(sum(qids.values())), attention_scores=scores,
                      source=f"module {type(model).__name__}")
+
+
+#: Hugging Face attention implementations that never hold the S x S scores
+FUSED_ATTENTION = ("sdpa", "flash_attention_2", "flash_attention_3", "flex_attention",
+                   "paged_attention")
+
+
+def attention_keeps_scores(cfg) -> bool | None:
+    """Whether a Hugging Face config's attention stores its scores for backward: False
+    for fused kernels (:data:`FUSED_ATTENTION`), True for ``"eager"``, None when the
+    config does not say."""
+    impl = getattr(cfg, "_attn_implementation", None) if cfg is not None else None
+    if not isinstance(impl, str):
+        return None
+    if impl == "eager":
+        return True
+    return False if impl.split("|")[-1] in FUSED_ATTENTION or impl.startswith("flash") \
+        else None
 
 
 def load_factory(path):
