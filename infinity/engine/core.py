@@ -22,6 +22,7 @@ from infinity.engine.phase import Phase, PhaseError, run_shielded
 from infinity.memory.accounting import Accounting
 from infinity.memory.device import choose_device
 from infinity.memory.plan import remove_if_empty
+from infinity.optim.deferred_finish import join as join_deferred
 
 log = logging.getLogger("infinity.engine")
 
@@ -97,6 +98,9 @@ class Engine:
         # overlap each group's optimizer update with backward where that cannot change
         # results (infinity.engine.overlap); set False to always step at the boundary
         self.overlap_optimizer_step = True
+        # finish a decided update while the next forward runs where only memory is written
+        # (Note [Finish in the next forward]); False: finish it inside step()
+        self.defer_optimizer_finish = True
         # Note [commit point]: updates are transactions (all-or-nothing); False restores
         # the in-place updates for A/B benchmarks only (tools/bench_e2e.py --no-commit-point)
         self.commit_point = True
@@ -168,8 +172,9 @@ class Engine:
         """Check the phase a public method needs (Note [window abort])."""
         ph = self.phase
         if ph in accepts:
-            if self.opt is not None and self.opt.unfinished is not None:
-                self._roll_forward()          # Note [roll forward]
+            if self.opt is not None and self.opt.unfinished is not None and \
+                    not (what == "forward" and self.opt.deferred is not None):
+                self._roll_forward()          # Note [roll forward]; a forward joins at its end
             return
         if ph is Phase.CLOSED:
             raise PhaseError(f"engine.{what}: the engine is closed; create a new one with "
@@ -330,6 +335,9 @@ class Engine:
     def _roll_forward(self) -> None:
         """Note [roll forward] (infinity/optim/driver.py): finish the decided update before
         anything reads or writes a home; signals are held meanwhile."""
+        join_deferred(self)                   # Note [Finish in the next forward]
+        if self.opt.unfinished is None:
+            return
         try:
             with self.gate.open(), self.gate:
                 self._shield(self.opt.finish_unfinished)
@@ -398,8 +406,12 @@ class Engine:
                         out = self.module(*args, **kwargs)
                     self.phase = Phase.IDLE
                 except BaseException as e:
+                    if self.opt.deferred is not None:   # joined before the window drops
+                        self.phase = Phase.IDLE
+                        join_deferred(self)
                     self._abort_window(e)
                     raise
+                join_deferred(self)           # Note [Finish in the next forward]
         except BaseException as e:
             self._left(e, self._late_abort)
             raise
@@ -621,6 +633,7 @@ class Engine:
                   "reused_fetches", "reused_bytes",
                   "device_budget_overflows", "optimizer_groups_overlapped",
                   "optimizer_groups_after_decision", "optimizer_groups_not_overlapped_shadow",
+                  "optimizer_groups_finished_after_step",
                   "optimizer_master_handoffs", "optimizer_master_read_bytes_saved",
                   "activation_offload_bytes", "activation_fetch_bytes",
                   "allgather_sent_bytes", "allgather_sent_inter_bytes",
@@ -649,7 +662,8 @@ class Engine:
             "commit_shadow_budget_bytes": int(self.store.shadow_budget if self.store.shadow_budget
                                               is not None else self.store.shadow_bytes()),
             "commit_shadow_peak_bytes": int(getattr(self.store, "shadow_peak", 0)),
-            "unfinished_update": getattr(self.opt, "unfinished", None) is not None,
+            "unfinished_update": getattr(self.opt, "unfinished", None) is not None
+            and getattr(self.opt, "deferred", None) is None,
         })
         return d
 

@@ -1,11 +1,17 @@
 """Extent allocator: aligned ranges of a linear swap address space.
 
 First fit over a sorted free list with coalescing; the space grows at the end
-when nothing fits (the caller then grows the backing files).
+when nothing fits (the caller then grows the backing files).  Its methods change two
+structures in several statements: a signal's exception raised half-way (Ctrl-C inside
+the engine's interruptible boundary step) would leave a free range in one and not the
+other, so a signal landing in their frames is held to the next safe point (Note [held
+interrupts] in infinity/runtime/interrupts.py).
 """
 import bisect
 import threading
 from dataclasses import dataclass
+
+from infinity.runtime.interrupts import never_raise_in
 
 
 @dataclass(frozen=True)
@@ -105,3 +111,8 @@ class ExtentAllocator:
         i = bisect.bisect_left(self._starts, start)
         self._starts.insert(i, start)
         self._sizes[start] = size
+
+
+for _fn in (ExtentAllocator.allocate, ExtentAllocator.undo_grow, ExtentAllocator.free,
+            ExtentAllocator._insert_free):
+    never_raise_in(_fn)

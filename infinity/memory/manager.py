@@ -82,6 +82,9 @@ class MemoryManager(QuantizedFetch):
         # gid -> callable waiting for a running optimizer step that writes the group's
         # home (overlapped step, mark_home_busy): a fetch of that group waits for it first
         self._home_busy: dict = {}
+        # the decided update finished during the next forward (Note [Finish in the next
+        # forward]): a fetch of a group waits for its step
+        self._home_deferred: dict = {}
         self._failed: dict[int, BaseException] = {}   # gid -> error of its abandoned fetch
         self._lander: ThreadPoolExecutor | None = None   # Note [H2D on landing]
         self._abandoning = False         # inside lenient_returns() (see _give_back)
@@ -221,6 +224,9 @@ class MemoryManager(QuantizedFetch):
     def wait_home(self, g: GroupRecord) -> None:
         """Wait for a running optimizer step that writes ``g``'s home (Note [Overlap safety])."""
         wait = self._home_busy.pop(g.gid, None)
+        if wait is not None:
+            wait()
+        wait = self._home_deferred.pop(g.gid, None)
         if wait is not None:
             wait()
 
@@ -649,7 +655,15 @@ class MemoryManager(QuantizedFetch):
         self._home_busy[gid] = wait
 
     def home_busy(self, gid: int) -> bool:
-        return gid in self._home_busy
+        return gid in self._home_busy or gid in self._home_deferred
+
+    def mark_home_deferred(self, gid: int, wait) -> None:
+        """Group ``gid``'s part of a decided update is still to be finished (Note [Finish
+        in the next forward]): a fetch of it calls ``wait()`` first (once)."""
+        self._home_deferred[gid] = wait
+
+    def clear_home_deferred(self) -> None:
+        self._home_deferred.clear()
 
     def clear_home_busy(self) -> None:
         """Every running step ended: no fetch needs to wait."""

@@ -347,8 +347,8 @@ class EngineOptimizer(GradAccumulation):
             self.last_step_seconds = time.perf_counter() - t0
             if throttled:
                 self.acct.count("optimizer_shadow_budget_throttled")
-            if later:
-                self.finish_unfinished()
+            if later and (self.defer_finish is None or not self.defer_finish()):
+                self.finish_unfinished()    # (else: Note [Finish in the next forward])
         shield(apply)
         return not skipped[0]
 
@@ -372,6 +372,27 @@ class EngineOptimizer(GradAccumulation):
     unfinished = None
     #: ``fn({old extent: new extent})``: owners of extent masters follow a batch's commit
     on_extents_moved = None
+    #: ``fn() -> bool``: start finishing the decided update in the next forward (Note
+    #: [Finish in the next forward], infinity/optim/deferred_finish.py); ``deferred`` is
+    #: the running finish until the engine joins it
+    defer_finish = None
+    deferred = None
+
+    def book_finished(self, done, *, in_forward: bool = False) -> None:
+        """The main thread's part of finishing ``done`` (``(group, item)`` stepped and
+        committed): gradients back, counts; the update is finished when no group is left."""
+        u = self.unfinished
+        for g, it in done:
+            self.count_master_in_hand(it)
+            u.keys.discard(it.key)
+            self.release_grad(g)
+        self.acct.count("optimizer_groups_after_decision", len(done))
+        if in_forward:
+            self.acct.count("optimizer_groups_finished_after_step", len(done))
+        if not u.keys:
+            self.unfinished = None
+            self.zero_grad()
+            self.last_step_seconds = time.perf_counter() - u.t0
 
     def finish_unfinished(self) -> None:
         """Step and commit the groups of the decided update not written yet (Note [roll
@@ -420,14 +441,7 @@ class EngineOptimizer(GradAccumulation):
                 raise
             if moved and self.on_extents_moved is not None:
                 self.on_extents_moved(moved)
-            for it in batch:
-                self.count_master_in_hand(it)
-                u.keys.discard(it.key)
-                self.release_grad(by_key[it.key])
-            self.acct.count("optimizer_groups_after_decision", len(batch))
-        self.unfinished = None
-        self.zero_grad()
-        self.last_step_seconds = time.perf_counter() - u.t0
+            self.book_finished([(by_key[it.key], it) for it in batch])
 
     def _group_names(self, keys) -> tuple:
         names = {self.key(g): g.name for g in self.groups}

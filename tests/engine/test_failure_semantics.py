@@ -637,23 +637,27 @@ def test_after_the_decision_one_process_only_finishes_the_update(tmp_path, monke
     assert saved and _same(got, want)
 
     monkeypatch.undo()
-    torch.manual_seed(0)
-    with infinity.initialize(Net(), clipped) as e:
-        _train(e, data[:1])
-        real_step = e.store.step
+    for defer in (False, True):       # finished inside step(), or during the next forward
+        torch.manual_seed(0)          # (Note [Finish in the next forward]): the same end
+        with infinity.initialize(Net(), clipped) as e:
+            e.defer_optimizer_finish = defer
+            _train(e, data[:1])
+            e.state_dict()                            # (joins the first update's finish)
+            real_step = e.store.step
 
-        def failing_step(items, **kw):            # a bug half-way through the update
-            real_step(items[:1], **kw)
-            raise RuntimeError("adam kernel failed (simulated)")
-        e.store.step = failing_step
-        x, y = data[1]
-        e.backward(F.mse_loss(e(x).float(), y))
-        with pytest.raises(RuntimeError, match="simulated") as ei:
-            e.step()
-        assert "reload a checkpoint" in "".join(getattr(ei.value, "__notes__", []))
-        assert e.stats()["phase"] == "failed"
-        with pytest.raises(RuntimeError, match="reload"):
-            e(x)
+            def failing_step(items, **kw):            # a bug half-way through the update
+                real_step(items[:1], **kw)
+                raise RuntimeError("adam kernel failed (simulated)")
+            e.store.step = failing_step
+            x, y = data[1]
+            e.backward(F.mse_loss(e(x).float(), y))
+            with pytest.raises(RuntimeError, match="simulated") as ei:
+                e.step()
+                e(x)                                  # (deferred: the next forward raises)
+            assert "reload a checkpoint" in "".join(getattr(ei.value, "__notes__", []))
+            assert e.stats()["phase"] == "failed"
+            with pytest.raises(RuntimeError, match="reload"):
+                e(x)
 
 
 def test_a_micro_batch_fed_again_after_an_interrupt_before_step_counts_once(tmp_path):

@@ -1,0 +1,149 @@
+"""Finish a decided update while the next forward runs (Note [Finish in the next forward]).
+
+:class:`DeferredFinish` steps the groups of a decided update (``EngineOptimizer.unfinished``)
+one at a time on its own worker thread, in the order the last forward used them;
+:func:`start` decides whether an engine may do so, :func:`join` waits for the worker on the
+main thread and books what it finished.
+"""
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+from infinity.memory.record import Location
+
+__all__ = ["DeferredFinish", "start", "join"]
+
+# Note [Finish in the next forward]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# When no group was stepped during backward (the last update was clipped: clipping at 1.0
+# clips every step early in training; Note [Speculative clipping]), the whole Adam step
+# runs after backward while the accelerator waits (a 3B model on an H200: 0.77 s of a
+# 1.70 s step).  Once the update is decided -- the norm known, every gradient finite, every
+# rank agreed (Note [roll forward]) -- it only has to be finished, and a group's new values
+# are first read when the next forward fetches it.  So where nothing but memory is
+# written -- one process, no NVMe anywhere (states and params in host memory: Note [finish
+# only]), every remaining group paged and back at its host home, no tiling --
+# ``engine.step()`` returns after the decision and one worker thread steps the groups one
+# at a time, in the order the last forward first used them, while the next forward runs.
+# A fetch of a group waits for its step first (MemoryManager.mark_home_deferred): that is
+# the only read of a home a forward makes.  The forward's end joins the worker -- also when
+# the forward raised, before its window is dropped -- and so does every other engine call
+# before it reads or writes anything (Engine._enter, close).  The join does the main-thread
+# bookkeeping a synchronous finish does (gradient buffers back to their pool, counts,
+# zero_grad).  A group step that fails (a non-finite result, anything else) leaves host
+# states updated in place part-way: the join raises it marked state-lost and the engine
+# goes FAILED, as a synchronous finish would.  stats()["optimizer_groups_finished_after_step"]
+# counts the groups stepped this way; ``engine.defer_optimizer_finish = False`` turns it off
+# (identical results either way: tests/engine/test_deferred_finish.py).
+
+
+class DeferredFinish:
+    """The worker stepping ``groups`` (in that order) of ``opt.unfinished``."""
+
+    def __init__(self, opt, groups, mark):
+        self.opt = opt
+        self.u = opt.unfinished
+        self.groups = list(groups)
+        self._events = {g.gid: threading.Event() for g in self.groups}
+        self.done: list = []              # (group, item) stepped and committed, in order
+        self.error: BaseException | None = None
+        for g in self.groups:             # before the worker starts: no fetch slips through
+            mark(g.gid, self._waiter(g.gid))
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="infinity-finish")
+        self._future = self._pool.submit(self._run)
+
+    def _waiter(self, gid: int):
+        ev = self._events[gid]
+
+        def wait() -> None:
+            while not ev.wait(0.05):      # short waits: a signal is seen between them
+                pass
+        return wait
+
+    def _run(self) -> None:
+        from infinity.optim.step_txn import StepTxn
+        opt, u = self.opt, self.u
+        try:
+            for g in self.groups:
+                key = opt.key(g)
+                mini = StepTxn(host_undo=False)   # host states: in place, no undo copy
+                opt.store.prepare(mini, key, force=True)
+                item = opt._item(g, u.lrs, u.wds, u.overrides)
+                bad = opt.store.step([item], txn=mini, **u.hp)
+                if bad:
+                    opt._lost_update(bad, u.hp["step"])   # raises, marked state-lost
+                opt.store.commit(mini)
+                self.done.append((g, item))
+                self._events[g.gid].set()
+        except BaseException as e:  # noqa: BLE001 -- raised on the main thread by join()
+            self.error = e
+        finally:
+            for ev in self._events.values():
+                ev.set()
+
+    def wait(self) -> None:
+        """Block until the worker ended; a KeyboardInterrupt meanwhile is held until then
+        and re-raised (the worker writes host states in place: it is never abandoned)."""
+        from infinity.engine.phase import wait_done
+        interrupted = None
+        while True:
+            try:
+                wait_done(self._future)
+                break
+            except KeyboardInterrupt as e:
+                interrupted = e
+        self._pool.shutdown(wait=True)
+        if interrupted is not None:
+            raise interrupted
+
+
+def start(engine) -> bool:
+    """``EngineOptimizer.defer_finish``: whether ``engine``'s decided update may be finished
+    in the next forward, and if so start it (Note [Finish in the next forward])."""
+    opt, mm = engine.opt, engine.mm
+    u = opt.unfinished
+    if not engine.defer_optimizer_finish or u is None or engine.zero is not None \
+            or engine.swap is not None or opt.store.swap is not None \
+            or engine.tiling is not None:
+        return False
+    by_key = {opt.key(g): g for g in opt.groups}
+    groups = [by_key[k] for k in u.keys]
+    if not all(mm.paged(g) and g.state is Location.HOST and not g.users for g in groups):
+        return False
+    rank = {}
+    for i, gid in enumerate(engine.coord.trace or engine.coord.recorded_uses()):
+        rank.setdefault(gid, i)
+    groups.sort(key=lambda g: (rank.get(g.gid, len(rank)), g.gid))
+    opt.deferred = DeferredFinish(opt, groups, mm.mark_home_deferred)
+    return True
+
+
+def join(engine) -> None:
+    """Wait for the deferred finish and book it (main thread); raises the worker's error
+    marked state-lost, the engine FAILED.  Nothing to do when none runs."""
+    opt = engine.opt
+    d = getattr(opt, "deferred", None) if opt is not None else None
+    if d is None:
+        return
+    try:
+        d.wait()
+    finally:
+        opt.deferred = None
+        engine.mm.clear_home_deferred()
+        opt.book_finished(d.done, in_forward=True)
+    if d.error is not None:
+        e = d.error
+        try:
+            e._infinity_state_lost = True
+        except AttributeError:
+            pass
+        from infinity.engine.phase import Phase
+        engine.phase = Phase.FAILED
+        engine._fail_reason = (f"{type(e).__name__}: {e}"[:500] + "; the decided update "
+                               "cannot be finished: reload a checkpoint")
+        e.add_note(f"infinity: finishing the decided update of global step {d.u.hp['step']} "
+                   f"during the next forward failed after {len(d.done)} of "
+                   f"{len(d.groups)} groups; host states were updated in place part-way: "
+                   f"reload a checkpoint into a new engine (Note [Finish in the next forward])")
+        raise e
