@@ -260,7 +260,7 @@ def assemble(engine, lr_scheduler) -> None:
         engine.opt = engine.zero.optimizer(model, cfg, grouping.groups, grouping.names, **opt_kw)
     engine.opt.on_extents_moved = engine.follow_extents   # Note [roll forward]
     if engine.zero is None:                # Note [Finish in the next forward]
-        from infinity.optim.deferred_finish import start
+        from infinity.engine.deferred import start
         engine.opt.defer_finish = lambda: start(engine)
     engine.device_tier_to_own = None                 # owned (and closed) by the manager now
     paged_nvme = [g for g in grouping.groups if g.home == "nvme"]

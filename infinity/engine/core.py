@@ -19,10 +19,10 @@ from torch import nn
 from infinity.config import InfinityConfig
 from infinity.engine.build import assemble
 from infinity.engine.phase import Phase, PhaseError, run_shielded
-from infinity.memory.accounting import Accounting
+from infinity.memory.accounting import STATS_COUNTERS, Accounting
 from infinity.memory.device import choose_device
 from infinity.memory.plan import remove_if_empty
-from infinity.optim.deferred_finish import join as join_deferred
+from infinity.engine.deferred import join as join_deferred
 
 log = logging.getLogger("infinity.engine")
 
@@ -406,9 +406,7 @@ class Engine:
                         out = self.module(*args, **kwargs)
                     self.phase = Phase.IDLE
                 except BaseException as e:
-                    if self.opt.deferred is not None:   # joined before the window drops
-                        self.phase = Phase.IDLE
-                        join_deferred(self)
+                    join_deferred(self)       # (joined before the window drops)
                     self._abort_window(e)
                     raise
                 join_deferred(self)           # Note [Finish in the next forward]
@@ -628,17 +626,7 @@ class Engine:
     # ------------------------------------------------------------------ facts
     def stats(self) -> dict:
         d = self.acct.as_dict()
-        for k in ("on_demand_fetches", "prefetched_fetches", "untracked_fetches",
-                  "divergent_steps", "prefetch_unused", "prefetch_evicted",
-                  "reused_fetches", "reused_bytes",
-                  "device_budget_overflows", "optimizer_groups_overlapped",
-                  "optimizer_groups_after_decision", "optimizer_groups_not_overlapped_shadow",
-                  "optimizer_groups_finished_after_step",
-                  "optimizer_master_handoffs", "optimizer_master_read_bytes_saved",
-                  "activation_offload_bytes", "activation_fetch_bytes",
-                  "allgather_sent_bytes", "allgather_sent_inter_bytes",
-                  "grad_comm_sent_bytes", "grad_comm_sent_inter_bytes",
-                  "frozen_nvme_read_bytes", "frozen_host_read_bytes"):
+        for k in STATS_COUNTERS:
             d.setdefault(k, 0)
         d.update({
             "step": self.opt.step_count,

@@ -4,14 +4,13 @@ First fit over a sorted free list with coalescing; the space grows at the end
 when nothing fits (the caller then grows the backing files).  Its methods change two
 structures in several statements: a signal's exception raised half-way (Ctrl-C inside
 the engine's interruptible boundary step) would leave a free range in one and not the
-other, so a signal landing in their frames is held to the next safe point (Note [held
-interrupts] in infinity/runtime/interrupts.py).
+other, so a signal landing in their frames (:data:`ExtentAllocator.UNSPLIT`) is held to
+the next safe point (Note [held interrupts] in infinity/runtime/interrupts.py, which
+registers them).
 """
 import bisect
 import threading
 from dataclasses import dataclass
-
-from infinity.runtime.interrupts import never_raise_in
 
 
 @dataclass(frozen=True)
@@ -30,6 +29,9 @@ class Extent:
 
 
 class ExtentAllocator:
+    #: methods a signal's exception must not split (held: infinity.runtime.interrupts)
+    UNSPLIT = ("allocate", "undo_grow", "free", "_insert_free")
+
     def __init__(self, alignment=4096):
         if alignment <= 0 or alignment & (alignment - 1):
             raise ValueError(f"alignment must be a power of two, got {alignment}")
@@ -112,7 +114,3 @@ class ExtentAllocator:
         self._starts.insert(i, start)
         self._sizes[start] = size
 
-
-for _fn in (ExtentAllocator.allocate, ExtentAllocator.undo_grow, ExtentAllocator.free,
-            ExtentAllocator._insert_free):
-    never_raise_in(_fn)

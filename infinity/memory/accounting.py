@@ -3,10 +3,20 @@ from __future__ import annotations
 
 import threading
 
-__all__ = ["Accounting", "TIERS", "LINKS"]
+__all__ = ["Accounting", "TIERS", "LINKS", "STATS_COUNTERS"]
 
 TIERS = ("device", "host", "nvme")
 LINKS = ("nvme_read", "nvme_write", "h2d", "d2h", "allgather", "reduce_scatter")
+#: counters engine.stats() reports as 0 before they first count
+STATS_COUNTERS = (
+    "on_demand_fetches", "prefetched_fetches", "untracked_fetches", "divergent_steps",
+    "prefetch_unused", "prefetch_evicted", "reused_fetches", "reused_bytes",
+    "device_budget_overflows", "optimizer_groups_overlapped",
+    "optimizer_groups_after_decision", "optimizer_groups_not_overlapped_shadow",
+    "optimizer_groups_finished_after_step", "optimizer_master_handoffs",
+    "optimizer_master_read_bytes_saved", "activation_offload_bytes", "activation_fetch_bytes",
+    "allgather_sent_bytes", "allgather_sent_inter_bytes", "grad_comm_sent_bytes",
+    "grad_comm_sent_inter_bytes", "frozen_nvme_read_bytes", "frozen_host_read_bytes")
 
 
 class Accounting:

@@ -1,18 +1,15 @@
 """Finish a decided update while the next forward runs (Note [Finish in the next forward]).
 
 :class:`DeferredFinish` steps the groups of a decided update (``EngineOptimizer.unfinished``)
-one at a time on its own worker thread, in the order the last forward used them;
-:func:`start` decides whether an engine may do so, :func:`join` waits for the worker on the
-main thread and books what it finished.
+one at a time on its own worker thread, in the order the last forward used them; the
+engine decides when it may and joins it (:mod:`infinity.engine.deferred`).
 """
 from __future__ import annotations
 
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-from infinity.memory.record import Location
-
-__all__ = ["DeferredFinish", "start", "join"]
+__all__ = ["DeferredFinish"]
 
 # Note [Finish in the next forward]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -46,6 +43,7 @@ class DeferredFinish:
         self.u = opt.unfinished
         self.groups = list(groups)
         self._events = {g.gid: threading.Event() for g in self.groups}
+        self._ended = threading.Event()
         self.done: list = []              # (group, item) stepped and committed, in order
         self.error: BaseException | None = None
         for g in self.groups:             # before the worker starts: no fetch slips through
@@ -81,69 +79,17 @@ class DeferredFinish:
         finally:
             for ev in self._events.values():
                 ev.set()
+            self._ended.set()
 
     def wait(self) -> None:
         """Block until the worker ended; a KeyboardInterrupt meanwhile is held until then
         and re-raised (the worker writes host states in place: it is never abandoned)."""
-        from infinity.engine.phase import wait_done
         interrupted = None
-        while True:
+        while not self._future.done():
             try:
-                wait_done(self._future)
-                break
+                self._ended.wait(0.05)    # short waits: a signal lands between them
             except KeyboardInterrupt as e:
                 interrupted = e
         self._pool.shutdown(wait=True)
         if interrupted is not None:
             raise interrupted
-
-
-def start(engine) -> bool:
-    """``EngineOptimizer.defer_finish``: whether ``engine``'s decided update may be finished
-    in the next forward, and if so start it (Note [Finish in the next forward])."""
-    opt, mm = engine.opt, engine.mm
-    u = opt.unfinished
-    if not engine.defer_optimizer_finish or u is None or engine.zero is not None \
-            or engine.swap is not None or opt.store.swap is not None \
-            or engine.tiling is not None:
-        return False
-    by_key = {opt.key(g): g for g in opt.groups}
-    groups = [by_key[k] for k in u.keys]
-    if not all(mm.paged(g) and g.state is Location.HOST and not g.users for g in groups):
-        return False
-    rank = {}
-    for i, gid in enumerate(engine.coord.trace or engine.coord.recorded_uses()):
-        rank.setdefault(gid, i)
-    groups.sort(key=lambda g: (rank.get(g.gid, len(rank)), g.gid))
-    opt.deferred = DeferredFinish(opt, groups, mm.mark_home_deferred)
-    return True
-
-
-def join(engine) -> None:
-    """Wait for the deferred finish and book it (main thread); raises the worker's error
-    marked state-lost, the engine FAILED.  Nothing to do when none runs."""
-    opt = engine.opt
-    d = getattr(opt, "deferred", None) if opt is not None else None
-    if d is None:
-        return
-    try:
-        d.wait()
-    finally:
-        opt.deferred = None
-        engine.mm.clear_home_deferred()
-        opt.book_finished(d.done, in_forward=True)
-    if d.error is not None:
-        e = d.error
-        try:
-            e._infinity_state_lost = True
-        except AttributeError:
-            pass
-        from infinity.engine.phase import Phase
-        engine.phase = Phase.FAILED
-        engine._fail_reason = (f"{type(e).__name__}: {e}"[:500] + "; the decided update "
-                               "cannot be finished: reload a checkpoint")
-        e.add_note(f"infinity: finishing the decided update of global step {d.u.hp['step']} "
-                   f"during the next forward failed after {len(d.done)} of "
-                   f"{len(d.groups)} groups; host states were updated in place part-way: "
-                   f"reload a checkpoint into a new engine (Note [Finish in the next forward])")
-        raise e

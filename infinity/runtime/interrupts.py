@@ -60,6 +60,17 @@ def never_raise_in(fn) -> None:
     _NO_RAISE.add(fn.__code__)
 
 
+def _lower_layers() -> None:
+    """Multi-statement updates of the layers below (they cannot import this module): a
+    signal landing in them is held like one in a destructor."""
+    from infinity.io.extents import ExtentAllocator
+    for name in ExtentAllocator.UNSPLIT:
+        never_raise_in(getattr(ExtentAllocator, name))
+
+
+_lower_layers()
+
+
 _OWN = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep   # infinity/
 
 
