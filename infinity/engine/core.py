@@ -234,6 +234,7 @@ class Engine:
         hooks are reset here (saved-tensor hooks are thread-local); the rest runs
         shielded from signals on the commit worker.  ``exc``: the error propagating (an
         interrupt arriving meanwhile is folded into it), or None (then errors raise)."""
+        join_deferred(self)                   # (the worker reads the gradients dropped here)
         if exc is not None:
             try:
                 exc._infinity_window_dropped = True       # Note [one exit]
@@ -335,14 +336,14 @@ class Engine:
     def _roll_forward(self) -> None:
         """Note [roll forward] (infinity/optim/driver.py): finish the decided update before
         anything reads or writes a home; signals are held meanwhile."""
-        join_deferred(self)                   # Note [Finish in the next forward]
-        if self.opt.unfinished is None:
-            return
         try:
             with self.gate.open(), self.gate:
+                join_deferred(self)           # Note [Finish in the next forward]
+                if self.opt.unfinished is None:
+                    return
                 self._shield(self.opt.finish_unfinished)
         except BaseException as e:
-            if getattr(e, "_infinity_state_lost", False):
+            if getattr(e, "_infinity_state_lost", False) and self.phase is not Phase.CLOSED:
                 self.phase = Phase.FAILED
                 self._fail_reason = (f"{type(e).__name__}: {e}"[:500] + "; the decided update "
                                      "cannot be finished: reload a checkpoint")

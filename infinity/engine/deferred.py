@@ -27,13 +27,18 @@ def start(engine) -> bool:
     for i, gid in enumerate(engine.coord.trace or engine.coord.recorded_uses()):
         rank.setdefault(gid, i)
     groups.sort(key=lambda g: (rank.get(g.gid, len(rank)), g.gid))
-    opt.deferred = DeferredFinish(opt, groups, mm.mark_home_deferred)
+    try:
+        opt.deferred = DeferredFinish(opt, groups, mm.mark_home_deferred)
+    except Exception:  # noqa: BLE001 -- no thread to start: finished inside step() instead
+        mm.clear_home_deferred()
+        return False
     return True
 
 
 def join(engine) -> None:
     """Wait for the deferred finish and book it (main thread); raises the worker's error
-    marked state-lost, the engine FAILED.  Nothing to do when none runs."""
+    marked state-lost, the engine FAILED (before anything else is raised: an interrupt
+    held while waiting comes after).  Nothing to do when none runs."""
     opt = engine.opt
     d = getattr(opt, "deferred", None) if opt is not None else None
     if d is None:
@@ -43,18 +48,26 @@ def join(engine) -> None:
     finally:
         opt.deferred = None
         engine.mm.clear_home_deferred()
-        opt.book_finished(d.done, in_forward=True)
-    if d.error is not None:
-        e = d.error
         try:
-            e._infinity_state_lost = True
-        except AttributeError:
-            pass
+            opt.book_finished(d.done, in_forward=True, seconds=d.decision_s + d.busy_s)
+        finally:
+            if d.error is not None:
+                _failed(engine, d)
+
+
+def _failed(engine, d) -> None:
+    e = d.error
+    try:
+        e._infinity_state_lost = True
+    except AttributeError:
+        pass
+    if engine.phase is not Phase.CLOSED:
         engine.phase = Phase.FAILED
         engine._fail_reason = (f"{type(e).__name__}: {e}"[:500] + "; the decided update "
                                "cannot be finished: reload a checkpoint")
+    if not any("Finish in the next forward" in n for n in getattr(e, "__notes__", ())):
         e.add_note(f"infinity: finishing the decided update of global step {d.u.hp['step']} "
                    f"during the next forward failed after {len(d.done)} of "
                    f"{len(d.groups)} groups; host states were updated in place part-way: "
                    f"reload a checkpoint into a new engine (Note [Finish in the next forward])")
-        raise e
+    raise e

@@ -428,15 +428,15 @@ class OverlappedStep:
             if buf is not None:
                 self.mm.give_back_device(buf)
             return
-        n = float(torch.linalg.vector_norm(grad))
-        if self.clip > 0 and math.sqrt(sum(self.done.values()) + n * n) + 1e-6 > self.clip:
+        n2 = squared_norm(grad)              # (the boundary's own function: one norm)
+        if self.clip > 0 and math.sqrt(sum(self.done.values()) + n2) + 1e-6 > self.clip:
             # Note [Speculative clipping]: this update clips; stop speculating
             self.acct.count("optimizer_speculation_stopped")
             self._decline(g)
             rest = self._pending
             self.end()
             if not self.sharded and self.opt.host_grad_buffer(g) is grad:
-                self.norms[g.gid] = n * n   # Note [Norms during backward]: the rest's too
+                self.norms[g.gid] = n2      # Note [Norms during backward]: the rest's too
             self._norms_from(rest)
             return
         buf = self._held.pop(g.gid, None)
@@ -472,7 +472,7 @@ class OverlappedStep:
             kw["txn"] = self.txn
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="infinity-step")
-        self.done[g.gid] = n * n
+        self.done[g.gid] = n2
         if item.master_buf is not None and buf is None:
             # a cached copy the step updates in place (Note [Cache write-through])
             self.mm.pin(g.gid)

@@ -32,6 +32,7 @@ import torch
 
 from typing import Callable
 
+from infinity.grads.norm import squared_norm
 from infinity.memory.record import GroupRecord
 
 __all__ = ["NvmeGradStore"]
@@ -160,7 +161,7 @@ class NvmeGradStore:
                 self._write_partial(gid, buf)      # lossy: a partial sum, in bf16
                 return
             if self.final_micro:
-                self.sumsq += float(torch.linalg.vector_norm(buf)) ** 2
+                self.sumsq += squared_norm(buf)
                 self.normed.add(gid)
             self._io("write", gid, buf)
             self.on_nvme.add(gid)
@@ -192,7 +193,7 @@ class NvmeGradStore:
                 buf = self.pool.lease(g.padded_numel * 4, torch.float32)
                 try:
                     self._read_partial(g, buf)
-                    self.sumsq += float(torch.linalg.vector_norm(buf)) ** 2
+                    self.sumsq += squared_norm(buf)
                     self._io("write", gid, buf)
                 finally:
                     self.pool.give_back(buf)
@@ -207,7 +208,7 @@ class NvmeGradStore:
             elif gid not in self.normed:
                 buf = self.pool.lease(g.padded_numel * 4, torch.float32)
                 self._io("read", gid, buf)
-                self.sumsq += float(torch.linalg.vector_norm(buf)) ** 2
+                self.sumsq += squared_norm(buf)
                 self.pool.give_back(buf)
         return self.sumsq
 

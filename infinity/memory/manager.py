@@ -223,12 +223,11 @@ class MemoryManager(QuantizedFetch):
 
     def wait_home(self, g: GroupRecord) -> None:
         """Wait for a running optimizer step that writes ``g``'s home (Note [Overlap safety])."""
-        wait = self._home_busy.pop(g.gid, None)
-        if wait is not None:
-            wait()
-        wait = self._home_deferred.pop(g.gid, None)
-        if wait is not None:
-            wait()
+        for marks in (self._home_busy, self._home_deferred):
+            wait = marks.get(g.gid)
+            if wait is not None:
+                wait()                  # (forgotten only once it returned: an interrupt
+                marks.pop(g.gid, None)  # inside it leaves the next fetch waiting too)
 
     # ------------------------------------------------------------------ tiles
     # Note [Tiles]: a tiled group (memory-centric tiling, infinity.runtime.tiling) is never

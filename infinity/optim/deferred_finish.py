@@ -7,6 +7,7 @@ engine decides when it may and joins it (:mod:`infinity.engine.deferred`).
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 __all__ = ["DeferredFinish"]
@@ -45,11 +46,17 @@ class DeferredFinish:
         self._events = {g.gid: threading.Event() for g in self.groups}
         self._ended = threading.Event()
         self.done: list = []              # (group, item) stepped and committed, in order
+        self._done_gids: set = set()
         self.error: BaseException | None = None
-        for g in self.groups:             # before the worker starts: no fetch slips through
-            mark(g.gid, self._waiter(g.gid))
+        # the step's time as stats() reports it: up to the decision, then the worker's own
+        self.decision_s = time.perf_counter() - self.u.t0
+        self.busy_s = 0.0
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="infinity-finish")
         self._future = self._pool.submit(self._run)
+        # (marked after the worker started -- nothing fetches before step() returns -- so a
+        # failed start leaves no mark behind that a fetch would wait on for ever)
+        for g in self.groups:
+            mark(g.gid, self._waiter(g.gid))
 
     def _waiter(self, gid: int):
         ev = self._events[gid]
@@ -57,11 +64,18 @@ class DeferredFinish:
         def wait() -> None:
             while not ev.wait(0.05):      # short waits: a signal is seen between them
                 pass
+            if self.error is not None and gid not in self._done_gids:
+                raise RuntimeError(
+                    f"infinity: the decided update could not be finished for this parameter "
+                    f"group (gid {gid}): its step failed during the next forward "
+                    f"({type(self.error).__name__}: {self.error}); the engine fails at the "
+                    f"join: reload a checkpoint (Note [Finish in the next forward])")
         return wait
 
     def _run(self) -> None:
         from infinity.optim.step_txn import StepTxn
         opt, u = self.opt, self.u
+        t0 = time.perf_counter()
         try:
             for g in self.groups:
                 key = opt.key(g)
@@ -73,10 +87,12 @@ class DeferredFinish:
                     opt._lost_update(bad, u.hp["step"])   # raises, marked state-lost
                 opt.store.commit(mini)
                 self.done.append((g, item))
+                self._done_gids.add(g.gid)
                 self._events[g.gid].set()
         except BaseException as e:  # noqa: BLE001 -- raised on the main thread by join()
             self.error = e
         finally:
+            self.busy_s = time.perf_counter() - t0
             for ev in self._events.values():
                 ev.set()
             self._ended.set()

@@ -378,7 +378,8 @@ class EngineOptimizer(GradAccumulation):
     defer_finish = None
     deferred = None
 
-    def book_finished(self, done, *, in_forward: bool = False) -> None:
+    def book_finished(self, done, *, in_forward: bool = False,
+                      seconds: float | None = None) -> None:
         """The main thread's part of finishing ``done`` (``(group, item)`` stepped and
         committed): gradients back, counts; the update is finished when no group is left."""
         u = self.unfinished
@@ -392,7 +393,8 @@ class EngineOptimizer(GradAccumulation):
         if not u.keys:
             self.unfinished = None
             self.zero_grad()
-            self.last_step_seconds = time.perf_counter() - u.t0
+            self.last_step_seconds = time.perf_counter() - u.t0 if seconds is None \
+                else seconds
 
     def finish_unfinished(self) -> None:
         """Step and commit the groups of the decided update not written yet (Note [roll

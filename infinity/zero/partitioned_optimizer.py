@@ -457,8 +457,7 @@ class PartitionedOptimizer(EngineOptimizer):
             with self.host_pool.scoped(summed.numel() * 4, torch.float32) as tmp:
                 self._read(ext, tmp)
                 summed.add_(tmp)
-        n = float(torch.linalg.vector_norm(summed))
-        self._grad_sq[g.gid] = n * n
+        self._grad_sq[g.gid] = squared_norm(summed)
         st = self.grad_stream
         if self._final_micro and st.keep is not None and st.keep(g):
             # Note [Streamed gradients]: the final sum stays in memory for g's early step

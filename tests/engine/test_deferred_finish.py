@@ -165,6 +165,11 @@ def test_a_failing_group_step_fails_the_engine(harness, swap_dir):
             return real(items, **kw)
         eng.opt.store.step = failing
         eng.step()
+        eng.opt.deferred._ended.wait(10)
+        # the module called directly (as a Trainer's evaluate does), not through the engine:
+        # the fetch of a group the failed worker never stepped raises, no stale values used
+        with pytest.raises(RuntimeError, match="could not be finished"):
+            eng.module(harness.inputs_of("mlp", b[1]))
         with pytest.raises(RuntimeError, match="injected group step failure") as ei:
             eng(harness.inputs_of("mlp", b[1]))
         assert any("Finish in the next forward" in n for n in ei.value.__notes__)
