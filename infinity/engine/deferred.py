@@ -32,6 +32,7 @@ def start(engine) -> bool:
     except Exception:  # noqa: BLE001 -- no thread to start: finished inside step() instead
         mm.clear_home_deferred()
         return False
+    opt.last_step_seconds = opt.deferred.decision_s   # (the worker's time added at the join)
     return True
 
 

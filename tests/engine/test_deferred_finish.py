@@ -137,6 +137,7 @@ def test_state_dict_right_after_step_joins(harness, swap_dir):
             eng.backward(loss)
             eng.step()
             running = eng.opt.deferred is not None
+            assert eng.stats()["optimizer_step_seconds"] > 0
             sd = {k: v.clone() for k, v in eng.state_dict().items()}
             assert eng.opt.deferred is None and eng.stats()["unfinished_update"] is False
         return running, sd
