@@ -26,6 +26,7 @@ estimator's OS/runtime reserve and the initialisation-only staging buffer.
     .venv/bin/python tools/validate_estimator.py --quick    # smaller model, 4 configurations
     .venv/bin/python tools/validate_estimator.py --zero     # ZeRO-3, 2 ranks, streamed shards
     .venv/bin/python tools/validate_estimator.py --lora     # LoRA over a bf16 / nf4 / int8 base
+    .venv/bin/python tools/validate_estimator.py --pcie     # activation offload's D2H / H2D bytes
 """
 import argparse
 import ctypes
@@ -89,6 +90,23 @@ ZERO = [("bf16", "nvme", "nvme", 2, 0.08, {"ws": 2}),
 LORA = [("bf16", "nvme", "nvme", 1, None, {"lora": 8}),
         ("bf16", "nvme", "nvme", 1, None, {"lora": 8, "frozen": "nf4"}),
         ("bf16", "nvme", "nvme", 1, None, {"lora": 8, "frozen": "int8"})]
+# --pcie: activation offload to host memory on the simulated device (INFINITY_SIMULATE_DEVICE=1,
+# the GPU protocol on this CPU): the bytes the estimator puts on PCIe for it, D2H in forward
+# and H2D in backward per micro-batch, against the engine's activation_offload_bytes /
+# activation_fetch_bytes (predicted for one GPU with the eager activation model: the model
+# runs eagerly on this CPU)
+PCIE = [("fp32", "cpu", "cpu", 1, None, {"act": ("cpu", "all"), "sim": True}),
+        ("fp32", "cpu", "cpu", 1, None, {"act": ("cpu", "checkpoints"), "ckpt": True,
+                                        "sim": True}),
+        ("bf16", "cpu", "cpu", 1, None, {"act": ("cpu", "all"), "sim": True}),
+        # a*S/H = 2, batch 1 (the bf16 constants come from this row and the one above)
+        ("bf16", "cpu", "cpu", 1, None, {"act": ("cpu", "all"), "sim": True, "seq": 128,
+                                        "batch": 1, "depth": 2}),
+        ("bf16", "cpu", "cpu", 1, None, {"act": ("cpu", "checkpoints"), "ckpt": True,
+                                        "sim": True, "seq": 128, "batch": 1, "depth": 2}),
+        # a*S/H = 4: beyond both shapes the bf16 constants were measured at
+        ("bf16", "cpu", "cpu", 1, None, {"act": ("cpu", "all"), "sim": True, "seq": 256,
+                                        "batch": 1, "depth": 2})]
 # --planned (issue 18): the configuration `infinity estimate --plan` picks for the validation
 # model under these offload.host_memory_gb caps (global batch 4 sequences, fp32), run here
 PLANNED_CAPS = (0.5, 0.4)
@@ -225,6 +243,9 @@ def child(spec):
            "micro_nvme": micro["bytes"],
            "act_offload": (s1["activation_offload_bytes"] - s0["activation_offload_bytes"])
            // spec["accum"],
+           "act_fetch": (s1["activation_fetch_bytes"] - s0["activation_fetch_bytes"])
+           // spec["accum"],
+           "sim_device": eng.mm.dev.kind,
            "loss": loss, "engine_plan_host": eng.placement.host_total,
            "tiles_forward": s1.get("tiles_forward", 0) - s0.get("tiles_forward", 0),
            "engine_grad_home": "nvme" if eng.zero is not None and eng.zero.spill
@@ -246,8 +267,10 @@ def predict(spec):
     ms = spec_from_module(model, seq=spec["seq"], batch=spec["batch"])
     act = spec.get("act") or ("none", "checkpoints")
     # ZeRO on CPU-only ranks: one rank per "node", so the per-node figures are per rank
-    est = estimate(ms, machine=Machine(gpus=0, host_mem_gb=1000, nvme_gb=1000,
-                                       nodes=spec.get("ws", 1)),
+    machine = Machine(gpus=1, gpu_mem_gb=1000, host_mem_gb=1000, nvme_gb=1000) \
+        if spec.get("sim") else Machine(gpus=0, host_mem_gb=1000, nvme_gb=1000,
+                                        nodes=spec.get("ws", 1))
+    est = estimate(ms, machine=machine, activation_model="eager" if spec.get("sim") else None,
                    precision=spec["precision"], prefetch_depth=spec["depth"], grad_accum=spec["accum"],
                    host_cap_gb=spec["cap"], configs=[(spec["params"], spec["optimizer"])],
                    activation_home=act[0], activation_scope=act[1],
@@ -263,7 +286,9 @@ def predict(spec):
     tr = c.steps[v].traffic
     from infinity.estimate.step_time import _sum, _with_activations, traffic_per_step
     parts = _with_activations(traffic_per_step(ms, est.machine, est.knobs, c.plan), c.plan,
-                              v == "checkpointing")
+                              v == "checkpointing", machine=est.machine)
+    act_pcie = {link: sum(b for w, b in parts["mb"][link] if w == "offloaded activations")
+                for link in ("d2h", "h2d")}
     mb, opt = _sum(parts["mb"]), _sum(parts["opt"])
     micro = mb["nvme_read"] + mb["nvme_write"] + (
         opt["nvme_read"] + opt["nvme_write"] if spec["accum"] == 1 else 0)
@@ -278,7 +303,8 @@ def predict(spec):
     return {"host": host, "nvme_read": tr["nvme_read"], "nvme_write": tr["nvme_write"],
             "params": ms.params, "grads_on_nvme": c.plan.grads_on_nvme,
             "grads_streamed": c.plan.grads_streamed, "micro_nvme": micro,
-            "act_offload": 0 if off is None else off.nbytes}
+            "act_offload": 0 if off is None else off.nbytes,
+            "act_d2h": act_pcie["d2h"], "act_h2d": act_pcie["h2d"]}
 
 
 def _run_children(spec):
@@ -286,6 +312,8 @@ def _run_children(spec):
     measurements of each rank in rank order, or None when one failed."""
     ws = spec.get("ws", 1)
     env = dict(os.environ)
+    if spec.get("sim"):
+        env["INFINITY_SIMULATE_DEVICE"] = "1"
     if ws > 1:
         import socket
         with socket.socket() as so:
@@ -323,6 +351,27 @@ def _ratio(pred, meas):
     return f"{pred / meas:6.3f}"
 
 
+def _print_pcie(rows, model) -> int:
+    MB = 1e6
+    print(f"model: GPT-2 {model}, seq 64, batch 2; per micro-batch, MB: activation offload's "
+          f"D2H (forward) and H2D (backward), predicted vs engine.stats() on the simulated device")
+    print(f"{'configuration':<52}{'device':>10}{'D2H pred':>10}{'meas':>8}{'ratio':>7}"
+          f"{'H2D pred':>10}{'meas':>8}{'ratio':>7}")
+    ok = 0
+    for r in rows:
+        good = r["device"] == "simulated" and all(
+            r[f"meas_{k}"] > 0 and abs(r[f"pred_{k}"] / r[f"meas_{k}"] - 1) <= 0.15
+            for k in ("act_d2h", "act_h2d"))
+        ok += good
+        print(f"{r['config']:<52}{r['device']:>10}{r['pred_act_d2h'] / MB:>10.2f}"
+              f"{r['meas_act_d2h'] / MB:>8.2f}{_ratio(r['pred_act_d2h'], r['meas_act_d2h']):>7}"
+              f"{r['pred_act_h2d'] / MB:>10.2f}{r['meas_act_h2d'] / MB:>8.2f}"
+              f"{_ratio(r['pred_act_h2d'], r['meas_act_h2d']):>7}  "
+              f"{'within 15 %' if good else 'OFF'}")
+    print(f"{ok} of {len(rows)} configurations within 15 % on activation offload's PCIe bytes")
+    return 0
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--child", help=argparse.SUPPRESS)
@@ -339,6 +388,8 @@ def main():
                     help="only the ZeRO rows: 2 ranks, spilled and streamed gradient shards")
     ap.add_argument("--lora", action="store_true",
                     help="only the LoRA rows: the base in bf16, nf4 and int8")
+    ap.add_argument("--pcie", action="store_true",
+                    help="only activation offload's PCIe bytes, on the simulated device")
     ap.add_argument("--json", action="store_true", help="print the rows as JSON")
     args = ap.parse_args()
     if args.child:
@@ -358,6 +409,8 @@ def main():
             configs = ZERO
         elif args.lora:
             configs = LORA
+        elif args.pcie:
+            configs = PCIE
         elif args.planned:
             configs = planned_configs(model)
         elif not args.only_new:
@@ -386,6 +439,7 @@ def main():
             name = (("planned " if extra.get("planned") else "")
                     + f"{precision} params={params} optimizer={optimizer}"
                     + (f" B={extra['batch']} d={extra['depth']}" if "batch" in extra else "")
+                    + (f" S={extra['seq']}" if "seq" in extra else "")
                     + (f" accum={accum}" if accum > 1 else "")
                     + (f" cap={cap:g}GB" if cap is not None else "")
                     + (f" grads {extra['gdtype']}" if extra.get("gdtype") else "")
@@ -407,6 +461,9 @@ def main():
                          "stats_nvme_write": meas["nvme_write"],
                          "pred_micro_nvme": pred["micro_nvme"], "meas_micro_nvme": meas["micro_nvme"],
                          "pred_act_offload": pred["act_offload"], "meas_act_offload": meas["act_offload"],
+                         "pred_act_d2h": pred["act_d2h"], "meas_act_d2h": meas["act_offload"],
+                         "pred_act_h2d": pred["act_h2d"], "meas_act_h2d": meas["act_fetch"],
+                         "device": meas["sim_device"],
                          "tiles_forward": meas["tiles_forward"],
                          "other_ranks": [{k: m[k] for k in ("steady_hwm", "base_rss", "proc_read",
                                                             "proc_write")} for m in ranks[1:]],
@@ -416,6 +473,8 @@ def main():
         print(json.dumps(rows, indent=1))
         return 0
     MB = 1e6
+    if args.pcie:
+        return _print_pcie(rows, model)
     print(f"model: GPT-2 {model}, {rows[0]['params'] / 1e6:.1f}M params, seq 64, batch 2, prefetch depth 2"
           if rows else "no rows")
     print("host = steady-state peak RSS above the torch baseline (MB); NVMe = MB per step, measured by "

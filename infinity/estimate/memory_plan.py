@@ -234,17 +234,22 @@ def saved_activation_bytes(spec, knobs, model="megatron"):
     tensors), ``S*B*H*(34 + 5*a*S/H)`` per layer (16-bit; x2 fp32), the fp32 logits
     ``S*B*V*4`` outside.  ``"eager"`` (measured on this machine with transformers' GPT-2
     and infinity's ``activation_offload_bytes``, L = 2 and 6 differenced, S*B*H = 65536 at
-    a*S/H = 1 and 2): ``S*B*H*(120 + 12*a*S/H)`` per layer in fp32 (x0.5 bf16/fp16),
+    a*S/H = 1 and 2): ``S*B*H*(120 + 12*a*S/H)`` per layer in fp32,
     ``4*S*B*V + 12*S*B*H`` outside (the logits saved for the loss, embedding and final norm
-    inputs); saved tensors under 4096 bytes are not offloaded and not counted."""
+    inputs); in bf16/fp16 ``S*B*H*(66 + 12*a*S/H)`` per layer (the attention-score part
+    does not halve, the rest is 0.55x) and ``4*S*B*V + 6*S*B*H`` outside (the loss saves
+    the logits upcast to fp32) -- measured the same way on the simulated device at a*S/H =
+    1 and 2, checked at 4 (``tools/validate_estimator.py --pcie``); saved tensors under
+    4096 bytes are not offloaded and not counted."""
     S, B, H = spec.seq, spec.batch, spec.hidden
     a = spec.heads or max(1, H // 128)
     V = spec.vocab or 0
     if model == "eager":
-        f = 1.0 if knobs.precision == "fp32" else 0.5
-        fs = "" if f == 1.0 else "0.5*"
-        return (int(S * B * H * (120 + 12 * a * S / H) * f), int((4 * S * B * V + 12 * S * B * H) * f),
-                f"{fs}S*B*H*(120 + 12*a*S/H)", f"{fs}(4*S*B*V + 12*S*B*H)")
+        if knobs.precision == "fp32":
+            return (int(S * B * H * (120 + 12 * a * S / H)), 4 * S * B * V + 12 * S * B * H,
+                    "S*B*H*(120 + 12*a*S/H)", "4*S*B*V + 12*S*B*H")
+        return (int(S * B * H * (66 + 12 * a * S / H)), 4 * S * B * V + 6 * S * B * H,
+                "S*B*H*(66 + 12*a*S/H)", "4*S*B*V + 6*S*B*H")
     scale = 2 if knobs.precision == "fp32" else 1
     sc = "2*" if scale == 2 else ""
     per_layer, fl = _megatron_layer(spec)
