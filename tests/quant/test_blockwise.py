@@ -135,3 +135,16 @@ def test_fake_quantize_matches_quantize_and_passes_gradients():
     s = group_scales(w.detach(), 4, 16).requires_grad_(True)       # learned-scale form
     fake_quantize(w.detach(), 4, 16, scale=s).pow(2).sum().backward()
     assert s.grad is not None and s.grad.abs().sum() > 0
+
+
+def test_scales_are_a_correctly_rounded_division():
+    """absmax / qmax rounded once (as the C++ kernel does), never a product with the
+    reciprocal: CUDA computes ``x / 127`` that way for a Python divisor, one ulp off on an
+    H200; the helper divides by a tensor, which every device rounds correctly."""
+    from infinity.quant.blockwise import _div_qmax
+    amax = torch.rand(100_000, generator=torch.Generator().manual_seed(4)) * 3
+    for qmax in (127, 7):
+        exact = (amax.double() / qmax).float()
+        recip = amax * torch.tensor(1.0 / qmax, dtype=torch.float32)
+        assert not torch.equal(recip, exact)          # the two do differ on these values
+        assert torch.equal(_div_qmax(amax, qmax), exact)
