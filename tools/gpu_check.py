@@ -62,7 +62,8 @@ PARTS = {
     # LoRA over an nf4 base against a bf16 base, params on NVMe (tools/bench_lora_quantized.py)
     "lora": [("rates", 45), ("lora_speed", 300)],
     # the 8 x 2048 comparison alone (a re-measure after a change, in a short lease)
-    "small": [("rates", 45), ("infinity_small", 120), ("deepspeed_small", 150)],
+    "small": [("rates", 45), ("infinity_small", 120), ("infinity_small_in_step", 100),
+              ("deepspeed_small", 150)],
 }
 SUMMARY_RESERVE_S = 15
 
@@ -248,6 +249,10 @@ def targets(summary):
             put(f"nvme_{k}", nv.get(k), "reported", None)
         r = nv["tokens_per_s"] / dsn["tokens_per_s"] if dsn and dsn.get("tokens_per_s") else None
         put("nvme_tokens_per_s_vs_deepspeed", r, "> 1", None if r is None else r > 1)
+    ins = _res(summary, "infinity_small_in_step")
+    if small and ins and ins.get("tokens_per_s"):
+        put("finish_in_next_forward_speedup", small["tokens_per_s"] / ins["tokens_per_s"],
+            "reported", None)
     lo = _res(summary, "lora_speed")
     if lo:
         v = lo.get("nf4_over_bf16_step")

@@ -233,6 +233,16 @@ def step_infinity_small(out, dry):
                         steps=SMALL_STEPS[m], homes=("cpu", "cpu"), profile=True, tag="small")
 
 
+def step_infinity_small_in_step(out, dry):
+    """The small shape with the clipped update finished inside step() (engine.
+    defer_optimizer_finish False): beside step_infinity_small, what finishing it during
+    the next forward (Note [Finish in the next forward]) gains in the same lease."""
+    m = "dry" if dry else "gpu"
+    return infinity_run(out, dry, micro_batch=SMALL_BATCH[m], grad_accum=1,
+                        steps=SMALL_STEPS[m], homes=("cpu", "cpu"), profile=False,
+                        tag="small_in_step", defer=False)
+
+
 def step_infinity_planned(out, dry):
     m = "dry" if dry else "gpu"
     seq = SEQ[m]
@@ -380,7 +390,7 @@ def run_config(homes, grad_accum, swap=None):
 
 
 def infinity_run(out, dry, *, micro_batch, grad_accum, steps, homes, profile, tag,
-                 plan_config=None, size=None, swap=None):
+                 plan_config=None, size=None, swap=None, defer=True):
     import torch
 
     import infinity
@@ -406,6 +416,8 @@ def infinity_run(out, dry, *, micro_batch, grad_accum, steps, homes, profile, ta
     data = lb.batches(steps * grad_accum, micro_batch, seq, seed=1)
     t0 = time.perf_counter()
     engine = infinity.initialize(model, cfg)
+    engine.defer_optimizer_finish = defer
+    res["defer_optimizer_finish"] = defer
     del model
     res["initialize_s"] = round(time.perf_counter() - t0, 2)
     if cuda:   # the peak of training, not of the model built on the device before initialize
@@ -612,7 +624,7 @@ def step_lora_speed(out, dry):
     return {"lines": lines, "nf4_over_bf16_step": ratio, "args": args}
 
 
-STEPS = {"lora_speed": step_lora_speed, "diag": step_diag, "adam": step_adam, "tests": step_tests, "rates": step_rates, "infinity_small": step_infinity_small,
+STEPS = {"infinity_small_in_step": step_infinity_small_in_step, "lora_speed": step_lora_speed, "diag": step_diag, "adam": step_adam, "tests": step_tests, "rates": step_rates, "infinity_small": step_infinity_small,
          "deepspeed_small": step_deepspeed_small, "infinity_planned": step_infinity_planned,
          "infinity_nvme": step_infinity_nvme, "deepspeed_nvme": step_deepspeed_nvme}
 

@@ -15,7 +15,10 @@ def start(engine) -> bool:
     in the next forward, and if so start it (Note [Finish in the next forward])."""
     opt, mm = engine.opt, engine.mm
     u = opt.unfinished
-    if not engine.defer_optimizer_finish or u is None or engine.zero is not None \
+    want = engine.defer_optimizer_finish
+    if want is None:            # on the CPU the forward computes on the cores Adam needs
+        want = not mm.dev.zero_copy
+    if not want or u is None or engine.zero is not None \
             or engine.swap is not None or opt.store.swap is not None \
             or engine.tiling is not None:
         return False

@@ -32,8 +32,10 @@ __all__ = ["DeferredFinish"]
 # zero_grad).  A group step that fails (a non-finite result, anything else) leaves host
 # states updated in place part-way: the join raises it marked state-lost and the engine
 # goes FAILED, as a synchronous finish would.  stats()["optimizer_groups_finished_after_step"]
-# counts the groups stepped this way; ``engine.defer_optimizer_finish = False`` turns it off
-# (identical results either way: tests/engine/test_deferred_finish.py).
+# counts the groups stepped this way.  By default only on a separate device tier (a GPU):
+# on a CPU-only engine the forward computes on the very cores the Adam step needs, so
+# overlapping them gains nothing; ``engine.defer_optimizer_finish`` True does it there too,
+# False never (identical results either way: tests/engine/test_deferred_finish.py).
 
 
 class DeferredFinish:

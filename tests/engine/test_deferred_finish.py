@@ -86,6 +86,7 @@ def test_forward_overlaps_the_steps_in_forward_order(harness, swap_dir):
     b = harness.make_batches("mlp", 2)
     log = []
     with infinity.initialize(model, _cfg(swap_dir)) as eng:
+        eng.defer_optimizer_finish = True            # (on the CPU too)
         key_of = {g.gid: eng.opt.key(g) for g in eng.opt.groups}
         real_step, real_fetch = eng.opt.store.step, eng.mm.fetch_async
 
@@ -153,6 +154,7 @@ def test_a_failing_group_step_fails_the_engine(harness, swap_dir):
     model = harness.MLPStack()
     b = harness.make_batches("mlp", 2)
     with infinity.initialize(model, _cfg(swap_dir)) as eng:
+        eng.defer_optimizer_finish = True
         loss = harness.loss_of("mlp", eng(harness.inputs_of("mlp", b[0])), b[0])
         eng.backward(loss)
         real = eng.opt.store.step
@@ -190,6 +192,7 @@ def test_interrupt_in_the_next_forward(harness, swap_dir):
         b = harness.make_batches("mlp", 3)
         losses = []
         with infinity.initialize(model, _cfg(swap_dir)) as eng:
+            eng.defer_optimizer_finish = True
             for i, batch in enumerate(b):
                 if interrupt and i == 1:
                     mod = list(eng.module.modules())[-1]
@@ -212,6 +215,19 @@ def test_interrupt_in_the_next_forward(harness, swap_dir):
     assert l1 == l0
     for k in s0:
         assert torch.equal(s1[k], s0[k]), k
+
+
+@pytest.mark.parametrize("simulated", [False, True], ids=["cpu", "simulated-device"])
+def test_default_only_on_a_separate_device(harness, swap_dir, monkeypatch, simulated):
+    """By default (None) the finish overlaps the next forward only where that forward
+    computes elsewhere (a GPU; here the simulated device): on a CPU-only engine both would
+    share the same cores."""
+    if simulated:
+        monkeypatch.setenv("INFINITY_SIMULATE_DEVICE", "1")
+    r = _run(harness, swap_dir, defer=None, steps=2)
+    n = r["stats"]["optimizer_groups_finished_after_step"]
+    assert (n == 2 * r["n"]) if simulated else (n == 0)
+    assert r["lerr"] < 1e-5 and r["perr"] < 1e-5
 
 
 @pytest.mark.parametrize("params,optim", [("nvme", "cpu"), ("cpu", "nvme")])
