@@ -98,9 +98,8 @@ class Engine:
         # overlap each group's optimizer update with backward where that cannot change
         # results (infinity.engine.overlap); set False to always step at the boundary
         self.overlap_optimizer_step = True
-        # finish a decided update while the next forward runs where only memory is written
-        # (Note [Finish in the next forward]): None on a separate device (a GPU) only,
-        # True also on the CPU, False: inside step()
+        # finish a decided update during the next forward (Note [Finish in the next forward]):
+        # None on a separate device (a GPU) only, True also on the CPU, False inside step()
         self.defer_optimizer_finish = None
         # Note [commit point]: updates are transactions (all-or-nothing); False restores
         # the in-place updates for A/B benchmarks only (tools/bench_e2e.py --no-commit-point)
