@@ -444,6 +444,8 @@ class EngineOptimizer(GradAccumulation):
             if moved and self.on_extents_moved is not None:
                 self.on_extents_moved(moved)
             self.book_finished([(by_key[it.key], it) for it in batch])
+        if self.unfinished is u and not u.keys:   # (nothing was left to step)
+            self.book_finished([])
 
     def _group_names(self, keys) -> tuple:
         names = {self.key(g): g.name for g in self.groups}
