@@ -53,7 +53,7 @@ def join(engine) -> None:
         opt.deferred = None
         engine.mm.clear_home_deferred()
         try:
-            opt.book_finished(d.done, in_forward=True, seconds=d.decision_s + d.busy_s)
+            opt.book_finished(d.done, deferred_seconds=d.decision_s + d.busy_s)
         finally:
             if d.error is not None:
                 _failed(engine, d)

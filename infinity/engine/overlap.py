@@ -470,8 +470,6 @@ class OverlappedStep:
                 return self._not_early(g, buf, "optimizer_groups_not_overlapped_shadow")
             self._undo_planned += undo
             kw["txn"] = self.txn
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="infinity-step")
         self.done[g.gid] = n2
         if item.master_buf is not None and buf is None:
             # a cached copy the step updates in place (Note [Cache write-through])
@@ -483,9 +481,9 @@ class OverlappedStep:
             def run(item=item, kw=kw, gid=g.gid, grad=grad):
                 self.opt.store.step([item], **kw)
                 nv.write_held(gid, grad)
-            fut = self._pool.submit(run)
+            fut = self._worker().submit(run)
         else:
-            fut = self._pool.submit(self.opt.store.step, [item], **kw)
+            fut = self._worker().submit(self.opt.store.step, [item], **kw)
         self.mm.mark_home_busy(g.gid, lambda f=fut: _wait_quietly(f))   # Note [Overlap safety]
         self._futures.append(fut)
         self._stepping.append((fut, g, buf))
@@ -493,6 +491,12 @@ class OverlappedStep:
         if buf is not None:
             self.acct.count("optimizer_master_handoffs")
         self.opt.count_master_in_hand(item)
+
+    def _worker(self) -> ThreadPoolExecutor:
+        """The one thread early steps and norms run on (created on first use)."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="infinity-step")
+        return self._pool
 
     # ------------------------------------------------------------------ norms
     def _norms_from(self, pending: dict[int, set[int]]) -> None:
@@ -520,9 +524,7 @@ class OverlappedStep:
         grad = self.opt.host_grad_buffer(g)
         if grad is None or g.gid in self.norms:   # (NVMe-homed: taken as it streams)
             return
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="infinity-step")
-        self.norms[g.gid] = self._pool.submit(squared_norm, grad)
+        self.norms[g.gid] = self._worker().submit(squared_norm, grad)
         self.acct.count("optimizer_norms_during_backward")
 
     def take_norms(self) -> dict[int, float]:

@@ -378,23 +378,24 @@ class EngineOptimizer(GradAccumulation):
     defer_finish = None
     deferred = None
 
-    def book_finished(self, done, *, in_forward: bool = False,
-                      seconds: float | None = None) -> None:
+    def book_finished(self, done, *, deferred_seconds: float | None = None) -> None:
         """The main thread's part of finishing ``done`` (``(group, item)`` stepped and
-        committed): gradients back, counts; the update is finished when no group is left."""
+        committed): gradients back, counts; the update is finished when no group is left.
+        ``deferred_seconds``: the groups were stepped after step() returned (Note [Finish in
+        the next forward]), and this is the step's time to report."""
         u = self.unfinished
         for g, it in done:
             self.count_master_in_hand(it)
             u.keys.discard(it.key)
             self.release_grad(g)
         self.acct.count("optimizer_groups_after_decision", len(done))
-        if in_forward:
+        if deferred_seconds is not None:
             self.acct.count("optimizer_groups_finished_after_step", len(done))
         if not u.keys:
             self.unfinished = None
             self.zero_grad()
-            self.last_step_seconds = time.perf_counter() - u.t0 if seconds is None \
-                else seconds
+            self.last_step_seconds = time.perf_counter() - u.t0 if deferred_seconds is None \
+                else deferred_seconds
 
     def finish_unfinished(self) -> None:
         """Step and commit the groups of the decided update not written yet (Note [roll

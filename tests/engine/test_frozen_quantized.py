@@ -17,6 +17,7 @@ peft = pytest.importorskip("peft")
 pytest.importorskip("transformers")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "integrations"))
 import hf_helpers as H  # noqa: E402
+from train_beside import train_beside  # noqa: E402
 
 LR = 3e-3
 TARGETS = {"gpt2": ["c_attn", "c_fc"], "llama": ["q_proj", "v_proj", "up_proj"]}
@@ -72,25 +73,6 @@ def _cfg(home, swap_dir, dtype, **fw):
     return {"offload": {"params": home, "optimizer": "cpu" if home == "cpu" else "nvme",
                         "nvme_paths": [swap_dir], **fwd},
             "optimizer": {"lr": LR, "weight_decay": 0.1}}
-
-
-def _train_beside(eng, ref, opt, batches, after_step=None):
-    """One engine step and one reference step (``ref`` with ``opt``) per batch of token
-    ids; their losses."""
-    losses, ref_losses = [], []
-    for ids in batches:
-        out = eng(input_ids=ids, labels=ids)
-        eng.backward(out.loss)
-        eng.step()
-        r = ref(input_ids=ids, labels=ids)
-        r.loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(out.loss.item())
-        ref_losses.append(r.loss.item())
-        if after_step is not None:
-            after_step()
-    return losses, ref_losses
 
 
 def _rel(a, b):
@@ -213,7 +195,7 @@ def test_activation_checkpointing_recompute_reads_the_quantized_base(swap_dir):
     with infinity.initialize(model, _cfg("nvme", swap_dir, "nf4")) as eng:
         eng.train()
         ref.train()
-        losses, ref_losses = _train_beside(eng, ref, opt, _ids(3))
+        losses, ref_losses = train_beside(eng, ref, opt, _ids(3))
         assert _rel(losses, ref_losses) < 1e-5
         sd = eng.state_dict()
         for n, p in ref.named_parameters():
@@ -337,7 +319,7 @@ def test_device_home_keeps_the_payload_on_the_device(simulate, swap_dir, monkeyp
         assert want < sum(g.nbytes for g in eng.grouping.groups)
         def released():                          # after each step: released after use
             assert all(g.device_buf is None for g in quant)
-        losses, ref_losses = _train_beside(eng, ref, opt, _ids(3), after_step=released)
+        losses, ref_losses = train_beside(eng, ref, opt, _ids(3), after_step=released)
         assert _rel(losses, ref_losses) < 1e-5, (losses, ref_losses)
         sd = eng.state_dict()
         for n, p in ref.named_parameters():
@@ -390,7 +372,7 @@ def test_tiled_quantized_base_matches_peft_over_dequantized_base(kind, dtype, ho
         ref.train()
         tiled = [g for sp in eng.tiling.specs.values() for g in sp.groups]
         assert any(g.quant is not None for g in tiled), eng.tiling.describe()
-        losses, ref_losses = _train_beside(eng, ref, opt, _ids(3))
+        losses, ref_losses = train_beside(eng, ref, opt, _ids(3))
         assert _rel(losses, ref_losses) < 1e-5, (losses, ref_losses)
         sd = eng.state_dict()
         for n, p in ref.named_parameters():

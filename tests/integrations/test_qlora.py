@@ -20,6 +20,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import hf_helpers as H  # noqa: E402
+from train_beside import train_beside  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -386,22 +387,12 @@ def test_matches_peft_qlora_on_bitsandbytes_nf4_base(tmp_path):
     cfg = {"offload": {"params": "cpu", "optimizer": "cpu",
                        "frozen_weights": {"dtype": "nf4", "group_size": 64}},
            "optimizer": {"lr": PEER_LR, "weight_decay": 0.1}}
-    ours, theirs = [], []
     peer.train()
     with infinity.initialize(model, cfg) as eng:
         eng.train()
         assert sum(g.quant is not None for g in eng.grouping.groups) > 0
-        for step in range(50):
-            ids = batches[step % len(batches)]
-            out = eng(input_ids=ids, labels=ids)
-            eng.backward(out.loss)
-            eng.step()
-            r = peer(input_ids=ids, labels=ids)
-            r.loss.backward()
-            opt.step()
-            opt.zero_grad()
-            ours.append(out.loss.item())
-            theirs.append(r.loss.item())
+        ours, theirs = train_beside(eng, peer, opt,
+                                    [batches[step % len(batches)] for step in range(50)])
         sd = {n: v.clone() for n, v in eng.state_dict().items() if "lora_" in n}
     diffs = [abs(a - b) / b for a, b in zip(ours, theirs)]
     assert max(diffs) < 0.01, (max(diffs), ours, theirs)
