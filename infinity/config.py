@@ -65,6 +65,7 @@ class InfinityConfig:
     gradient_accumulation_steps: int = 1
     dist_timeout_s: float = 600
     intra_node_transport: str = "auto"
+    reduce_bucket_mb: float = 128.0
     nonfinite_grads: str = "skip"
     activation_offload: ActivationOffloadConfig = field(default_factory=ActivationOffloadConfig)
     gradient_accumulation_dtype: str = "fp32"
@@ -101,6 +102,9 @@ class InfinityConfig:
                                           what=f"> 0 and <= {MAX_DIST_TIMEOUT_S} (seconds; one week)")
         self.intra_node_transport = parse_choice("intra_node_transport", self.intra_node_transport,
                                                  INTRA_NODE_TRANSPORTS)
+        self.reduce_bucket_mb = parse_float(
+            "reduce_bucket_mb", self.reduce_bucket_mb, lo=0.0, hi=MAX_GB * 1024,
+            what=">= 0 (MB of gradients per device bucket at zero_stage 2-3; 0: whole groups)")
         if self.offload.params != "none" and self.zero_stage != 3:
             raise ConfigError(
                 f"offload.params: {fmt_value(self.offload.params)} needs zero_stage 3 (parameters "

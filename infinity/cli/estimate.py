@@ -127,6 +127,9 @@ def register(sub):
     k.add_argument("--tiling-max-group-gb", type=float, metavar="GB",
                    help="tiling.max_group_gb: groups above it computed tile by tile (default: "
                         "the config's, or no tiling; --plan tries tiles itself)")
+    k.add_argument("--reduce-bucket-mb", type=float, metavar="MB",
+                   help="reduce_bucket_mb: ZeRO stages 2-3 reduce gradients on the GPU in "
+                        "buckets of this size (default 128, or the config's; 0: whole groups)")
     k.add_argument("--commit-shadow-gb", type=float, metavar="GB",
                    help="offload.commit_shadow_gb: NVMe per rank for the shadows of all-or-nothing "
                         "updates (default: automatic, every shadow where the NVMe has room)")
@@ -282,6 +285,7 @@ def run(args):
                        host_cap_gb=args.host_cap, tile_numel=args.tile_numel,
                        commit_shadow_gb=args.commit_shadow_gb,
                        tiling_max_group_gb=args.tiling_max_group_gb,
+                       reduce_bucket_mb=args.reduce_bucket_mb,
                        state_dtype=args.state_dtype, grouping=args.grouping,
                        grad_spill=args.grad_spill, activation_model=args.activations,
                        activation_home=act_home, activation_scope=act_scope,
@@ -332,6 +336,7 @@ def plan_inputs(args):
                                           host_cap_gb=args.host_cap, tile_numel=args.tile_numel,
                                           commit_shadow_gb=args.commit_shadow_gb,
                                           tiling_max_group_gb=args.tiling_max_group_gb,
+                                          reduce_bucket_mb=args.reduce_bucket_mb,
                                           state_dtype=args.state_dtype, grouping=args.grouping,
                                           grad_spill=args.grad_spill,
                                           activation_model=args.activations,

@@ -254,6 +254,7 @@ def knobs_from(config, overrides):
                   tiling_max_group_gb=cfg.tiling.max_group_gb,
                   reuse_gb=cfg.prefetch.reuse_gb,
                   commit_shadow_gb=cfg.offload.commit_shadow_gb,
+                  reduce_bucket_mb=cfg.reduce_bucket_mb,
                   frozen_dtype=cfg.offload.frozen_weights.dtype,
                   frozen_group_size=cfg.offload.frozen_weights.group_size,
                   frozen_double_quant=cfg.offload.frozen_weights.double_quant)
@@ -313,7 +314,8 @@ def estimate(model=None, *, params=None, layers=None, hidden=None, seq=2048, bat
              state_dtype=None, grouping=None, grad_spill=None, activation_model=None, configs=None,
              gradient_clipping=None, activation_home=None, activation_scope=None,
              grad_accum_dtype=None, tiling_max_group_gb=None, commit_shadow_gb=None,
-             lora_rank=None, frozen_dtype=None, frozen_group_size=None, double_quant=None):
+             lora_rank=None, frozen_dtype=None, frozen_group_size=None, double_quant=None,
+             reduce_bucket_mb=None):
     """Estimate memory per tier and step time for every valid offload configuration.
 
     model: an ``nn.Module`` (ideally built on the meta device), a factory (callable or
@@ -338,6 +340,8 @@ def estimate(model=None, *, params=None, layers=None, hidden=None, seq=2048, bat
         quantized base"; :mod:`.lora`).  Without ``lora_rank`` they are refused.
     tiling_max_group_gb: ``tiling.max_group_gb``: groups above it that tiling can split
         (``nn.Linear``/``nn.Embedding``, one rank) put one tile on the device per fetch.
+    reduce_bucket_mb: ``reduce_bucket_mb``: ZeRO stages 2-3 on GPUs reduce gradients in
+        device buckets of this size (0: whole groups in fp32, as before buckets).
     grad_spill: where the fp32 gradients live: ``"auto"`` (default) as the engine decides
         (:func:`.memory_plan.grad_spill_decision`), ``"on"`` on NVMe whenever a swap space
         exists, ``"off"`` always in host memory (``True``/``False`` mean on/off).
@@ -382,6 +386,7 @@ def estimate(model=None, *, params=None, layers=None, hidden=None, seq=2048, bat
                                      activation_scope=activation_scope,
                                      grad_accum_dtype=grad_accum_dtype,
                                      commit_shadow_gb=commit_shadow_gb,
+                                     reduce_bucket_mb=reduce_bucket_mb,
                                      lora_rank=lora_rank, frozen_dtype=frozen_dtype,
                                      frozen_group_size=frozen_group_size,
                                      frozen_double_quant=double_quant))

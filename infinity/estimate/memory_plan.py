@@ -99,6 +99,7 @@ class Knobs:
     qwz: bool = False                  # [zero_pp.quantized_weights]
     hpz: int = 1                       # [zero_pp.hpz_partition_size]
     qgz: bool = False                  # [zero_pp.quantized_gradients]
+    reduce_bucket_mb: float = 128.0    # [reduce_bucket_mb] (0: whole groups)
     reuse_gb: float | None = None      # [prefetch.reuse_gb] (None: automatic, as the engine)
     commit_shadow_gb: float | None = None  # [offload.commit_shadow_gb] per rank (None:
                                        # automatic from the NVMe left, as the engine)
@@ -406,18 +407,30 @@ def _plan(spec, machine, knobs, params_home, optimizer_home, param_items=None):
     # ---------------------------------------------------------------- gradients
     # the engine's optimizer runs on the CPU whatever offload.optimizer says ("none" keeps
     # its states in host memory like "cpu"): gradients always leave the device
-    if gpu and stage >= 2 and R > 1:  # reduce-scattered on the device: each rank copies its 1/R
-        # as the engine reserves (infinity/zero/distributed.py partition_placement): full
-        # fp32 buffers of the groups being assembled and reduced (k = MAX_INFLIGHT_REDUCTIONS
-        # in flight, + 3), the reduced shards, and their D2H staging; a tiled group's
-        # gradient moves a tile at a time (Gf)
+    if gpu and stage >= 2 and R > 1:  # reduced on the device: each rank copies its 1/R
+        # as the engine reserves (infinity/zero/distributed.py device_grad_lines)
         from infinity.zero.partitioned_optimizer import MAX_INFLIGHT_REDUCTIONS as kr
-        Gg = Gf if gname == "Gf" else G
-        add(Item("device", "grads of groups in backward", (kr + 3) * Gg * 4
-                 + (2 * kr + 1) * -(-Gg // R) * 4,
-                 f"({kr}+3)*{gname}*4 + (2*{kr}+1)*{gname}/R*4 (fp32, as the engine reserves)"))
-        add(Item("pinned", "GPU->host grad staging", r * kr * -(-Gg // R) * 4,
-                 f"r*{kr}*{gname}/R*4"))
+        bucket = int(knobs.reduce_bucket_mb * 1e6)
+        dev_b, pin_b, fd, fp = 0, 0, [], []
+        if bucket > 0 and not knobs.qgz:
+            # Note [Gradient buckets]: kr reducing or landing + MAX_OPEN_BUCKETS being
+            # filled, in the working precision, each at most a shard of the largest group
+            from infinity.zero.grad_buckets import MAX_OPEN_BUCKETS as ko, bucket_numel
+            b = min(bucket_numel(bucket, lp), -(-Gf // R)) * lp
+            dev_b, pin_b = (kr + ko) * b, r * kr * b
+            fd.append(f"({kr}+{ko})*min(reduce_bucket_mb, {gname}/R*lp)")
+            fp.append(f"r*{kr}*min(reduce_bucket_mb, {gname}/R*lp)")
+        if gname == "Gf" or not dev_b:
+            # whole groups (reduce_bucket_mb 0, qgZ) or a tiled group's tiles of rows (Gf):
+            # full fp32 buffers of the groups being assembled and reduced (kr in flight,
+            # + 3), the reduced shards, and their D2H staging
+            dev_b += (kr + 3) * Gf * 4 + (2 * kr + 1) * -(-Gf // R) * 4
+            pin_b += r * kr * -(-Gf // R) * 4
+            fd.append(f"({kr}+3)*{gname}*4 + (2*{kr}+1)*{gname}/R*4")
+            fp.append(f"r*{kr}*{gname}/R*4")
+        add(Item("device", "grads of groups in backward", dev_b,
+                 " + ".join(fd) + " (as the engine reserves)"))
+        add(Item("pinned", "GPU->host grad staging", pin_b, " + ".join(fp)))
     elif gpu:
         # engine (GradD2H, the placement plan's "gradient D2H sources"): the group being
         # assembled and one open across backward, and the sources of the copies in flight

@@ -32,7 +32,7 @@ import math
 from dataclasses import dataclass, field
 
 from .machine import GB, fmt_seconds
-from .memory_plan import HOMES, host_reserve_bytes, valid_configs
+from .memory_plan import HOMES, Knobs, host_reserve_bytes, valid_configs
 from .model_spec import EstimateError
 from .step_time import bound_text, model_flops_per_token, phase_text
 
@@ -104,6 +104,8 @@ class Choice:
             cfg["gradient_clipping"] = k.gradient_clipping
         if k.tiling_max_group_gb is not None:
             cfg["tiling"] = {"max_group_gb": k.tiling_max_group_gb}
+        if k.reduce_bucket_mb != Knobs.reduce_bucket_mb:
+            cfg["reduce_bucket_mb"] = k.reduce_bucket_mb
         if k.lora_rank is not None and k.frozen_dtype is not None:
             off["frozen_weights"] = {"dtype": k.frozen_dtype, "group_size": k.frozen_group_size,
                                      "double_quant": bool(k.frozen_double_quant)}

@@ -377,8 +377,11 @@ def collective_traffic(N, machine, knobs, mb, opt, reused=0.0):
                                      int(N * g * (nodes - 1) / R)))
         inter.append(("grads qgZ inter", int(N * g * (nodes - 1) / R)))
     elif knobs.zero_stage >= 2:
-        mb["reduce_scatter"].append(("grads N*lp*(R-1)/R", int(N * lp * frac)))
-        inter.append(("grads to other nodes", int(N * lp * off)))
+        # GPUs: buckets reduced in the working precision (Note [Gradient buckets]); whole
+        # groups (reduce_bucket_mb 0, CPU-only ranks) are reduced in fp32
+        gb, gn = (lp, "lp") if machine.gpus and knobs.reduce_bucket_mb > 0 else (4, "4")
+        mb["reduce_scatter"].append((f"grads N*{gn}*(R-1)/R", int(N * gb * frac)))
+        inter.append(("grads to other nodes", int(N * gb * off)))
     else:
         mb["reduce_scatter"].append(("grads all-reduce 2*N*lp*(R-1)/R", int(2 * N * lp * frac)))
         inter.append(("grads all-reduce to other nodes", int(2 * N * lp * off)))

@@ -16,7 +16,8 @@ STATS_COUNTERS = (
     "optimizer_groups_finished_after_step", "optimizer_master_handoffs",
     "optimizer_master_read_bytes_saved", "activation_offload_bytes", "activation_fetch_bytes",
     "allgather_sent_bytes", "allgather_sent_inter_bytes", "grad_comm_sent_bytes",
-    "grad_comm_sent_inter_bytes", "frozen_nvme_read_bytes", "frozen_host_read_bytes")
+    "grad_comm_sent_inter_bytes", "frozen_nvme_read_bytes", "frozen_host_read_bytes",
+    "grad_buckets_reduced", "grad_bucket_early_reductions")
 
 
 class Accounting:

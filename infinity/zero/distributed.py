@@ -32,8 +32,10 @@ class ZeroSetup:
     """Process group + stage for one engine; ``None`` from :meth:`from_config` at world size 1."""
 
     def __init__(self, comm: Comm, stage: int, created_pg: bool, spill_grads: bool = False,
-                 zeropp=None):
+                 zeropp=None, reduce_bucket_bytes: int = 0):
         self.comm = comm
+        # Note [Gradient buckets] (infinity/zero/grad_buckets.py): 0 = whole groups
+        self.reduce_bucket_bytes = int(reduce_bucket_bytes)
         self.zeropp = zeropp             # infinity.zero.zeropp.ZeroPP when zero_pp is on
         self.stage = int(stage)
         self.created_pg = created_pg
@@ -69,7 +71,8 @@ class ZeroSetup:
             except BaseException:
                 comm.close()
                 raise
-        return cls(comm, stage, created, zeropp=zeropp)
+        return cls(comm, stage, created, zeropp=zeropp,
+                   reduce_bucket_bytes=int(getattr(cfg, "reduce_bucket_mb", 0) * 1e6))
 
     @classmethod
     def with_grad_spill(cls, zero: "ZeroSetup", cfg, groups) -> "ZeroSetup":
@@ -145,24 +148,7 @@ def partition_placement(placement, zero: "ZeroSetup | None") -> None:
                 scale(d, key)
     if placement.separate_device and zero.stage >= 2 and any(g.trainable for g in
                                                              placement.groups):
-        # gradients are reduce-scattered on the device (PartitionedOptimizer): full fp32
-        # buffers of the groups being assembled (two: the current one and a tied one open
-        # across backward) and in flight, the reduced shards, and their D2H staging
-        from infinity.memory.pool import ALIGN, round_up
-        from infinity.zero.partitioned_optimizer import MAX_INFLIGHT_REDUCTIONS as k
-
-        def grad_numel(g):     # a tiled group's gradient moves a tile of rows at a time
-            tb = placement.tile_bytes.get(g.gid)      # (Note [Tile gradients across ranks])
-            return g.padded_numel if not tb else min(g.padded_numel,
-                                                     tb // max(1, g.nbytes // g.padded_numel))
-        full = round_up(4 * max(grad_numel(g) for g in placement.groups if g.trainable),
-                        ALIGN)
-        shard = round_up(-(-full // w), ALIGN)
-        placement.device.pop("gradient D2H sources", None)
-        placement.host.pop("gradient D2H staging", None)
-        placement.device[f"gradients awaiting reduce-scatter (fp32, {k + 3} x largest group "
-                         f"+ {2 * k + 1} shards)"] = (k + 3) * full + (2 * k + 1) * shard
-        placement.host[f"reduced gradient shard D2H staging ({k} shards)"] = k * shard
+        device_grad_lines(placement, zero)
     shm = getattr(getattr(zero, "comm", None), "shm", None)
     if shm is not None and placement.groups and zero.host_collectives:
         # the intra-node transport's own slots
@@ -179,6 +165,47 @@ def partition_placement(placement, zero: "ZeroSetup | None") -> None:
                 placement.nvme["bf16 partial gradient sums (spilled)"] = \
                     placement.nvme[key + " (spilled)"] // 2
         stream_window(placement, w)
+
+
+def device_grad_lines(placement, zero: "ZeroSetup") -> None:
+    """Stages 2-3 on separate device memory: the gradients reduced on the device, as
+    PartitionedOptimizer leases them.  Buckets (Note [Gradient buckets]): at most
+    ``k + MAX_OPEN_BUCKETS`` of the largest bucket, in the working precision, and ``k``
+    reduced buckets' D2H staging; whole groups (``reduce_bucket_mb: 0``, or qgZ): full fp32
+    buffers of the groups being assembled (two: the current one and a tied one open across
+    backward) and in flight, the reduced shards, and their D2H staging.  A tiled group's
+    gradient moves a tile of rows at a time (Note [Tile gradients across ranks])."""
+    from infinity.memory.pool import ALIGN, round_up
+    from infinity.zero.grad_buckets import MAX_OPEN_BUCKETS, bucket_numel
+    from infinity.zero.partitioned_optimizer import MAX_INFLIGHT_REDUCTIONS as k
+    w = zero.world_size
+    placement.device.pop("gradient D2H sources", None)
+    placement.host.pop("gradient D2H staging", None)
+    zpp = getattr(zero, "zeropp", None)
+    bucketed = zero.reduce_bucket_bytes > 0 and not (zpp is not None and zpp.qg)
+    trainable = [g for g in placement.groups if g.trainable]
+    tiled = [g for g in trainable if placement.tile_bytes.get(g.gid)]
+    whole = tiled if bucketed else trainable
+    if bucketed and len(tiled) < len(trainable):
+        size = max(min(bucket_numel(zero.reduce_bucket_bytes, g.dtype.itemsize),
+                       g.padded_numel // w) * g.dtype.itemsize
+                   for g in trainable if g not in tiled)
+        n = k + MAX_OPEN_BUCKETS
+        placement.device[f"gradient buckets awaiting reduction ({n} x {size} bytes, "
+                         f"reduce_bucket_mb)"] = n * size
+        placement.host[f"reduced gradient bucket D2H staging ({k} buckets)"] = k * size
+    if not whole:
+        return
+
+    def grad_numel(g):     # a tiled group's gradient moves a tile of rows at a time
+        tb = placement.tile_bytes.get(g.gid)
+        return g.padded_numel if not tb else min(g.padded_numel,
+                                                 tb // max(1, g.nbytes // g.padded_numel))
+    full = round_up(4 * max(grad_numel(g) for g in whole), ALIGN)
+    shard = round_up(-(-full // w), ALIGN)
+    placement.device[f"gradients awaiting reduce-scatter (fp32, {k + 3} x largest group "
+                     f"+ {2 * k + 1} shards)"] = (k + 3) * full + (2 * k + 1) * shard
+    placement.host[f"reduced gradient shard D2H staging ({k} shards)"] = k * shard
 
 
 SLOTS_LINE = "shared-memory slots (intra_node_transport)"   # a placement-plan host line

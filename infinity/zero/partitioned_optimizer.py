@@ -91,6 +91,7 @@ class PartitionedOptimizer(EngineOptimizer):
         # device (the engine does not refresh them from their mirrors)
         self.gathered_on_device: set[int] = set()
         self._adder: ThreadPoolExecutor | None = None
+        self._buckets = None     # stages 2, 3 on separate device memory: GradBuckets
         super().__init__(model, cfg, groups, names, store=store, swap=swap,
                          host_pool=host_pool, accounting=accounting, timeline=timeline,
                          lr_scheduler=lr_scheduler)
@@ -190,12 +191,24 @@ class PartitionedOptimizer(EngineOptimizer):
         self.on_device = True
         if not self.spill:       # the fp32 adds into the host shard run off this thread
             self._adder = ThreadPoolExecutor(1, thread_name_prefix="infinity-grad-shard")
+        bucket = int(self.cfg.reduce_bucket_mb * 1e6)    # (ZeroSetup.reduce_bucket_bytes)
+        if bucket > 0 and self.reduce_scatter_sum == self.comm.reduce_scatter_sum:
+            # Note [Gradient buckets] (qgZ quantizes whole groups: it keeps that path)
+            from infinity.zero.grad_buckets import GradBuckets
+            self._buckets = GradBuckets(
+                self.groups, comm=self.comm, dev=device_tier, host_pool=self.host_pool,
+                acct=self.acct, bucket_bytes=bucket, on_final=self._bucket_final,
+                shard_acc=None if self.spill else self._accumulation, inflight=self._inflight,
+                max_inflight=MAX_INFLIGHT_REDUCTIONS, adder=self._adder,
+                dropping=lambda: self._dropping)
 
     def staging_sizes(self) -> list[int]:
         """Stages 2, 3 on separate device memory: the averaged shards' D2H staging (at most
         ``MAX_INFLIGHT_REDUCTIONS`` landing at once), reserved at ``initialize``."""
         if not self.on_device:
             return super().staging_sizes()
+        if self._buckets is not None:
+            return per_size_class(self._buckets.owned_sizes(), MAX_INFLIGHT_REDUCTIONS)
         return per_size_class(((hi - lo) * 4 for lo, hi in map(self.shard, self.groups)),
                               MAX_INFLIGHT_REDUCTIONS)
 
@@ -227,6 +240,12 @@ class PartitionedOptimizer(EngineOptimizer):
     def accumulate(self, g: GroupRecord, slot: ParamSlot, grad: torch.Tensor) -> None:
         if self.stage == 1:
             return super().accumulate(g, slot, grad)
+        if self._buckets is not None:
+            self._open_backward = True
+            self._queue_flush()
+            self._buckets.accumulate(g, slot, grad)
+            self.poll_reductions()
+            return
         full = self._full.get(g.gid)
         if full is None:
             full = self._lease_full(g, zero=False)
@@ -352,6 +371,19 @@ class PartitionedOptimizer(EngineOptimizer):
                 h.wait()                   # at once; raises a failed collective's error
         if self._landing:
             self._poll_landing()
+        if self._buckets is not None:
+            self._buckets.poll()
+
+    def _accumulation(self, g: GroupRecord) -> torch.Tensor:
+        self._fresh.discard(g.gid)        # (buckets are added into it)
+        return g.grad_buf
+
+    def _bucket_final(self, g: GroupRecord, acc: torch.Tensor | None) -> None:
+        """Note [Gradient buckets]: ``g``'s shard is final (``acc``: this backward's sum,
+        when spilling)."""
+        if self.spill:
+            return self._spill(g, acc, [acc])
+        self._landed(g)
 
     def _landed(self, g: GroupRecord) -> None:
         """``g``'s averaged shard is in ``g.grad_buf`` (for this backward)."""
@@ -546,9 +578,12 @@ class PartitionedOptimizer(EngineOptimizer):
         if self.stage == 1 or not self._open_backward:
             return
         self._open_backward = False
-        for g in self.groups:
-            if g.gid not in self._launched:
-                self._reduce(g)
+        if self._buckets is not None:    # (tiled groups were reduced by rows)
+            self._buckets.finish(skip=self._launched)
+        else:
+            for g in self.groups:
+                if g.gid not in self._launched:
+                    self._reduce(g)
         self._launched.clear()
         while self._inflight:
             self._inflight.pop(0).wait()
@@ -568,6 +603,8 @@ class PartitionedOptimizer(EngineOptimizer):
                     h.wait()
                 except Exception as e:  # noqa: BLE001 - the window is dropped anyway
                     log.debug("zero: a reduction of the abandoned window failed: %s", e)
+            if self._buckets is not None:
+                self._buckets.reset()
         finally:
             self._dropping = False
         self._drop_tile_acc()
@@ -575,6 +612,8 @@ class PartitionedOptimizer(EngineOptimizer):
 
     def zero_grad(self) -> None:
         self._poll_landing(wait=True)       # nothing may land after the reset
+        if self._buckets is not None:
+            self._buckets.reset()
         for full in self._full.values():
             self._give_full(full)
         self._full.clear()
@@ -596,6 +635,11 @@ class PartitionedOptimizer(EngineOptimizer):
                 else:
                     g.grad_buf.zero_()
                     self._fresh.add(g.gid)
+
+    @property
+    def grad_buckets(self):
+        """The bucketed gradient reduction (Note [Gradient buckets]), or None."""
+        return self._buckets
 
     @property
     def grad_stream(self):

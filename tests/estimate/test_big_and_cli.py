@@ -13,12 +13,18 @@ NODE = dict(gpus=8, gpu_mem_gb=80, host_mem_gb=2000, nvme_gb=30720, nvme_drives=
 
 
 def test_one_trillion_on_one_8x80gb_node():
-    # untiled, stage 3 does not fit the device: the engine reserves (4+3) full fp32 gradient
-    # buffers of the largest group (+ 9 shards) for the reduce-scatters
-    untiled = estimate(**ONE_T, machine=Machine(**NODE), precision="bf16")
-    assert untiled.best is None
-    nn0 = {(c.params_home, c.optimizer_home): c for c in untiled.configs}[("nvme", "nvme")]
+    # untiled, whole-group reductions (reduce_bucket_mb 0) do not fit the device: the engine
+    # then reserves (4+3) full fp32 gradient buffers of the largest group (+ 9 shards)
+    whole = estimate(**ONE_T, machine=Machine(**NODE), precision="bf16", reduce_bucket_mb=0)
+    assert whole.best is None
+    nn0 = {(c.params_home, c.optimizer_home): c for c in whole.configs}[("nvme", "nvme")]
     assert any(p.startswith("device") for p in nn0.problems["checkpointing"])
+    # gradient buckets (the default, Note [Gradient buckets]): 7 buckets of 128 MB
+    untiled = estimate(**ONE_T, machine=Machine(**NODE), precision="bf16")
+    nb = {(c.params_home, c.optimizer_home): c for c in untiled.configs}[("nvme", "nvme")]
+    grads = next(i for i in nb.plan.items if i.name == "grads of groups in backward")
+    assert grads.nbytes == 7 * 128 * 10**6
+    assert not any(p.startswith("device") for p in nb.problems["checkpointing"])
     # tiled (groups over 1.31 GB computed tile by tile, their gradients moved a tile at a time)
     est = estimate(**ONE_T, machine=Machine(**NODE), precision="bf16", tiling_max_group_gb=1.31)
     by = {(c.params_home, c.optimizer_home): c for c in est.configs}

@@ -131,9 +131,12 @@ def test_the_optimizer_overlaps_the_last_backward_on_gpu_nodes():
     assert est16.configs[0].steps["checkpointing"].last_s is None
 
 
-def test_zero_device_gradient_line_is_the_engines(tmp_path, monkeypatch):
+@pytest.mark.parametrize("bucket_mb", [None, 0.5, 0])
+def test_zero_device_gradient_line_is_the_engines(tmp_path, monkeypatch, bucket_mb):
     """Stage 3 on 2 simulated-device ranks: the estimator's device gradient line equals the
-    engine's own placement plan's (full fp32 buffers of the groups being reduced)."""
+    engine's own placement plan's: buckets (the default 128 MB, larger than a shard here;
+    0.5 MB, half of one) or whole groups (``reduce_bucket_mb: 0``: full fp32 buffers of the
+    groups being reduced)."""
     here = os.path.dirname(os.path.abspath(__file__))
     sys.path.insert(0, os.path.join(os.path.dirname(here), "zero"))
     sys.path.insert(0, here)
@@ -142,6 +145,9 @@ def test_zero_device_gradient_line_is_the_engines(tmp_path, monkeypatch):
     d, layers = 1024, 3
     cfg = {"precision": "bf16", "zero_stage": 3,
            "offload": {"params": "cpu", "optimizer": "cpu", "nvme_paths": [str(tmp_path / "s")]}}
+    knobs = {}
+    if bucket_mb is not None:
+        cfg["reduce_bucket_mb"] = knobs["reduce_bucket_mb"] = bucket_mb
     res = run_ranks_ok("placement_child.py", {"config": cfg, "d": d, "layers": layers}, tmp_path,
                        timeout=180)
     from infinity.estimate import spec_from_module
@@ -152,10 +158,10 @@ def test_zero_device_gradient_line_is_the_engines(tmp_path, monkeypatch):
     spec = spec_from_module(model, seq=1, hidden=d, heads=1)
     from infinity.estimate.memory_plan import plan_memory
     pl = plan_memory(spec, Machine(gpus=2, gpu_mem_gb=1, host_mem_gb=64, nvme_gb=10),
-                     Knobs(precision="bf16", zero_stage=3), "cpu", "cpu")
+                     Knobs(precision="bf16", zero_stage=3, **knobs), "cpu", "cpu")
     est = {i.name: i.nbytes for i in pl.items if i.tier == "device"}
+    line = "gradients awaiting reduce-scatter" if bucket_mb == 0 else "gradient buckets"
     for r in res:
         assert r.result["separate"]
-        eng = next(v for k, v in r.result["device"].items()
-                   if k.startswith("gradients awaiting reduce-scatter"))
+        eng = next(v for k, v in r.result["device"].items() if k.startswith(line))
         assert eng == pytest.approx(est["grads of groups in backward"], rel=0.02)

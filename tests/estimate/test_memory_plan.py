@@ -38,10 +38,10 @@ def test_nvme_nvme_two_gpus_every_line():
     # N=1e6, R=r=2, lp=2, sb=4, Gmax=50000, d=2 (window d+2), shard=500000
     assert items(pl) == {
         ("device", "fetched groups (in use + prefetch)"): (2 + 2) * 50_000 * 2,
-        # as the engine reserves: (4+3) full fp32 buffers + (2*4+1) fp32 shards of Gmax
-        ("device", "grads of groups in backward"): 7 * 50_000 * 4 + 9 * 25_000 * 4,
+        # as the engine reserves: 4 + 3 gradient buckets of at most a shard, bf16
+        ("device", "grads of groups in backward"): 7 * 25_000 * 2,
         ("pinned", "NVMe->GPU staging (prefetch window)"): 2 * (2 + 2) * 25_000 * 2,
-        ("pinned", "GPU->host grad staging"): 2 * 4 * 25_000 * 4,
+        ("pinned", "GPU->host grad staging"): 2 * 4 * 25_000 * 2,
         ("pinned", "optimizer tile ring"): 2 * 3 * 1000 * (4 + 4 + 4 + 4 + 2),
         ("pageable", "grad accumulation (fp32, host)"): 2 * 500_000 * 4,
         ("nvme", "param home (NVMe)"): 2 * 500_000 * 2,
@@ -62,8 +62,8 @@ def test_device_homes_stage3_and_stage1():
     assert items(pl) == {
         ("device", "param shard"): 500_000 * 2,
         ("device", "gathered groups (all-gather window)"): 4 * 50_000 * 2,
-        ("device", "grads of groups in backward"): 7 * 50_000 * 4 + 9 * 25_000 * 4,
-        ("pinned", "GPU->host grad staging"): 2 * 4 * 25_000 * 4,
+        ("device", "grads of groups in backward"): 7 * 25_000 * 2,
+        ("pinned", "GPU->host grad staging"): 2 * 4 * 25_000 * 2,
         ("pageable", "grad accumulation (fp32, host)"): 2 * 500_000 * 4,
         ("pageable", "optimizer: master + m + v (host)"): 2 * 500_000 * 12,
     }
@@ -158,16 +158,16 @@ def test_valid_configs():
 
 
 def test_fit_boundary_on_device():
-    # device with checkpointing: 400000 + 2300000 (gradients: 7 full fp32 buffers + 9 fp32
-    # shards, as the engine reserves) + 91136 = 2791136 B; without: 2700000 + 299008
-    m = Machine(gpus=2, gpu_mem_gb=2_791_136 / GB, host_mem_gb=10, nvme_gb=1, gpu_reserve_gb=0)
+    # device with checkpointing: 400000 + 350000 (gradients: 7 bf16 buckets of a 25000-element
+    # shard, as the engine reserves) + 91136 = 841136 B; without: 750000 + 299008
+    m = Machine(gpus=2, gpu_mem_gb=841_136 / GB, host_mem_gb=10, nvme_gb=1, gpu_reserve_gb=0)
     est = estimate(small_spec(), machine=m, precision="bf16", tile_numel=1000,
                    configs=[("nvme", "nvme")])
     c = est.configs[0]
-    assert c.totals["device_checkpointing"] == 2_791_136 and c.totals["device_none"] == 2_999_008
+    assert c.totals["device_checkpointing"] == 841_136 and c.totals["device_none"] == 1_049_008
     assert c.fits == {"checkpointing": True, "none": False}
     assert "device: needs" in c.problems["none"][0]
-    m.gpu_mem_gb = 2_791_135 / GB
+    m.gpu_mem_gb = 841_135 / GB
     est = estimate(small_spec(), machine=m, precision="bf16", tile_numel=1000, configs=[("nvme", "nvme")])
     assert est.configs[0].fits["checkpointing"] is False and est.best is None
     assert est.verdict().startswith("No:")

@@ -192,15 +192,20 @@ def test_planner_tiles_when_nothing_fits_untiled():
     assert not estimate(spec, **kw).configs[0].fits[v]
 
 
-def test_reference_node_plan_tiles_across_ranks(capsys):
-    """The 1T reference node (8 ranks, ZeRO stage 3): the lossless plan tiles the largest
-    groups (the runtime tiles at world size > 1, tests/zero/test_tiling_zero.py; untiled,
-    the engine's gradient buffers overflow the device), and reports its MFU on the model
-    FLOPs basis (6*N + 12*L*H*S per token, recompute not counted), with 10 % of the NVMe
-    and host memory kept free, drives at 0.8 and clipping at 1.0."""
+def test_reference_node_plan(capsys):
+    """The 1T reference node (8 ranks, ZeRO stage 3): the lossless plan reports its MFU on
+    the model FLOPs basis (6*N + 12*L*H*S per token, recompute not counted), with 10 % of
+    the NVMe and host memory kept free, drives at 0.8 and clipping at 1.0.  Its groups'
+    gradients fit the device untiled thanks to the gradient buckets (Note [Gradient
+    buckets]); with whole-group reductions the plan must tile the largest groups."""
     assert main(["estimate", *REF, "--seq", "2048", "--plan", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
-    assert d["lossy"] is False and "tiling" in d["plan"] and d["plan"]["zero_stage"] == 3
+    assert d["lossy"] is False and d["plan"]["zero_stage"] == 3
+    assert d["plan"].get("reduce_bucket_mb", 128) > 0
+    assert main(["estimate", *REF, "--seq", "2048", "--plan", "--json",
+                 "--reduce-bucket-mb", "0"]) == 0
+    whole = json.loads(capsys.readouterr().out)
+    assert "tiling" in whole["plan"] and whole["plan"]["reduce_bucket_mb"] == 0
     per_token = 6 * 10**12 + 12 * 128 * 25600 * 2048
     assert d["mfu"] == pytest.approx(d["tokens_per_s"] * per_token / (8 * 400e12))
     assert d["hardware_flops_utilization"] > d["mfu"] > 0.3

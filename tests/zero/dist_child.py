@@ -69,6 +69,9 @@ def main():
         shard_numel = sum(-eng.opt.shard(g)[0] + eng.opt.shard(g)[1]
                           for g in eng.opt.groups if g.trainable)
         grad_full_bytes = sum(4 * g.padded_numel for g in eng.grouping.groups if g.trainable)
+        trainable_elems = sum(s.numel for g in eng.grouping.groups for s in g.slots
+                              if s.trainable)
+        bucketed = getattr(eng.opt, "grad_buckets", None) is not None
         param_homes = sorted({g.home for g in eng.grouping.groups})
         planned_device = eng.placement.device_total
         param_bytes = {"trainable": sum(g.nbytes for g in eng.grouping.groups if g.trainable),
@@ -160,6 +163,11 @@ def main():
                                        "spill": bool(eng.zero.spill),
                                        "stream_window": eng.placement.stream_window,
                                        "grad_full_bytes": grad_full_bytes,
+                                       "grad_trainable_elems": trainable_elems,
+                                       "grad_bucketed": bucketed,
+                                       **{k: stats.get(k, 0) for k in (
+                                           "grad_buckets_reduced",
+                                           "grad_bucket_early_reductions")},
                                        "param_bytes": param_bytes,
                                        "param_homes": param_homes,
                                        "planned_device_bytes": planned_device}
