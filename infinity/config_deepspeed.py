@@ -21,7 +21,7 @@ __all__ = ["deepspeed_to_dict", "fill_auto", "DS_AUTO_KEYS", "DS_IGNORED_TOP_KEY
 
 # Keys that only tune DeepSpeed's own buffers/overlap: accepted, ignored, listed in one log.
 DS_IGNORED_ZERO_KEYS = (
-    "contiguous_gradients", "overlap_comm", "reduce_scatter", "reduce_bucket_size",
+    "contiguous_gradients", "overlap_comm", "reduce_scatter",
     "allgather_partitions", "allgather_bucket_size", "round_robin_gradients",
     "sub_group_size", "stage3_prefetch_bucket_size", "prefetch_bucket_size",
     "stage3_param_persistence_threshold", "param_persistence_threshold",
@@ -314,7 +314,8 @@ def _zero(ds: Mapping, t: _Translation) -> None:
     zero_known = ("stage", "offload_param", "offload_optimizer", "cpu_offload", "cpu_offload_params",
                   "zero_hpz_partition_size", "zero_quantized_weights",
                   "zero_quantized_nontrainable_weights", "zero_quantized_gradients",
-                  "mics_shard_size", "mics_hierarchical_params_gather") + DS_IGNORED_ZERO_KEYS
+                  "mics_shard_size", "mics_hierarchical_params_gather",
+                  "reduce_bucket_size") + DS_IGNORED_ZERO_KEYS
     _ds_unknown(zo, zero_known, "zero_optimization")
     t.ignored += [f"zero_optimization.{k}" for k in zo if k in DS_IGNORED_ZERO_KEYS]
     for k, neutral in (("zero_quantized_nontrainable_weights", False), ("mics_shard_size", -1),
@@ -332,6 +333,15 @@ def _zero(ds: Mapping, t: _Translation) -> None:
                  "same numerics, optimizer states partitioned")
         stage = 1
     t.put("zero_stage", stage, "zero_optimization.stage")
+    rbs = zo.get("reduce_bucket_size")
+    if rbs is not None:   # elements -> MB of the working precision (Note [Gradient buckets])
+        if isinstance(rbs, bool) or not isinstance(rbs, (int, float)) or rbs <= 0:
+            raise _ds_err("zero_optimization.reduce_bucket_size",
+                          f"expected a positive number of elements, got {fmt_value(rbs)}")
+        half = any(_ds_bool(_ds_section(ds, k), "enabled", False, k)
+                   for k in ("bf16", "bfloat16", "fp16") if k in ds)
+        t.put("reduce_bucket_mb", float(rbs) * (2 if half else 4) / 1e6,
+              "zero_optimization.reduce_bucket_size")
 
     nvme_paths: list[str] = []
     for which, ikey in (("offload_param", "params"), ("offload_optimizer", "optimizer")):

@@ -19,7 +19,7 @@ DESIGN_DEFAULTS = {
     "scheduler": {"type": "constant", "warmup_steps": 0, "total_steps": None, "min_lr": 0.0},
     "fp16": {"initial_scale": 65536.0, "growth_interval": 1000, "backoff_factor": 0.5,
              "growth_factor": 2.0, "min_scale": 1.0},
-    "gradient_clipping": 0.0, "gradient_accumulation_steps": 1, "dist_timeout_s": 600, "intra_node_transport": "auto", "nonfinite_grads": "skip",
+    "gradient_clipping": 0.0, "gradient_accumulation_steps": 1, "dist_timeout_s": 600, "intra_node_transport": "auto", "reduce_bucket_mb": 128.0, "nonfinite_grads": "skip",
     "activation_offload": {"home": "none", "scope": "checkpoints"},
     "gradient_accumulation_dtype": "fp32",
     "zero_pp": {"quantized_weights": False, "hpz_partition_size": 1, "quantized_gradients": False},
@@ -192,7 +192,7 @@ FULL = {
     "fp16": {"initial_scale": 1024.0, "growth_interval": 500, "backoff_factor": 0.25,
              "growth_factor": 4.0, "min_scale": 0.5},
     "gradient_clipping": 1.0, "gradient_accumulation_steps": 4, "dist_timeout_s": 120.0,
-    "intra_node_transport": "process_group", "nonfinite_grads": "skip",
+    "intra_node_transport": "process_group", "reduce_bucket_mb": 64.0, "nonfinite_grads": "skip",
     "activation_offload": {"home": "nvme", "scope": "all"},
     "gradient_accumulation_dtype": "bf16",
     "zero_pp": {"quantized_weights": True, "hpz_partition_size": 4, "quantized_gradients": True},
@@ -249,6 +249,7 @@ gradient_clipping: 1.0
 gradient_accumulation_steps: 4
 dist_timeout_s: 120
 intra_node_transport: process_group
+reduce_bucket_mb: 64
 activation_offload: {home: nvme, scope: all}
 gradient_accumulation_dtype: bf16
 zero_pp: {quantized_weights: true, hpz_partition_size: 4, quantized_gradients: true}

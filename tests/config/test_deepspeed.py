@@ -59,6 +59,7 @@ def test_zero_infinity_translation(caplog):
     assert (c.scheduler.type, c.scheduler.warmup_steps, c.scheduler.total_steps) == \
         ("linear", 100, 2000)
     assert c.gradient_clipping == 1.0 and c.gradient_accumulation_steps == 2
+    assert c.reduce_bucket_mb == 20.0       # 1e7 elements of bf16
     # untranslated keys keep infinity's defaults
     assert c.prefetch.depth == 2 and c.aio.engine == "auto"
     # one info line lists every ignored key
