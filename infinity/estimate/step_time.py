@@ -379,7 +379,7 @@ def collective_traffic(N, machine, knobs, mb, opt, reused=0.0):
     elif knobs.zero_stage >= 2:
         # GPUs: buckets reduced in the working precision (Note [Gradient buckets]); whole
         # groups (reduce_bucket_mb 0, CPU-only ranks) are reduced in fp32
-        gb, gn = (lp, "lp") if machine.gpus and knobs.reduce_bucket_mb > 0 else (4, "4")
+        gb, gn = (lp, "lp") if not machine.cpu_only and knobs.reduce_bucket_mb > 0 else (4, "4")
         mb["reduce_scatter"].append((f"grads N*{gn}*(R-1)/R", int(N * gb * frac)))
         inter.append(("grads to other nodes", int(N * gb * off)))
     else:
