@@ -110,6 +110,11 @@ class CheckpointReader:
         self._fds = {}
         self._scanner = None
         self.verified = False
+        # Note [Base by reference]: frozen tensors named by their pretrained files
+        self.base = None
+        if isinstance(self.meta.get("frozen_base"), dict):
+            from .base_source import BaseSource
+            self.base = BaseSource(self.meta["frozen_base"], self.path)
 
     # -- lifecycle ---------------------------------------------------------------
     def close(self):
@@ -203,6 +208,8 @@ class CheckpointReader:
                 if ent is None or ent[0] != t["dtype"] or list(ent[2]) != piece["offsets"]:
                     raise CheckpointError(f"{self._file_path(f)}: safetensors header does not match "
                                           f"the manifest for tensor {name!r}")
+        if self.base is not None:
+            self.base.verify()       # the base's files: present and unchanged
         self.verified = len(hashed) == len(names)
         return True
 
@@ -258,19 +265,25 @@ class CheckpointReader:
 
     # -- queries -----------------------------------------------------------------
     def names(self):
-        return list(self._tensors)
+        return list(self._tensors) + ([n for n in self.base.names() if n not in self._tensors]
+                                      if self.base is not None else [])
 
     def __contains__(self, name):
-        return name in self._tensors
+        return name in self._tensors or (self.base is not None and name in self.base)
+
+    def _in_base(self, name):
+        return name not in self._tensors and self.base is not None and name in self.base
 
     def info(self, name):
         """(shape tuple, torch dtype) of tensor ``name``."""
+        if self._in_base(name):
+            return self.base.info(name)
         t = self._entry(name)
         return tuple(t["shape"]), dtypes.ST_TO_TORCH[t["dtype"]]
 
     def numel(self, name):
         n = 1
-        for s in self._entry(name)["shape"]:
+        for s in (self.info(name)[0] if self._in_base(name) else self._entry(name)["shape"]):
             n *= s
         return n
 
@@ -285,8 +298,7 @@ class CheckpointReader:
         unexpected (when ``strict``) and mismatched name."""
         missing, mismatched = [], []
         for name, (shape, dtype) in expected.items():
-            t = self._tensors.get(name)
-            if t is None:
+            if name not in self:
                 missing.append(name)
                 continue
             cshape, cdtype = self.info(name)
@@ -313,9 +325,22 @@ class CheckpointReader:
             return res.reshape(shape)
         return out
 
-    def read_slice(self, name, start, numel, out=None):
+    def read_slice(self, name, start, numel, out=None, *, base_as_trained=True):
         """Flat elements ``[start, start + numel)`` of tensor ``name`` (row-major), e.g.
-        one rank's partition at a world size other than the one that saved it."""
+        one rank's partition at a world size other than the one that saved it.  A frozen
+        base tensor kept by reference (Note [Base by reference]) comes from its pretrained
+        file: as the run computed with it (``base_as_trained``, the default: what an export
+        merges into) or the file's own values (what a load quantizes again)."""
+        if self._in_base(name):
+            total = self.numel(name)
+            if start < 0 or numel < 0 or start + numel > total:
+                raise CheckpointError(f"read_slice({name!r}, {start}, {numel}): outside the "
+                                      f"{total} elements of the tensor")
+            t = self.base.read_slice(name, start, numel, as_trained=base_as_trained)
+            if out is None:
+                return t.clone()
+            out.copy_(t.reshape(out.shape))
+            return out
         t = self._entry(name)
         dt = dtypes.ST_TO_TORCH[t["dtype"]]
         total = self.numel(name)
@@ -356,6 +381,6 @@ class CheckpointReader:
 
     def tensors(self, prefix=None):
         """Iterate ``(name, tensor)`` one at a time (optionally names starting with prefix)."""
-        for name in self._tensors:
+        for name in self.names():
             if prefix is None or name.startswith(prefix):
                 yield name, self.read(name)

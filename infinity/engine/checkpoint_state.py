@@ -98,6 +98,33 @@ class EngineCheckpoint:
                 if not s.trainable:
                     yield g, s
 
+    def _base_refs(self):
+        """Note [Base by reference] (infinity/memory/sources.py): ``{slot name: (path,
+        key)}`` of the frozen slots a checkpoint names by their pretrained file instead of
+        storing them: every slot of a quantized frozen group whose every slot was read
+        from a safetensors file of the slot's shape (the same on every rank: every rank
+        loads the same files)."""
+        from infinity.memory.sources import source_of
+        out = {}
+        for g in self.groups:
+            if g.quant is None or any(s.trainable for s in g.slots):
+                continue
+            srcs = [source_of(s.param) for s in g.slots]
+            if all(src is not None for src in srcs):
+                out.update({s.name: src for s, src in zip(g.slots, srcs)})
+        return out
+
+    def _base_entry(self, refs):
+        from infinity.checkpoint.base_source import base_entry
+        fw = self.e.cfg.offload.frozen_weights
+        quantized = {s.name: any(ps.index == i and ps.quantized for ps in g.quant.slots)
+                     for g in self.groups if g.quant is not None
+                     for i, s in enumerate(g.slots)}
+        shapes = {s.name: tuple(s.shape) for _, s in self._frozen_slots()}
+        return base_entry([(n, src, shapes[n], quantized[n]) for n, src in refs.items()],
+                          {"dtype": fw.dtype, "group_size": fw.group_size,
+                           "double_quant": fw.double_quant}, self.e.cfg.precision)
+
     def _buffers(self):
         for mod_name, mod in self.e.module.named_modules():
             skip = getattr(mod, "_non_persistent_buffers_set", set())
@@ -182,9 +209,13 @@ class EngineCheckpoint:
                 self.store.read_state(key, which, sbuf, start=a - lo)
                 yield self._item(f"optim.{s.name}.{which}", s, sbuf, a)
         # frozen params: complete on every rank except at stage 3, where each owner
-        # writes its shard; at stages 1/2 (and world size 1) rank 0 writes them whole
+        # writes its shard; at stages 1/2 (and world size 1) rank 0 writes them whole;
+        # a quantized base read from pretrained files is named in the meta instead
         last, flat = None, None
+        refs = self._base_refs()
         for g, s in self._frozen_slots():
+            if s.name in refs:
+                continue
             if self.sharded_home and g.quant is not None and g is not last:
                 flat, last = self._home_read(g), g    # collective: on every rank
             if self.sharded_home:
@@ -244,6 +275,7 @@ class EngineCheckpoint:
             "optimizer_state_dtype": _STATE_NAMES[self.store.state_dtype],
             "world_size": self.world,
             "zero_stage": self.zero.stage if self.zero else None,
+            **({"frozen_base": self._base_entry(refs)} if (refs := self._base_refs()) else {}),
             "model_names": [s.name for _, _, s in self._trainable_slots()]
             + [s.name for _, s in self._frozen_slots()] + [n for n, *_ in self._buffers()],
         }
@@ -278,6 +310,8 @@ class EngineCheckpoint:
         """Each rank reads its own ranges of every tensor, whatever world size wrote them."""
         self._check_idle("load_checkpoint")
         self.check_checkpoint(reader)   # before anything is written into the engine
+        if reader.base is not None:     # Note [Base by reference]: its files, unchanged
+            reader.base.verify()
         self._release_cached()
         self.e.mm.wait_host_reads()     # no copy still reads a home about to be written
         own = [(g, key, s, r) for g, key, s in self._trainable_slots()
@@ -317,9 +351,10 @@ class EngineCheckpoint:
                 if r is None:
                     continue
                 a, b = r
-                t = reader.read_slice(s.name, a - s.offset, b - a)
             else:
-                a, t = s.offset, reader.read(s.name).reshape(-1)
+                a, b = s.offset, s.offset + s.numel
+            # (a base kept by reference: the file's values, quantized again below)
+            t = reader.read_slice(s.name, a - s.offset, b - a, base_as_trained=False)
             frozen.setdefault(g.gid, (g, []))[1].append((a, t.to(g.dtype)))
         if self.sharded_home:        # Note [Quantized shards]: collective, every rank in order
             for g in {id(g): g for g, _ in self._frozen_slots()}.values():

@@ -26,6 +26,8 @@ from importlib import resources
 import torch
 from torch import nn
 
+from infinity.memory.sources import record_source
+
 log = logging.getLogger("infinity.finetune")
 
 SHIPPED_MODELS = ("tiny-llama", "tiny-gpt2")
@@ -258,6 +260,7 @@ def load_pretrained(model_dir, *, init_config=None):
                 with torch.no_grad():
                     new.copy_(tensor)
                 del tensor
+                record_source(new, fp, key)      # Note [Base by reference]
                 for alias in by_param[id(old)]:
                     amod, apname = slots[alias]
                     amod._parameters[apname] = new

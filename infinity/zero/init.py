@@ -41,6 +41,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from infinity.memory.record import placeholder
+from infinity.memory.sources import record_source
 from infinity.fsmode import makedirs
 
 log = logging.getLogger("infinity.zero")
@@ -347,6 +348,7 @@ def load_safetensors(model: nn.Module, files, *, strict: bool = True, resolve=No
                         rec.store.put(rec, t.to(rec.dtype))
                     else:
                         p.data.copy_(t)
+                record_source(p, fp, key)        # Note [Base by reference]
                 seen.add(id(p))
                 del t
     if strict:

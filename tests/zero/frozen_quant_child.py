@@ -94,6 +94,16 @@ def main():
         model = Net()
         ref = Net()
         ref.load_state_dict(model.state_dict())
+        if run.get("from_files"):
+            # Note [Base by reference]: the base read from a pretrained file
+            from safetensors.torch import save_file
+            from infinity.zero.init import load_safetensors
+            path = os.path.join(run["ckpt"], "base.safetensors")
+            if rank == 0:
+                save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()},
+                          path)
+            dist.barrier()
+            load_safetensors(model, [path])
         fw = cfg["offload"].get("frozen_weights")
         if fw is not None:
             dequantized(ref, fw)
@@ -127,9 +137,14 @@ def main():
         ckpt = os.path.join(run["ckpt"], "ck")
         eng.save_checkpoint(ckpt)
         eng.close()
+        from infinity.checkpoint import CheckpointReader
+        with CheckpointReader(ckpt) as r:
+            by_ref = sorted(r.meta.get("frozen_base", {}).get("tensors", {}))
+            by_ref_stored = [n for n in by_ref if n in r._tensors]
         # a fresh engine over the same base (as a resume builds it), its adapters
-        # re-initialised: they and their Adam states come from the checkpoint
-        torch.manual_seed(1234)
+        # re-initialised: they and their Adam states come from the checkpoint; a base kept
+        # by reference is built other (seed 999): the load re-quantizes it from its file
+        torch.manual_seed(999 if run.get("from_files") else 1234)
         model2 = Net()
         with torch.no_grad():
             for p in model2.parameters():
@@ -151,7 +166,8 @@ def main():
             "param_err": max(rel(sd2[k], p.detach()) for k, p in ref_sd.items() if k in sd2),
             "frozen_err": max(rel(sd[k], ref_sd[k].detach()) for k in
                               ("emb.weight", "head.weight", "up.base.weight")),
-            "quantized_groups": quantized, "stats": stats}
+            "quantized_groups": quantized, "stats": stats,
+            "by_reference": by_ref, "by_reference_stored": by_ref_stored}
     with open(out_path, "w") as f:
         json.dump(result, f)
 

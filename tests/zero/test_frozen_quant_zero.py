@@ -29,11 +29,15 @@ def test_quantized_base_across_two_ranks(tmp_path):
               ("s3-none-int4-sim", 3, "none", {"dtype": "int4"},
                {"INFINITY_SIMULATE_DEVICE": "1"}),
               ("s2-none-nf4", 2, "none", nf4, NOSIM),
-              ("s3-nvme-plain", 3, "nvme", None, NOSIM)]
+              ("s3-nvme-plain", 3, "nvme", None, NOSIM),
+              # Note [Base by reference]: the base from a file, the checkpoint names it,
+              # the resume's engine starts from another base and re-quantizes it
+              ("s3-nvme-nf4-files", 3, "nvme", nf4, NOSIM)]
     runs = []
     for name, stage, home, fw, env in combos:
         (tmp_path / name).mkdir()
         runs.append({"name": name, "steps": 3, "env": env, "ckpt": str(tmp_path / name),
+                     "from_files": name.endswith("-files"),
                      "config": _cfg(stage, home, str(tmp_path / f"swap-{name}"), fw)})
     res = run_ranks_ok("frozen_quant_child.py", {"runs": runs}, tmp_path, world_size=2,
                        timeout=600)
@@ -47,6 +51,10 @@ def test_quantized_base_across_two_ranks(tmp_path):
             assert g["param_err"] < 1e-5, (where, g)
             assert g["frozen_err"] < 1e-6, (where, g)
             assert (g["quantized_groups"] > 0) == ("plain" not in name), where
+            if name.endswith("-files"):
+                assert "emb.weight" in g["by_reference"] and not g["by_reference_stored"]
+            else:
+                assert not g["by_reference"], where
         # the wire: the quantized form (4 bits + double-quantized scales) against the same
         # frozen groups gathered whole in fp32 (a bf16 base: half of that)
         q = got["s3-nvme-nf4"]["stats"]["frozen_allgather_bytes"]
