@@ -27,6 +27,7 @@ estimator's OS/runtime reserve and the initialisation-only staging buffer.
     .venv/bin/python tools/validate_estimator.py --zero     # ZeRO-3, 2 ranks, streamed shards
     .venv/bin/python tools/validate_estimator.py --lora     # LoRA over a bf16 / nf4 / int8 base
     .venv/bin/python tools/validate_estimator.py --pcie     # activation offload's D2H / H2D bytes
+    .venv/bin/python tools/validate_estimator.py --device-line  # ZeRO-3 device gradient line
 """
 import argparse
 import ctypes
@@ -372,6 +373,28 @@ def _print_pcie(rows, model) -> int:
     return 0
 
 
+def _device_line_rows() -> int:
+    """The estimator's device gradient line at ZeRO stage 3 (buckets and whole groups)
+    against the placement plan the engine builds for the same model and ranks."""
+    import bench_grad_buckets as bgb
+    args = argparse.Namespace(steps=1, seq=64)
+    ok = n = 0
+    print("Llama (tools/bench_grad_buckets.py), ZeRO-3 bf16 on the simulated device: the "
+          "device gradient line, MB")
+    for ws in (2, 4):
+        for name, mb in bgb.SETTINGS:
+            with tempfile.TemporaryDirectory() as swap:
+                res = bgb.run(ws, mb, args, swap)
+            eng = sum(res[0]["plan_line"].values())
+            est = bgb.predicted_line(ws, mb, args.seq)
+            good = eng > 0 and abs(est / eng - 1) <= 0.15
+            ok, n = ok + good, n + 1
+            print(f"  {ws} ranks, {name:<34} engine {eng / 1e6:8.1f}  estimator "
+                  f"{est / 1e6:8.1f}  ratio {est / eng:6.3f}  {'within 15 %' if good else 'OFF'}")
+    print(f"{ok} of {n} rows within 15 %")
+    return 0 if ok == n else 1
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--child", help=argparse.SUPPRESS)
@@ -390,11 +413,16 @@ def main():
                     help="only the LoRA rows: the base in bf16, nf4 and int8")
     ap.add_argument("--pcie", action="store_true",
                     help="only activation offload's PCIe bytes, on the simulated device")
+    ap.add_argument("--device-line", action="store_true",
+                    help="only the ZeRO-3 device gradient line against the engine's own plan "
+                         "(tools/bench_grad_buckets.py, 2 and 4 simulated-device ranks)")
     ap.add_argument("--json", action="store_true", help="print the rows as JSON")
     args = ap.parse_args()
     if args.child:
         child(json.loads(args.child))
         return 0
+    if args.device_line:
+        return _device_line_rows()
     if args.quick:
         model = dict(vocab_size=4096, n_embd=256, n_layer=4, n_head=4, n_positions=128)
         configs = QUICK
