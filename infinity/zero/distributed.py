@@ -245,12 +245,16 @@ def zeropp_placement(placement, zpp, stage: int) -> None:
     one gather (the int8 values and scales, the fp32 dequantized group)."""
     from infinity.memory.pool import ALIGN, round_up
     from infinity.zero.zeropp import qwz_wire_bytes
-    # a frozen base kept quantized goes its own way (Note [Quantized shards]): no hpZ, no qwZ
+    # a frozen base kept quantized goes its own way (Note [Quantized shards]): no qwZ, and
+    # its hpZ secondary shard is 1/hpz of the gathered payload bytes
+    from infinity.zero.quantized_shards import qshard_bytes
     groups = [g for g in placement.groups if g.quant is None]
     if stage == 3 and zpp.hpz > 1:
+        w = zpp.comm.world_size
         placement.device[f"hpZ secondary partition (1/{zpp.hpz} of the params)"] = sum(
             round_up(zpp.secondary_numel(g.padded_numel) * g.dtype.itemsize, ALIGN)
-            for g in groups)
+            for g in groups) + sum(round_up(qshard_bytes(g, w) * w // zpp.hpz, ALIGN)
+                                   for g in placement.groups if g.quant is not None)
     if stage == 3 and zpp.qw and groups:
         n = max(g.padded_numel for g in groups)
         placement.device["qwZ gather buffers (int8 + scales + fp32, largest group)"] = \

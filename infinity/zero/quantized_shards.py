@@ -19,9 +19,12 @@ all-gathers the other shards into it on the ``param`` group, in the worker's ord
 every parameter gather; ``wait_resident`` dequantizes the gathered blob into the compute
 buffer and gives the blob back.  So the wire carries the quantized form -- about a quarter
 of a bf16 base's bytes at 4 bits -- and each rank dequantizes after the gather; ZeRO++'s
-qwZ (which would quantize again) and hpZ are not applied to these groups (their bytes go
+qwZ (which would quantize again) is not applied to these groups (their bytes go
 the ``param`` group's way: NCCL/gloo, or the shared-memory transport between the ranks of
-one machine, as for any all-gather).
+one machine, as for any all-gather).  With hpZ (``zero_pp.hpz_partition_size`` H) the
+gathered blob's ``1/H`` slice is kept as this rank's secondary shard, like any group's, and
+the next gather of the group before the homes could change (the backward) all-gathers the
+quantized bytes within the H ranks from it, without reading the home.
 
 What reads a quantized group's values off the fetch path is collective: the values of a
 group are the dequantized gathered blob (:func:`gathered_values`), so ``state_dict``,
@@ -198,7 +201,14 @@ class QuantizedShards:
         r0, s = self._qshard(g)
         mine = blob[r0:r0 + s]
         name = f"quantized parameters of group {g.gid} ({g.name or '<root>'})"
+        zpp = self.zeropp
         with self.dev.side_stream():
+            if zpp is not None and zpp.has_secondary(g.gid):
+                # hpZ: the backward's gather within the node, the home not read
+                self.dev.wait_free(blob)
+                self.acct.count("frozen_allgather_bytes", s * self.part.world_size)
+                zpp.gather_payload(g.gid, blob, None, name)
+                return self.dev.mark(blob)
             src = None
             if g.home == "device" or (g.home == "cpu" and self.dev.zero_copy):
                 src = g.host_buf              # the resident shard / host home in place
@@ -222,6 +232,9 @@ class QuantizedShards:
                 else:
                     self.dev.wait_free(blob)
             self.acct.count("frozen_allgather_bytes", s * self.part.world_size)
-            self.comm.all_gather_into(blob, mine if src is None else src, group="param",
-                                      name=name)
+            if zpp is not None:         # (qwZ is never applied to a payload; hpZ keeps it)
+                zpp.gather_payload(g.gid, blob, mine if src is None else src, name)
+            else:
+                self.comm.all_gather_into(blob, mine if src is None else src, group="param",
+                                          name=name)
             return self.dev.mark(blob)

@@ -140,6 +140,24 @@ class ZeroPP:
         if self.hpz > 1:
             self._keep_secondary(gid, buf)
 
+    def has_secondary(self, gid: int) -> bool:
+        """Whether ``gid``'s next gather can come from the hpZ secondary partition."""
+        return gid in self._valid
+
+    def gather_payload(self, gid: int, blob: torch.Tensor, mine: torch.Tensor | None,
+                       name: str) -> None:
+        """A quantized frozen group's payload bytes (Note [Quantized shards]): from the hpZ
+        secondary partition when it is valid (``mine`` unused: the home is not read), else
+        one all-gather of every rank's byte shard ``mine`` -- never quantized again by qwZ
+        -- kept as this rank's secondary shard when hpZ is on."""
+        if gid in self._valid:
+            self.comm.all_gather_into(blob, self._secondary[gid], group="hpz",
+                                      name=name + " from the hpZ secondary partition")
+            return
+        self.comm.all_gather_into(blob, mine, group="param", name=name)
+        if self.hpz > 1:
+            self._keep_secondary(gid, blob)
+
     def _gather_quantized(self, buf: torch.Tensor, shard: torch.Tensor, name: str) -> None:
         """One all-gather of [int8 values | fp32 scales as bytes] per rank, then every
         rank's shard dequantized into ``buf`` (its own included)."""

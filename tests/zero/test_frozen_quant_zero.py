@@ -32,13 +32,17 @@ def test_quantized_base_across_two_ranks(tmp_path):
               ("s3-nvme-plain", 3, "nvme", None, NOSIM),
               # Note [Base by reference]: the base from a file, the checkpoint names it,
               # the resume's engine starts from another base and re-quantizes it
-              ("s3-nvme-nf4-files", 3, "nvme", nf4, NOSIM)]
+              ("s3-nvme-nf4-files", 3, "nvme", nf4, NOSIM),
+              # hpZ: the backward gathers the quantized bytes from the secondary partition
+              ("s3-nvme-nf4-hpz", 3, "nvme", nf4, NOSIM)]
     runs = []
     for name, stage, home, fw, env in combos:
         (tmp_path / name).mkdir()
+        cfg = _cfg(stage, home, str(tmp_path / f"swap-{name}"), fw)
+        if name.endswith("-hpz"):
+            cfg["zero_pp"] = {"hpz_partition_size": 2}
         runs.append({"name": name, "steps": 3, "env": env, "ckpt": str(tmp_path / name),
-                     "from_files": name.endswith("-files"),
-                     "config": _cfg(stage, home, str(tmp_path / f"swap-{name}"), fw)})
+                     "from_files": name.endswith("-files"), "config": cfg})
     res = run_ranks_ok("frozen_quant_child.py", {"runs": runs}, tmp_path, world_size=2,
                        timeout=600)
     for r in res:
@@ -63,3 +67,11 @@ def test_quantized_base_across_two_ranks(tmp_path):
         print(f"rank {r.rank}: frozen all-gathered {q} bytes = {q / (plain / 2):.3f}x a bf16 "
               f"base's")
         assert got["s3-nvme-nf4"]["stats"]["frozen_nvme_read_bytes"] > 0
+        # hpZ: forward reads the payload shards, a group gathered again in backward comes
+        # from the secondary partition: fewer NVMe reads of the frozen base (groups kept
+        # from forward for backward are not read again either way), the same bytes gathered
+        plain_reads = got["s3-nvme-nf4"]["stats"]["frozen_nvme_read_bytes"]
+        hpz = got["s3-nvme-nf4-hpz"]["stats"]
+        assert 0 < hpz["frozen_nvme_read_bytes"] < plain_reads, (hpz, plain_reads)
+        assert hpz["frozen_allgather_bytes"] == got["s3-nvme-nf4"]["stats"][
+            "frozen_allgather_bytes"]
