@@ -135,7 +135,7 @@ def assemble(engine, lr_scheduler) -> None:
         raise ValueError(f"initialize: {type(model).__name__} has no parameters")
     # offload.frozen_weights: frozen weights kept quantized at their home (Note [Quantized
     # homes] in infinity/memory/frozen_quant.py); before the plan, which counts their bytes
-    from infinity.engine.frozen import plan_frozen_weights, refuse_tiles_across_ranks
+    from infinity.engine.frozen import plan_frozen_weights
     plan_frozen_weights(engine, grouping)
     # low-precision compute: floating buffers follow the compute dtype (as module.to())
     if engine.dtype != torch.float32:
@@ -154,7 +154,6 @@ def assemble(engine, lr_scheduler) -> None:
         else plan_tiles(grouping, tiling_limit(
             None if tile_gb is None else int(round(tile_gb * GB)), device_budget,
             cfg.prefetch.depth))
-    refuse_tiles_across_ranks(tile_specs, ws)
     act_home = cfg.activation_offload.home
     needs_nvme = param_home == "nvme" or cfg.offload.optimizer == "nvme" or act_home == "nvme"
     if needs_nvme:

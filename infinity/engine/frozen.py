@@ -1,6 +1,6 @@
 """``offload.frozen_weights`` at ``initialize``: which groups keep their frozen weights
 quantized at their home (:mod:`infinity.memory.frozen_quant`, Note [Quantized homes]),
-and what is refused until it is supported (each with the key to change)."""
+and what is refused (with the key to change)."""
 from __future__ import annotations
 
 import logging
@@ -10,7 +10,7 @@ from infinity.memory.frozen_quant import QuantSpec, layout_for, quantizable_weig
 
 log = logging.getLogger("infinity.engine")
 
-__all__ = ["refuse_bitsandbytes", "plan_frozen_weights", "refuse_tiles_across_ranks"]
+__all__ = ["refuse_bitsandbytes", "plan_frozen_weights"]
 
 _BNB_CLASSES = ("Linear4bit", "Linear8bitLt", "LinearNF4", "LinearFP4", "Params4bit",
                 "Int8Params")
@@ -61,20 +61,3 @@ def plan_frozen_weights(engine, grouping) -> int:
         log.warning("offload.frozen_weights.dtype is %r but the model has no frozen "
                     "nn.Linear / Conv1D / nn.Embedding weight: nothing is quantized", fw.dtype)
     return n
-
-
-def refuse_tiles_across_ranks(tile_specs, world_size: int) -> None:
-    """Memory-centric tiling gathers element ranges from their owners across ranks; a
-    quantized payload is sharded by bytes there (Note [Quantized shards]): not yet."""
-    if world_size <= 1:
-        return
-    for sp in tile_specs.values():
-        for g in sp.groups:
-            if g.quant is not None:
-                raise NotImplementedError(
-                    f"offload.frozen_weights: group {g.name or '<root>'} "
-                    f"({g.nbytes / 1e6:.1f} MB in the working precision) would be tiled "
-                    f"across {world_size} ranks (memory-centric tiling), which a quantized "
-                    f"frozen base does not support yet; raise tiling.max_group_gb (or "
-                    f"offload.device_memory_gb) above that size, train on one rank, or set "
-                    f"offload.frozen_weights.dtype to null")

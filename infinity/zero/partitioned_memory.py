@@ -386,9 +386,8 @@ class PartitionedMemoryManager(QuantizedShards, MemoryManager):
             self.wait_resident(g)
         if g.state is Location.DEVICE and g.device_buf is not None:
             return ReadyTile(g.device_buf[lo:hi], None)   # gathered whole (on every rank)
-        if g.quant is not None:               # refused at initialize (engine/frozen.py)
-            raise NotImplementedError(f"memory: group {g.gid} ({g.name}) is stored "
-                                      f"quantized across ranks: it cannot be tiled")
+        if g.quant is not None:               # Note [Quantized shards]: its payload spans
+            return self._quantized_tile_start(g, lo, hi)
         self.wait_home(g)
         isz = g.dtype.itemsize
         slo, _ = self.shard(g)

@@ -30,8 +30,17 @@ What reads a quantized group's values off the fetch path is collective: the valu
 group are the dequantized gathered blob (:func:`gathered_values`), so ``state_dict``,
 gathered exports and checkpoints gather them on every rank in the same order, and a
 checkpoint load gathers the loaded working-precision values and quantizes them again on
-every rank (:func:`write_gathered_values`), each keeping its shard.  Memory-centric tiling
-of a quantized group across ranks is refused at ``initialize``.
+every rank (:func:`write_gathered_values`), each keeping its shard.
+
+Memory-centric tiling of a quantized group across ranks (Note [Tiles across ranks] in
+infinity/zero/partitioned_memory.py, Note [Quantized tiles] in
+infinity/memory/frozen_quant.py): a tile's element range needs the payload byte spans
+``QuantLayout.range_read`` names, each cut at the byte shards' boundaries.  Every rank
+leases one device-tier buffer holding the spans side by side (each at a 64-byte aligned
+offset, so the scale bytes view as fp32) and the tile's working-precision lease.  The
+gather worker copies this rank's pieces in from its home and broadcasts every piece from
+its owner, in order.  The main thread then decodes the spans into the tile.  The wire and
+the homes carry only those spans: about a quarter of a bf16 tile's bytes at 4 bits.
 """
 from __future__ import annotations
 
@@ -126,6 +135,48 @@ def write_gathered_values(g: GroupRecord, comm, swap, lo: int, mine: torch.Tenso
     swap.write(g.extent, buf).wait()
 
 
+class _PendingQuantTile:
+    """A quantized tile being gathered across ranks (Note [Quantized shards]): its spans'
+    bytes in ``blob``, decoded into ``out`` once the worker's job completed."""
+    __slots__ = ("mm", "fut", "blob", "out", "rr", "lo", "hi", "at", "staging")
+
+    def __init__(self, mm, fut, blob, out, rr, lo, hi, at, staging):
+        self.mm, self.fut, self.blob, self.out, self.rr = mm, fut, blob, out, rr
+        self.lo, self.hi, self.at, self.staging = lo, hi, at, staging
+
+    def _settle(self):
+        try:
+            return self.fut.result()          # re-raises the worker's AioError / CollectiveError
+        finally:
+            if self.staging is not None:
+                self.mm.host_pool.give_back(self.staging)
+                self.staging = None
+
+    def result(self):
+        dev = self.mm.dev
+        try:
+            marker = self._settle()
+            dev.compute_waits(marker)
+            views = {k: self.blob[o:o + b - a] for (k, a, b), o in zip(self.rr.spans, self.at)}
+            self.rr.decode(views, self.out[:self.rr.count])
+        except BaseException:
+            dev.give_back(self.out)
+            raise
+        finally:
+            dev.give_back(self.blob)
+        self.mm.acct.count("tile_gathers")
+        return self.out[self.lo - self.rr.first:self.hi - self.rr.first], self.out
+
+    def cancel(self) -> None:
+        try:
+            self._settle()
+        except Exception as e:  # noqa: BLE001 - the error that made us cancel matters more
+            import logging
+            logging.getLogger("infinity.zero").debug("a cancelled quantized tile failed: %s", e)
+        self.mm.dev.give_back(self.blob)
+        self.mm.dev.give_back(self.out)
+
+
 class QuantizedShards:
     """Placement and fetch of quantized groups at stage 3 (mixed into
     :class:`~infinity.zero.partitioned_memory.PartitionedMemoryManager`; Note [Quantized
@@ -165,6 +216,80 @@ class QuantizedShards:
             else:
                 raise ValueError(f"memory: unknown home {g.home!r}")
         g.set_home_state()
+
+    def _quantized_tile_start(self, g: GroupRecord, lo: int, hi: int) -> _PendingQuantTile:
+        """Start gathering elements ``lo .. hi`` of quantized ``g`` across ranks (Note
+        [Quantized shards]): the payload spans they need, piece by piece from each byte
+        shard's owner."""
+        rr = g.quant.range_read(g, lo, hi)
+        _, s = self._qshard(g)
+        ws, me = self.part.world_size, self.comm.rank
+        at, end = [], 0
+        for _k, a, b in rr.spans:
+            at.append(end)
+            end = -(-(end + b - a) // 64) * 64
+        pieces, mine = [], []              # (owner, blob offset, payload a, payload b)
+        for (_k, a, b), o in zip(rr.spans, at):
+            for r in range(a // s, min(ws, -(-b // s))):
+                pa, pb = max(a, r * s), min(b, (r + 1) * s)
+                if pa < pb:
+                    pieces.append((r, o + pa - a, pa, pb))
+        staging = blob = out = None
+        try:
+            if g.home == "nvme":           # this rank's pieces, each read 4 KiB-aligned
+                for r, o, pa, pb in pieces:
+                    if r == me:
+                        a0 = (pa - me * s) // _ALIGN * _ALIGN
+                        a1 = min(-(-(pb - me * s) // _ALIGN) * _ALIGN, g.extent.nbytes)
+                        mine.append((o, pa, pb, a0, a1))
+                if mine:
+                    staging = self.host_pool.lease(max(a1 - a0 for *_, a0, a1 in mine),
+                                                   torch.uint8)
+            blob = self.dev.lease_or_overflow(max(end, 64), torch.uint8,
+                                              "a quantized tile's payload bytes", True)
+            out = self.dev.lease_or_overflow(rr.count * g.dtype.itemsize, g.dtype,
+                                             "a parameter tile", True)
+            name = f"a quantized tile of group {g.gid} ({g.name or '<root>'}) [{lo}, {hi})"
+            fut = self._worker.submit(self._quantized_tile_job, g, blob, pieces, staging, name)
+        except BaseException:
+            if staging is not None:
+                self.host_pool.give_back(staging)
+            for b in (blob, out):
+                if b is not None:
+                    self.dev.give_back(b)
+            raise
+        return _PendingQuantTile(self, fut, blob, out, rr, lo, hi, at, staging)
+
+    def _quantized_tile_job(self, g: GroupRecord, blob: torch.Tensor, pieces, staging,
+                            name: str):
+        """Gather worker: this rank's pieces from its home into ``blob``, then every piece
+        broadcast from its owner, in order; returns the completion marker."""
+        _, s = self._qshard(g)
+        me = self.comm.rank
+        with self.dev.side_stream():
+            self.dev.wait_free(blob)
+            for r, o, pa, pb in pieces:
+                if r != me:
+                    continue
+                a, b = pa - me * s, pb - me * s
+                dst = blob[o:o + b - a]
+                if g.home == "nvme":
+                    a0 = a // _ALIGN * _ALIGN
+                    a1 = min(-(-b // _ALIGN) * _ALIGN, g.extent.nbytes)
+                    t0 = time.perf_counter()
+                    self.swap.read(g.extent, staging[:a1 - a0], a0).wait()
+                    self._link("nvme_read", a1 - a0, t0)
+                    self.acct.count("frozen_nvme_read_bytes", a1 - a0)
+                    self._copy_in(dst, staging[a - a0:b - a0])
+                elif g.home == "device":
+                    dst.copy_(g.host_buf[a:b])      # the resident shard
+                else:
+                    self.acct.count("frozen_host_read_bytes", b - a)
+                    self._copy_in(dst, g.host_buf[a:b])
+            for r, o, pa, pb in pieces:
+                self.acct.count("frozen_allgather_bytes", pb - pa)
+                self.comm.broadcast(blob[o:o + pb - pa], r, group="param", name=name)
+            return self.dev.mark(blob)
 
     def _fetch_quantized_sharded(self, g: GroupRecord, allow_overflow: bool) -> bool:
         buf = self._lease_device(g, allow_overflow)

@@ -278,20 +278,6 @@ def test_config_key_validated_and_round_trips():
         InfinityConfig.load({"offload": {"frozen_weights": "nf4"}})
 
 
-def test_tiling_across_ranks_refused_naming_the_key():
-    from infinity.engine.frozen import refuse_tiles_across_ranks
-    from infinity.memory.frozen_quant import QuantSpec
-
-    class G:
-        quant, name, nbytes = QuantSpec("nf4"), "mlp.up", 8e6
-
-    class Spec:
-        groups = [G()]
-    refuse_tiles_across_ranks({"m": Spec()}, 1)       # one process: tiles are supported
-    with pytest.raises(NotImplementedError, match=r"tiling\.max_group_gb"):
-        refuse_tiles_across_ranks({"m": Spec()}, 2)
-
-
 @pytest.mark.parametrize("simulate", [False, True], ids=["zero-copy", "simulated-device"])
 def test_device_home_keeps_the_payload_on_the_device(simulate, swap_dir, monkeypatch):
     """``offload.params: "none"``: the quantized payload is the frozen base's home in

@@ -34,13 +34,19 @@ def test_quantized_base_across_two_ranks(tmp_path):
               # the resume's engine starts from another base and re-quantizes it
               ("s3-nvme-nf4-files", 3, "nvme", nf4, NOSIM),
               # hpZ: the backward gathers the quantized bytes from the secondary partition
-              ("s3-nvme-nf4-hpz", 3, "nvme", nf4, NOSIM)]
+              ("s3-nvme-nf4-hpz", 3, "nvme", nf4, NOSIM),
+              # memory-centric tiling across ranks: each tile gathers its payload spans
+              ("s3-nvme-nf4-tiled", 3, "nvme", nf4, NOSIM),
+              ("s3-cpu-int4-tiled-sim", 3, "cpu", {"dtype": "int4"},
+               {"INFINITY_SIMULATE_DEVICE": "1"})]
     runs = []
     for name, stage, home, fw, env in combos:
         (tmp_path / name).mkdir()
         cfg = _cfg(stage, home, str(tmp_path / f"swap-{name}"), fw)
         if name.endswith("-hpz"):
             cfg["zero_pp"] = {"hpz_partition_size": 2}
+        if "-tiled" in name:       # every frozen Linear / Embedding (0.5-0.8 MB fp32) tiled
+            cfg["tiling"] = {"max_group_gb": 0.0003}
         runs.append({"name": name, "steps": 3, "env": env, "ckpt": str(tmp_path / name),
                      "from_files": name.endswith("-files"), "config": cfg})
     res = run_ranks_ok("frozen_quant_child.py", {"runs": runs}, tmp_path, world_size=2,
@@ -52,9 +58,13 @@ def test_quantized_base_across_two_ranks(tmp_path):
             where = f"{name} rank {r.rank}"
             assert g["loss_err"] < 1e-5, (where, g)
             assert g["resume_loss_err"] < 1e-5, (where, g)
-            assert g["param_err"] < 1e-5, (where, g)
+            # (tiles sum each matrix product in another order: fp32 rounding, amplified by
+            # Adam on near-zero adapter gradients over 5 steps at lr 1e-2)
+            assert g["param_err"] < (3e-5 if "-tiled" in name else 1e-5), (where, g)
             assert g["frozen_err"] < 1e-6, (where, g)
             assert (g["quantized_groups"] > 0) == ("plain" not in name), where
+            if "-tiled" in name:
+                assert g["stats"]["tile_gathers"] > 0, where
             if name.endswith("-files"):
                 assert "emb.weight" in g["by_reference"] and not g["by_reference_stored"]
             else:
