@@ -12,6 +12,7 @@ fails the test, so a new floor is placed on purpose.
 from __future__ import annotations
 
 import ast
+import re
 from collections import defaultdict
 from pathlib import Path
 
@@ -247,3 +248,20 @@ def test_no_module_imports_another_modules_private_names():
     elsewhere gets a public name (or the helper moves where both can use it)."""
     bad = [line for m, p in MODULES.items() for line in _private_imports(m, p)]
     assert not bad, "private names imported across modules:\n" + "\n".join(bad)
+
+
+_ENGINE_PRIVATE = re.compile(r"\b(?:engine|eng|self\.engine|self\.e)\._[a-z]\w*")
+
+
+def test_no_module_reaches_into_the_engines_private_attributes():
+    """Only infinity/engine/core.py touches ``Engine``'s private attributes; the modules
+    around it go through its public attributes and methods (or get a collaborator)."""
+    bad = []
+    for m, p in MODULES.items():
+        if m == "infinity.engine.core":
+            continue
+        for i, line in enumerate(p.read_text().splitlines(), 1):
+            hit = _ENGINE_PRIVATE.search(line.split("#")[0])
+            if hit:
+                bad.append(f"{m}:{i}: {hit.group(0)}")
+    assert not bad, "private Engine attributes used outside engine/core.py:\n" + "\n".join(bad)

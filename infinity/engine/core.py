@@ -183,7 +183,7 @@ class Engine:
             if self._rank_failure is not None:
                 raise PhaseError(f"engine.{what}: {self._rank_failure}")
             raise PhaseError(f"engine.{what}: the engine failed to roll back an earlier error "
-                             f"({self._fail_reason}); its state is undefined: close it and load a "
+                             f"({self.fail_reason}); its state is undefined: close it and load a "
                              f"checkpoint into a new engine")
         raise PhaseError(f"engine.{what}: called while the engine is in {ph.value} (re-entrant "
                          f"call from a hook or another thread?); call it after that returns")
@@ -278,7 +278,7 @@ class Engine:
         who = (f"rank {failed[0][0]} failed ({failed[0][1]})" if failed else
                f"rank {me} failed (this rank: {type(exc).__name__}: {exc})"[:600])
         self.phase = Phase.FAILED
-        self._fail_reason = who
+        self.fail_reason = who
         self._rank_failure = (f"{who}; this rank rolled back to its last completed update "
                               f"(global step {self.global_steps}), but {RESTART}")
         try:
@@ -288,7 +288,7 @@ class Engine:
 
     def _mark_failed(self, exc, err) -> None:
         self.phase = Phase.FAILED
-        self._fail_reason = f"{type(err).__name__}: {err}"
+        self.fail_reason = f"{type(err).__name__}: {err}"
         log.error("infinity: rolling back after %r failed: %r", exc, err)
         if exc is not None:
             exc.add_note(f"infinity: the rollback after this error failed too ({err!r}); the "
@@ -345,7 +345,7 @@ class Engine:
         except BaseException as e:
             if getattr(e, "_infinity_state_lost", False) and self.phase is not Phase.CLOSED:
                 self.phase = Phase.FAILED
-                self._fail_reason = (f"{type(e).__name__}: {e}"[:500] + "; the decided update "
+                self.fail_reason = (f"{type(e).__name__}: {e}"[:500] + "; the decided update "
                                      "cannot be finished: reload a checkpoint")
             raise
         self.mm.refresh_resident(skip=self.opt.gathered_on_device)
@@ -551,7 +551,7 @@ class Engine:
                         self._txn = None
                         self.phase = Phase.FAILED if getattr(e, "_infinity_state_lost", False) \
                             else Phase.IDLE
-                        self._fail_reason = (f"{type(e).__name__}: {e}"[:500] + "; the decided "
+                        self.fail_reason = (f"{type(e).__name__}: {e}"[:500] + "; the decided "
                                              "update cannot be finished: reload a checkpoint")
                     else:
                         self._abort_window(e)
@@ -560,7 +560,7 @@ class Engine:
                             # Note [non-finite result]: the window is dropped, but the
                             # host states keep the NaN: nothing may train on them
                             self.phase = Phase.FAILED
-                            self._fail_reason = f"{type(e).__name__}: {e}"[:600]
+                            self.fail_reason = f"{type(e).__name__}: {e}"[:600]
                     raise
         except BaseException as e:
             self._left(e, late)
@@ -639,7 +639,7 @@ class Engine:
             "curriculum_seqlen": self.curriculum_seqlen,
             "phase": self.phase.value,
             # FAILED: why, and the way out (a rank failure, or a failed rollback)
-            "failure": (self._rank_failure or getattr(self, "_fail_reason", None))
+            "failure": (self._rank_failure or getattr(self, "fail_reason", None))
             if self.phase is Phase.FAILED else None,
             "grad_norm": float(self.opt.last_grad_norm),
             "optimizer_step_seconds": float(self.opt.last_step_seconds),

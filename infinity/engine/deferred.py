@@ -67,7 +67,7 @@ def _failed(engine, d) -> None:
         pass
     if engine.phase is not Phase.CLOSED:
         engine.phase = Phase.FAILED
-        engine._fail_reason = (f"{type(e).__name__}: {e}"[:500] + "; the decided update "
+        engine.fail_reason = (f"{type(e).__name__}: {e}"[:500] + "; the decided update "
                                "cannot be finished: reload a checkpoint")
     if not any("Finish in the next forward" in n for n in getattr(e, "__notes__", ())):
         e.add_note(f"infinity: finishing the decided update of global step {d.u.hp['step']} "
