@@ -81,7 +81,10 @@ def main(argv=None):
                    precision="bf16", configs=[("nvme", "cpu")], lora_rank=a.rank,
                    frozen_dtype="nf4")
     c = est.configs[0]
-    pred = (c.totals["pinned"] + c.totals["pageable"] + c.totals["device_none"]) / 1e9
+    # the estimator's host total at steady state: without the OS reserve and the
+    # initialisation-only staging (the peak is in the steps)
+    init_only = sum(i.nbytes for i in c.plan.items if "initialisation only" in i.name)
+    pred = (c.totals["host_none"] - c.totals["host_reserve"] - init_only) / 1e9
     out["predicted_host_gb"] = round(pred, 2)
     model = peft.get_peft_model(base, peft.LoraConfig(r=a.rank, lora_alpha=2 * a.rank,
                                                       target_modules=targets,

@@ -284,6 +284,8 @@ def predict(spec):
     off = c.plan.activation_offload.get(v)
     off_host = off.nbytes if off is not None and off.tier == "pinned" else 0
     host = c.totals["pinned"] + c.totals["pageable"] + c.totals[f"device_{v}"] + off_host - init_only
+    if est.machine.cpu_only:     # the estimator's own host total (undo copies and activations
+        host = c.totals[f"host_{v}"] - c.totals["host_reserve"] - init_only   # share backward)
     tr = c.steps[v].traffic
     from infinity.estimate.step_time import _sum, _with_activations, traffic_per_step
     parts = _with_activations(traffic_per_step(ms, est.machine, est.knobs, c.plan), c.plan,
