@@ -201,8 +201,6 @@ def evaluate_config(spec, machine, knobs, p, o):
     totals = {"pinned": pinned, "pageable": pageable, "nvme": nvme,
               "host_reserve": _host_reserve(machine), "gpu_reserve": int(machine.gpu_reserve_gb * GB)}
     fits, problems, steps = {}, {}, {}
-    from .memory_plan import UNDO_ITEM
-    undo = sum(i.nbytes for i in plan.items if i.name == UNDO_ITEM)
     for v in VARIANTS:
         act = plan.activations[v].nbytes
         d = dev + act
@@ -211,12 +209,8 @@ def evaluate_config(spec, machine, knobs, p, o):
         off_host = off.nbytes if off is not None and off.tier == "pinned" else 0
         off_nvme = off.nbytes if off is not None and off.tier == "nvme" else 0
         totals[f"activation_offload_{v}"] = off_host + off_nvme
-        # CPU-only, the activations and the undo copies share host memory and backward: a
-        # group stepped during backward takes its undo copy while the layers behind it free
-        # their activations, so the two peak together at max(act, undo), not their sum
-        shared = min(undo, r * act) if machine.cpu_only else 0
         host = pinned + pageable + off_host + totals["host_reserve"] + \
-            (r * d if machine.cpu_only else 0) - shared
+            (r * d if machine.cpu_only else 0)
         totals[f"host_{v}"] = host
         probs = []
         if not machine.cpu_only:

@@ -630,12 +630,8 @@ def undo_items(pl, machine, knobs, shard, states, params_home, optimizer_home):
         left = max(0, cap - pl.tier_total("pinned") - pl.tier_total("pageable"))
         undo = min(undo, left) if overlap else (undo if undo <= left else 0)
     if undo:
-        pl.items.append(Item("pageable", UNDO_ITEM, undo,
+        pl.items.append(Item("pageable", "commit undo copies (host states, per update)", undo,
                              "r*(host states updated in place), within the cap's room"))
-
-
-#: the plan's item of the all-or-nothing undo copies of host states (Note [commit point])
-UNDO_ITEM = "commit undo copies (host states, per update)"
 
 
 def _host_cap(machine, knobs):

@@ -170,26 +170,25 @@ def test_default_global_batch():
 
 
 def test_planner_tiles_when_nothing_fits_untiled():
-    """One rank, 8M parameters with a 2M-element largest group under a 40 MB host cap: no
-    untiled configuration fits (a host param home alone is 32 MB fp32; on NVMe the fetch
-    window is (d+2)*8 MB), tiles of Gmax/16 do; the config block carries
-    tiling.max_group_gb and the estimator agrees it fits, untiled it does not."""
+    """One rank, a 1M-element group under a 25 MB host cap: no untiled configuration fits
+    (the params-on-NVMe fetch window alone is (d+2)*4 MB), tiles of Gmax/16 do; the config
+    block carries tiling.max_group_gb and the estimator agrees it fits, untiled it does not."""
     from infinity.estimate import ModelSpec
-    spec = ModelSpec(params=8_000_000, layers=2, hidden=64, seq=16, batch=1, heads=2,
-                     largest_group={"module": 2_000_000, "block": 2_000_000},
+    spec = ModelSpec(params=2_000_000, layers=2, hidden=64, seq=16, batch=1, heads=2,
+                     largest_group={"module": 1_000_000, "block": 1_000_000},
                      groups={"module": 10, "block": 3})
     m = Machine(gpus=0, host_mem_gb=64, nvme_gb=100)
-    plan = make_plan(spec, m, Knobs(precision="fp32", host_cap_gb=0.04), global_batch=2)
+    plan = make_plan(spec, m, Knobs(precision="fp32", host_cap_gb=0.025), global_batch=2)
     best = plan.best
-    assert best is not None and best.knobs.tiling_max_group_gb == 0.0005   # 125 000 fp32
+    assert best is not None and best.knobs.tiling_max_group_gb == 0.00025   # 62 500 fp32
     cfg = best.config()
-    assert cfg["tiling"] == {"max_group_gb": 0.0005} and "tiling above" in best.describe()
-    kw = dict(machine=m, precision="fp32", host_cap_gb=0.04, batch=best.micro_batch,
+    assert cfg["tiling"] == {"max_group_gb": 0.00025} and "tiling above" in best.describe()
+    kw = dict(machine=m, precision="fp32", host_cap_gb=0.025, batch=best.micro_batch,
               grad_accum=best.knobs.grad_accum, prefetch_depth=best.knobs.prefetch_depth,
               configs=[(best.params_home, best.optimizer_home)])
     v = "checkpointing" if best.checkpointing else "none"
-    assert estimate(spec, tiling_max_group_gb=0.0005, **kw).configs[0].fits[v]
-    assert not estimate(spec, tiling_max_group_gb=0.002, **kw).configs[0].fits[v]   # Gmax/4
+    assert estimate(spec, tiling_max_group_gb=0.00025, **kw).configs[0].fits[v]
+    assert not estimate(spec, tiling_max_group_gb=0.001, **kw).configs[0].fits[v]   # Gmax/4
     assert not estimate(spec, **kw).configs[0].fits[v]
 
 
