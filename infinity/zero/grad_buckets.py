@@ -316,12 +316,12 @@ class GradBuckets:
         bucket order: the same collectives on every rank), then everything lands and every
         group's shard is final.  ``skip``: groups reduced another way (tiled: by rows)."""
         for g in self.groups:
-            if g.gid in skip:
-                continue
             for bk in self.buckets[g.gid]:
                 key = (g.gid, bk.index)
                 if key not in self.reduced:
                     ent = self.open.get(key)
+                    if ent is None and g.gid in skip:
+                        continue                 # (reduced by rows; nothing arrived here)
                     if ent is not None:
                         ent.missing.clear()      # reduced with what it has
                     else:
