@@ -168,7 +168,9 @@ class QuantLayout:
         with torch.no_grad():
             for ps in self.slots:
                 s = g.slots[ps.index]
-                src = s.param.detach() if values is None else \
+                # the working dtype on both paths: a load that quantizes the same values
+                # again (a base named by its files) gives the same bytes
+                src = s.param.detach().to(self.compute_dtype) if values is None else \
                     values[s.offset:s.offset + s.numel].view(s.shape)
                 if not ps.quantized:
                     (off, dt, n), = ps.tensors.values()

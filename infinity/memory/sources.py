@@ -16,7 +16,9 @@ anything is loaded.
 The registry is weak (a parameter that is gone takes its entry with it) and holds one entry
 per parameter: nothing is attached to ``nn.Parameter``.  Only parameters whose values are
 still what was read may keep an entry: frozen ones (a trainable parameter changes at the
-first step, so the checkpoint path never uses its entry).
+first step, so the checkpoint path never uses its entry).  A frozen parameter changed in
+place after the read (``load_state_dict``, a merged adapter: its version counter moved)
+loses its entry, so the checkpoint stores it.
 """
 from __future__ import annotations
 
@@ -27,14 +29,14 @@ import torch
 
 __all__ = ["record_source", "source_of", "forget_source"]
 
-_SOURCES: dict[int, tuple] = {}      # id(param) -> (weakref to it, (path, key))
+_SOURCES: dict[int, tuple] = {}      # id(param) -> (weakref, (path, key), version)
 
 
 def record_source(param: torch.Tensor, path, key: str) -> None:
     """``param`` holds the values of tensor ``key`` of safetensors file ``path``."""
     pid = id(param)
     ref = weakref.ref(param, lambda _r, pid=pid: _drop(pid, _r))
-    _SOURCES[pid] = (ref, (os.path.realpath(os.fspath(path)), str(key)))
+    _SOURCES[pid] = (ref, (os.path.realpath(os.fspath(path)), str(key)), param._version)
 
 
 def _drop(pid: int, ref) -> None:
@@ -44,9 +46,10 @@ def _drop(pid: int, ref) -> None:
 
 
 def source_of(param: torch.Tensor) -> tuple[str, str] | None:
-    """``(real path, key)`` ``param`` was read from, or None."""
+    """``(real path, key)`` ``param`` was read from, or None (also when its values were
+    changed in place since: ``load_state_dict``, a merged adapter, an edit)."""
     ent = _SOURCES.get(id(param))
-    if ent is None or ent[0]() is not param:
+    if ent is None or ent[0]() is not param or param._version != ent[2]:
         return None
     return ent[1]
 

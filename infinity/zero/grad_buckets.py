@@ -215,6 +215,9 @@ class GradBuckets:
             s = g.slots[i]
             pa, pb = max(bk.a, s.offset), min(bk.b, s.offset + s.numel)
             buf[pa - bk.a:pb - bk.a].zero_()
+        mine = bk.owner == self.rank
+        if mine:      # before anything lands below: g is not final while this is pending
+            self.pending[g.gid] = self.pending.get(g.gid, 0) + 1
         if not ent.missing:
             self.reduced.add(key)
         # at most max_inflight buckets reducing or landing (their buffers held)
@@ -225,9 +228,6 @@ class GradBuckets:
                 self.inflight.pop(0).wait()
             else:
                 break
-        mine = bk.owner == self.rank
-        if mine:
-            self.pending[g.gid] = self.pending.get(g.gid, 0) + 1
         if self.acct is not None:
             self.acct.count("grad_buckets_reduced")
         h = self.comm.reduce_sum(

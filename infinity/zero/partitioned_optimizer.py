@@ -379,8 +379,7 @@ class PartitionedOptimizer(EngineOptimizer):
         return g.grad_buf
 
     def _bucket_final(self, g: GroupRecord, acc: torch.Tensor | None) -> None:
-        """Note [Gradient buckets]: ``g``'s shard is final (``acc``: this backward's sum,
-        when spilling)."""
+        """Note [Gradient buckets]: ``g``'s shard is final (``acc``: the sum, spilling)."""
         if self.spill:
             return self._spill(g, acc, [acc])
         self._landed(g)
@@ -595,7 +594,8 @@ class PartitionedOptimizer(EngineOptimizer):
         """The window is dropped (Note [window abort]): reductions still in flight are
         waited for and their shards thrown away (one may be writing into a shard
         accumulation, _reduce), so nothing of this window lands in the next one."""
-        inflight, self._inflight = self._inflight, []
+        inflight = self._inflight[:]     # (cleared in place: GradBuckets shares the list)
+        self._inflight.clear()
         self._dropping = True
         try:
             for h in inflight:

@@ -79,9 +79,16 @@ def _payloads(eng):
 
 @pytest.mark.parametrize("home,how,fw", [("cpu", "plain", {}),
                                          ("nvme", "init", {"double_quant": True}),
-                                         ("nvme", "plain", {"dtype": "int8"})])
+                                         ("nvme", "plain", {"dtype": "int8"}),
+                                         # an fp32 file under bf16 training: both sides
+                                         # quantize the working-precision values
+                                         ("cpu", "plain", {"precision": "bf16"})])
 def test_saved_by_reference_and_requantized_bit_identically(tmp_path, base_dir, home, how, fw):
+    fw = dict(fw)
+    precision = fw.pop("precision", None)
     cfg = _cfg(tmp_path, home, **fw)
+    if precision:
+        cfg["precision"] = precision
     model = _lora(_from_files(base_dir, cfg, how))
     with infinity.initialize(model, cfg) as eng:
         _train(eng, _ids(2))
@@ -107,6 +114,8 @@ def test_saved_by_reference_and_requantized_bit_identically(tmp_path, base_dir, 
     # the base from its files, byte for byte the first run's payload, and training goes on
     # exactly as in the run that saved
     cfg2 = _cfg(tmp_path / "two", home, **fw)
+    if precision:
+        cfg2["precision"] = precision
     model2 = _lora(_llama(5))
     with infinity.initialize(model2, cfg2) as eng2:
         first = _payloads(eng2)
@@ -174,3 +183,28 @@ def test_export_merges_into_the_same_dequantized_base(tmp_path, base_dir):
         assert torch.equal(ta[k], tb[k]), k
     cfg_json = json.loads((tmp_path / "out_ref" / "config.json").read_text())
     assert cfg_json["model_type"] == "llama"
+
+
+def test_a_base_changed_in_place_is_stored_not_named(tmp_path, base_dir):
+    """A frozen weight edited after it was read (here: one value changed in place) no
+    longer matches its file: its group is stored in the checkpoint, and a load restores
+    the edited values."""
+    cfg = _cfg(tmp_path, "cpu")
+    model = _lora(_from_files(base_dir, cfg, "plain"))
+    w = next(p for n, p in model.named_parameters() if n.endswith("layers.0.mlp.up_proj.base_layer.weight"))
+    with torch.no_grad():
+        w[0, 0] += 1.0
+    assert source_of(w) is None
+    with infinity.initialize(model, cfg) as eng:
+        _train(eng, _ids(1))
+        eng.save_checkpoint(str(tmp_path / "ck"))
+        want = _payloads(eng)
+    with CheckpointReader(str(tmp_path / "ck")) as r:
+        named = r.meta.get("frozen_base", {}).get("tensors", {})
+        assert not any("layers.0.mlp.up_proj" in n for n in named)
+        assert any("layers.0.mlp.up_proj.base_layer" in n for n in r._tensors)
+    with infinity.initialize(_lora(_llama(5)), _cfg(tmp_path / "two", "cpu")) as eng2:
+        eng2.load_checkpoint(str(tmp_path / "ck"))
+        got = _payloads(eng2)
+        for k in want:
+            assert torch.equal(got[k], want[k]), k

@@ -103,7 +103,7 @@ def _group(sizes, frozen=(), world=2, unit=1024):
     return GroupRecord(0, "g", slots, off, padded, torch.float32, "cpu")
 
 
-def _run(sizes, arrivals, frozen=(), world=2, bucket_bytes=4096):
+def _run(sizes, arrivals, frozen=(), world=2, bucket_bytes=4096, max_inflight=2):
     """Every rank runs ``arrivals`` (slot indices, repeats allowed) with its own random
     gradients; returns each rank's shard accumulation, the expected one and the stats."""
     net = Network(world)
@@ -116,7 +116,7 @@ def _run(sizes, arrivals, frozen=(), world=2, bucket_bytes=4096):
             g = _group(sizes, frozen, world)
             s = g.padded_numel // world
             acc = torch.zeros(s)
-            finals = []
+            finals, at_final = [], []
             counters = {}
 
             class Acct:
@@ -129,12 +129,14 @@ def _run(sizes, arrivals, frozen=(), world=2, bucket_bytes=4096):
             inflight = []
             b = GradBuckets([g], comm=Comm(net, r), dev=dev, host_pool=Pool(), acct=Acct(),
                             bucket_bytes=bucket_bytes, shard_acc=lambda g: acc,
-                            on_final=lambda g, acc: finals.append(g), inflight=inflight, max_inflight=2)
+                            on_final=lambda g, a: (finals.append(g), at_final.append(acc.clone())),
+                            inflight=inflight, max_inflight=max_inflight)
             for i, grad in zip(arrivals, grads[r]):
                 b.accumulate(g, g.slots[i], grad)
                 assert len(b.open) <= MAX_OPEN_BUCKETS
             b.finish()
             assert finals == [g], finals             # final once, after every landing
+            assert torch.equal(at_final[0], acc)     # nothing lands after on_final
             assert dev.live == 0 and not inflight
             out[r], counts[r], peaks[r] = acc, counters, dev.peak
         except BaseException as e:  # noqa: BLE001 - reported by the main thread
@@ -193,3 +195,10 @@ def test_padding_and_frozen_ranges_never_reduced():
     # one trainable slot of 10 elements in a group padded to 2 x 1024: one bucket
     counts, _, _ = _run([10, 3000], [0], frozen=(1,))
     assert counts[0]["grad_buckets_reduced"] == 1
+
+
+@pytest.mark.parametrize("max_inflight", [2, 4])
+def test_final_only_once_every_owned_bucket_landed(max_inflight):
+    # a bucket reduced while an older one of the same group lands: the group must not be
+    # declared final before the newer one is in
+    _run([100, 3996, 3072], [1, 2, 0], max_inflight=max_inflight)
