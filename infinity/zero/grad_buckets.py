@@ -325,6 +325,10 @@ class GradBuckets:
                     if ent is not None:
                         ent.missing.clear()      # reduced with what it has
                     else:
+                        while len(self.open) >= MAX_OPEN_BUCKETS:   # (the plan's bound)
+                            (gid, j), old = next(iter(self.open.items()))
+                            old.missing.clear()
+                            self._reduce(self._by_gid[gid], self.buckets[gid][j])
                         self.open[key] = _Open(self._lease(g, bk), set())
                     self._reduce(g, bk)
         while self.inflight:
