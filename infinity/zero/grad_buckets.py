@@ -25,7 +25,9 @@ bucket across a slot boundary can wait for the other slot; when another bucket m
 opened and ``MAX_OPEN_BUCKETS`` are open already, the oldest is reduced with what it has (the rest of its
 slots are zeros in it), and its late slots go into a fresh buffer reduced again later: the
 reduction is a sum, so the owner adds both.  A slot whose gradient arrives twice in a
-backward (reentrant checkpointing) is handled the same way.  Every rank sees the same
+backward (reentrant checkpointing) is handled the same way while its group is not final yet
+(after that, as on the whole-group path, a late arrival is not counted: post-accumulate
+hooks fire once per parameter and backward).  Every rank sees the same
 arrivals in the same order (the same model and graph), so every rank issues the same
 reductions in the same order; what is still open at the end of backward is reduced in
 group and bucket order (buckets nobody filled: zeros, as the whole-group path does).
