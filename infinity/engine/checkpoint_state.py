@@ -117,9 +117,8 @@ class EngineCheckpoint:
     def _base_entry(self, refs):
         from infinity.checkpoint.base_source import base_entry
         fw = self.e.cfg.offload.frozen_weights
-        quantized = {s.name: any(ps.index == i and ps.quantized for ps in g.quant.slots)
-                     for g in self.groups if g.quant is not None
-                     for i, s in enumerate(g.slots)}
+        quantized = {g.slots[ps.index].name: ps.quantized for g in self.groups
+                     if g.quant is not None for ps in g.quant.slots}
         shapes = {s.name: tuple(s.shape) for _, s in self._frozen_slots()}
         return base_entry([(n, src, shapes[n], quantized[n]) for n, src in refs.items()],
                           {"dtype": fw.dtype, "group_size": fw.group_size,

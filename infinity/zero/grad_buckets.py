@@ -48,7 +48,7 @@ from infinity.memory.record import GroupRecord, ParamSlot
 
 log = logging.getLogger("infinity.zero")
 
-__all__ = ["GradBuckets", "MAX_OPEN_BUCKETS", "bucket_numel", "bucket_ranges"]
+__all__ = ["GradBuckets", "MAX_OPEN_BUCKETS", "bucket_numel", "bucket_ranges", "land"]
 
 #: buckets being filled at once before the oldest is reduced with what it has
 MAX_OPEN_BUCKETS = 3
@@ -100,8 +100,9 @@ class GradBuckets:
     ``shard_acc(g)``: the host fp32 tensor ``g``'s averaged shard is added into (main
     thread), or ``shard_acc=None``: a zeroed shard leased per group and backward;
     ``on_final(g, acc)``: ``g``'s shard is final for this backward (``acc``: that leased
-    shard, the callee's now; None with ``shard_acc``); ``inflight``: the optimizer's list of in-flight collectives (bounded by
-    ``max_inflight``); ``adder``: the worker that waits for a D2H copy and adds it."""
+    shard, the callee's now; None with ``shard_acc``); ``inflight``: the optimizer's list
+    of in-flight collectives (bounded by ``max_inflight``); ``adder``: the worker that
+    waits for a D2H copy and adds it."""
 
     def __init__(self, groups: list[GroupRecord], *, comm, dev, host_pool, acct,
                  bucket_bytes: int, shard_acc, on_final, inflight: list, max_inflight: int,
@@ -156,11 +157,6 @@ class GradBuckets:
                 self.of_slot.setdefault((g.gid, i), []).append(bk)
         self.buckets[g.gid] = out
 
-    def largest_bytes(self) -> int:
-        """The largest bucket's bytes (the device leases and the D2H staging)."""
-        return max(((bk.b - bk.a) * g.dtype.itemsize for g in self.groups
-                    for bk in self.buckets[g.gid]), default=0)
-
     def owned_sizes(self) -> list[int]:
         """Bytes of every bucket this rank owns (its D2H staging)."""
         return [(bk.b - bk.a) * g.dtype.itemsize for g in self.groups
@@ -177,11 +173,8 @@ class GradBuckets:
             key = (g.gid, bk.index)
             ent = self.open.get(key)
             if ent is None:
-                while len(self.open) >= MAX_OPEN_BUCKETS:   # the oldest goes as it is
-                    (gid, j), _ = next(iter(self.open.items()))
-                    if self.acct is not None:
-                        self.acct.count("grad_bucket_early_reductions")
-                    self._reduce(self._by_gid[gid], self.buckets[gid][j])
+                while len(self.open) >= MAX_OPEN_BUCKETS:
+                    self._reduce_oldest(last=False)
                 done = self.arrived_in.setdefault(key, set())
                 ent = _Open(self._lease(g, bk), set(bk.slots) - done)
                 self.open[key] = ent
@@ -198,6 +191,16 @@ class GradBuckets:
             if not ent.missing:
                 self._reduce(g, bk)
         self._check_final(g)
+
+    def _reduce_oldest(self, last: bool) -> None:
+        """Room for one more open bucket: the oldest is reduced with what it has (``last``:
+        at the end of backward, where nothing more arrives for it)."""
+        (gid, j), ent = next(iter(self.open.items()))
+        if last:
+            ent.missing.clear()
+        elif self.acct is not None:
+            self.acct.count("grad_bucket_early_reductions")
+        self._reduce(self._by_gid[gid], self.buckets[gid][j])
 
     def _lease(self, g: GroupRecord, bk: Bucket) -> torch.Tensor:
         return self.dev.lease_or_overflow((bk.b - bk.a) * g.dtype.itemsize, g.dtype,
@@ -288,15 +291,7 @@ class GradBuckets:
 
     def _land_oldest(self) -> None:
         fut, x, host, buf, g = self.landing.popleft()
-        try:
-            if fut is not None:
-                fut.result()                     # re-raises the worker's error here
-        finally:
-            x.wait_host()
-            if self.acct is not None:
-                self.acct.link("d2h", x.nbytes, x.seconds())
-            self.host_pool.give_back(host)
-            self.dev.give_back(buf)
+        land(fut, x, host, (buf,), acct=self.acct, host_pool=self.host_pool, dev=self.dev)
         self.pending[g.gid] -= 1
         self._check_final(g)
 
@@ -328,9 +323,7 @@ class GradBuckets:
                         ent.missing.clear()      # reduced with what it has
                     else:
                         while len(self.open) >= MAX_OPEN_BUCKETS:   # (the plan's bound)
-                            (gid, j), old = next(iter(self.open.items()))
-                            old.missing.clear()
-                            self._reduce(self._by_gid[gid], self.buckets[gid][j])
+                            self._reduce_oldest(last=True)
                         self.open[key] = _Open(self._lease(g, bk), set())
                     self._reduce(g, bk)
         while self.inflight:
@@ -356,9 +349,21 @@ class GradBuckets:
         self.pending.clear()
         self.final.clear()
 
-    def touched(self, g: GroupRecord) -> bool:
-        """Whether ``g`` received a gradient in this backward."""
-        return g.gid in self.arrived
+
+def land(fut, x, host: torch.Tensor, bufs, *, acct, host_pool, dev) -> None:
+    """A reduced gradient copied D2H (``x``) and added on the host (by the worker's
+    ``fut``, or None: already added): wait for both, book the copy, give back the host
+    staging and the device ``bufs``; re-raises the worker's error."""
+    try:
+        if fut is not None:
+            fut.result()
+    finally:
+        x.wait_host()
+        if acct is not None:
+            acct.link("d2h", x.nbytes, x.seconds())
+        host_pool.give_back(host)
+        for b in bufs:
+            dev.give_back(b)
 
 
 def _add_landed(x, dst: torch.Tensor, host: torch.Tensor, scale: float) -> None:

@@ -86,6 +86,36 @@ class _PendingTile:
         self.mm.dev.give_back(self.buf)
 
 
+class _PendingQuantTile(_PendingTile):
+    """A tile of a quantized group being gathered across ranks (Note [Quantized shards]):
+    its payload spans' bytes in ``blob``, decoded into the tile once the job completed."""
+    __slots__ = ("blob", "rr", "at")
+
+    def __init__(self, mm, fut, view, buf, staging, blob, rr, at):
+        super().__init__(mm, fut, view, buf, staging)
+        self.blob, self.rr, self.at = blob, rr, at
+
+    def result(self):
+        try:
+            out = super().result()            # (gives the tile back on an error)
+            views = {k: self.blob[o:o + b - a] for (k, a, b), o in zip(self.rr.spans, self.at)}
+        except BaseException:
+            self.mm.dev.give_back(self.blob)
+            raise
+        try:
+            self.rr.decode(views, self.buf[:self.rr.count])
+        except BaseException:
+            self.mm.dev.give_back(self.buf)
+            raise
+        finally:
+            self.mm.dev.give_back(self.blob)
+        return out
+
+    def cancel(self) -> None:
+        super().cancel()
+        self.mm.dev.give_back(self.blob)
+
+
 class PartitionedMemoryManager(QuantizedShards, MemoryManager):
     def __init__(self, groups: list[GroupRecord], *, comm: Comm, zeropp=None, **kw):
         super().__init__(groups, **kw)
@@ -387,7 +417,7 @@ class PartitionedMemoryManager(QuantizedShards, MemoryManager):
         if g.state is Location.DEVICE and g.device_buf is not None:
             return ReadyTile(g.device_buf[lo:hi], None)   # gathered whole (on every rank)
         if g.quant is not None:               # Note [Quantized shards]: its payload spans
-            return self._quantized_tile_start(g, lo, hi)
+            return _PendingQuantTile(self, *self._quantized_tile_start(g, lo, hi))
         self.wait_home(g)
         isz = g.dtype.itemsize
         slo, _ = self.shard(g)

@@ -49,6 +49,7 @@ from infinity.grads.norm import squared_norm
 from infinity.memory.pool import per_size_class
 from infinity.memory.record import GroupRecord, ParamSlot
 from infinity.zero.comm import Comm, CommHandle
+from infinity.zero.grad_buckets import GradBuckets, land
 from infinity.zero.partition import Partition, clip_segments
 
 log = logging.getLogger("infinity.zero")
@@ -194,7 +195,6 @@ class PartitionedOptimizer(EngineOptimizer):
         bucket = int(self.cfg.reduce_bucket_mb * 1e6)    # (ZeroSetup.reduce_bucket_bytes)
         if bucket > 0 and self.reduce_scatter_sum == self.comm.reduce_scatter_sum:
             # Note [Gradient buckets] (qgZ quantizes whole groups: it keeps that path)
-            from infinity.zero.grad_buckets import GradBuckets
             self._buckets = GradBuckets(
                 self.groups, comm=self.comm, dev=device_tier, host_pool=self.host_pool,
                 acct=self.acct, bucket_bytes=bucket, on_final=self._bucket_final,
@@ -541,15 +541,7 @@ class PartitionedOptimizer(EngineOptimizer):
         while q and (wait or oldest or q[0][0].done()):
             oldest = False
             fut, x, host, bufs, g = q.popleft()
-            try:
-                fut.result()                 # re-raises the worker's error here
-            finally:
-                x.wait_host()
-                if self.acct is not None:
-                    self.acct.link("d2h", x.nbytes, x.seconds())
-                self.host_pool.give_back(host)
-                for b in bufs:
-                    self.dev.give_back(b)
+            land(fut, x, host, bufs, acct=self.acct, host_pool=self.host_pool, dev=self.dev)
             self._landed(g)
 
     def _wait_write(self) -> None:

@@ -135,48 +135,6 @@ def write_gathered_values(g: GroupRecord, comm, swap, lo: int, mine: torch.Tenso
     swap.write(g.extent, buf).wait()
 
 
-class _PendingQuantTile:
-    """A quantized tile being gathered across ranks (Note [Quantized shards]): its spans'
-    bytes in ``blob``, decoded into ``out`` once the worker's job completed."""
-    __slots__ = ("mm", "fut", "blob", "out", "rr", "lo", "hi", "at", "staging")
-
-    def __init__(self, mm, fut, blob, out, rr, lo, hi, at, staging):
-        self.mm, self.fut, self.blob, self.out, self.rr = mm, fut, blob, out, rr
-        self.lo, self.hi, self.at, self.staging = lo, hi, at, staging
-
-    def _settle(self):
-        try:
-            return self.fut.result()          # re-raises the worker's AioError / CollectiveError
-        finally:
-            if self.staging is not None:
-                self.mm.host_pool.give_back(self.staging)
-                self.staging = None
-
-    def result(self):
-        dev = self.mm.dev
-        try:
-            marker = self._settle()
-            dev.compute_waits(marker)
-            views = {k: self.blob[o:o + b - a] for (k, a, b), o in zip(self.rr.spans, self.at)}
-            self.rr.decode(views, self.out[:self.rr.count])
-        except BaseException:
-            dev.give_back(self.out)
-            raise
-        finally:
-            dev.give_back(self.blob)
-        self.mm.acct.count("tile_gathers")
-        return self.out[self.lo - self.rr.first:self.hi - self.rr.first], self.out
-
-    def cancel(self) -> None:
-        try:
-            self._settle()
-        except Exception as e:  # noqa: BLE001 - the error that made us cancel matters more
-            import logging
-            logging.getLogger("infinity.zero").debug("a cancelled quantized tile failed: %s", e)
-        self.mm.dev.give_back(self.blob)
-        self.mm.dev.give_back(self.out)
-
-
 class QuantizedShards:
     """Placement and fetch of quantized groups at stage 3 (mixed into
     :class:`~infinity.zero.partitioned_memory.PartitionedMemoryManager`; Note [Quantized
@@ -217,10 +175,11 @@ class QuantizedShards:
                 raise ValueError(f"memory: unknown home {g.home!r}")
         g.set_home_state()
 
-    def _quantized_tile_start(self, g: GroupRecord, lo: int, hi: int) -> _PendingQuantTile:
+    def _quantized_tile_start(self, g: GroupRecord, lo: int, hi: int):
         """Start gathering elements ``lo .. hi`` of quantized ``g`` across ranks (Note
         [Quantized shards]): the payload spans they need, piece by piece from each byte
-        shard's owner."""
+        shard's owner.  Returns ``(future, tile view, tile lease, staging, span bytes,
+        RangeRead, span offsets)``: the job's parts, decoded once it completed."""
         rr = g.quant.range_read(g, lo, hi)
         _, s = self._qshard(g)
         ws, me = self.part.world_size, self.comm.rank
@@ -258,7 +217,7 @@ class QuantizedShards:
                 if b is not None:
                     self.dev.give_back(b)
             raise
-        return _PendingQuantTile(self, fut, blob, out, rr, lo, hi, at, staging)
+        return fut, out[lo - rr.first:hi - rr.first], out, staging, blob, rr, at
 
     def _quantized_tile_job(self, g: GroupRecord, blob: torch.Tensor, pieces, staging,
                             name: str):
