@@ -86,7 +86,7 @@ def _tiling_across_ranks(engine) -> dict:
     if engine.zero is None:
         return {}
     comm = engine.zero.comm
-    return {"group_final": engine.opt.tiled_final,
+    return {"group_final": engine.opt.grads.tiled_final,
             "union": lambda m: comm.all_reduce_sum(m, group="default", name="touched tiles")}
 
 
@@ -287,17 +287,17 @@ def assemble(engine, lr_scheduler) -> None:
     if paged_nvme:
         engine.host_pool.trim()
     if placement.grad_home == "nvme":      # the groups that fit keep host accumulators
-        engine.opt.alloc_grads("nvme", host_gids=placement.grad_host_gids,
+        engine.opt.grads.alloc_grads("nvme", host_gids=placement.grad_host_gids,
                                partial_dtype=torch.bfloat16
                                if cfg.gradient_accumulation_dtype == "bf16" else torch.float32)
     else:
-        engine.opt.alloc_grads()
+        engine.opt.grads.alloc_grads()
     # separate device memory: grads leave by D2H, staging bounded as planned
     engine.opt.attach_device(engine.mm.dev, placement.grad_d2h_bytes)
     # separate device memory: the pinned staging of the first steps' copies is allocated
     # (and registered with CUDA) now, not inside the hooks of those steps
     engine.host_pool.reserve(engine.mm.staging_sizes(cfg.prefetch.depth)
-                             + engine.opt.staging_sizes())
+                             + engine.opt.grads.staging_sizes())
     engine.coord = PrefetchCoordinator(engine.mm, cfg.prefetch.depth, engine.acct,
                                        reuse_bytes=engine.reuse_bytes)
     from infinity.engine.overlap import OverlappedStep, eligible
@@ -310,12 +310,12 @@ def assemble(engine, lr_scheduler) -> None:
         # Note [shadow budget]: commit_shadow_gb 0 -- no speculative steps
         engine.overlap.speculate = not (cfg.offload.commit_shadow_gb == 0
                                         and engine.store.shadow_budget is not None)
-        if engine.zero is None and engine.opt.grad_d2h is None:
+        if engine.zero is None and engine.opt.grads.grad_d2h is None:
             # (ZeRO: the reduced shard's landing, grad_final; a separate device: the D2H's
             # landing, GradD2H.landed)
             after = engine.overlap.grad_arrived
     # (gradients enter only inside engine.backward: Note [foreign backward] in core.py)
-    on_grad = engine.grad_gate(grad_sink(engine.opt.accumulate, grouping.groups, after=after))
+    on_grad = engine.grad_gate(grad_sink(engine.opt.grads.accumulate, grouping.groups, after=after))
     acts = None
     if act_home != "none":                  # saved activations on the host tier or NVMe
         from infinity.runtime.activations import ActivationOffload
@@ -327,9 +327,9 @@ def assemble(engine, lr_scheduler) -> None:
     if tile_specs:
         from infinity.runtime.tiling import Tiling
         engine.tiling = Tiling(tile_specs, engine.mm, engine.acct,
-                               accumulate=engine.grad_gate(engine.opt.accumulate),
-                               accumulate_rows=engine.grad_gate(engine.opt.accumulate_rows),
-                               accepts_rows=engine.opt.accumulates_rows, after=after,
+                               accumulate=engine.grad_gate(engine.opt.grads.accumulate),
+                               accumulate_rows=engine.grad_gate(engine.opt.grads.accumulate_rows),
+                               accepts_rows=engine.opt.grads.accumulates_rows, after=after,
                                **_tiling_across_ranks(engine))
         engine.tiling.install(grouping)
         # Note [Recompute keeps its tiles]: within what the host cap leaves (the same on

@@ -446,7 +446,7 @@ class Engine:
                 final = (self.micro_steps + 1) % self.gas == 0
                 try:
                     self.phase = Phase.BACKWARD
-                    self.opt.before_backward(final)
+                    self.opt.grads.before_backward(final)
                     if final:
                         self._txn = self._new_txn() if self.commit_point and \
                             (self.swap is not None or self.overlap is not None) else None
@@ -469,7 +469,7 @@ class Engine:
                         self.hooks.finish_backward()
                         if self.tiling is not None:   # a use whose output never reached a
                             self.tiling.reset()       # backward does not hold its group back
-                        self.opt.end_backward()
+                        self.opt.grads.end_backward()
                     self._has_grads = True
                     self.phase = Phase.IDLE
                 except BaseException as e:

@@ -111,8 +111,8 @@ log = logging.getLogger("infinity.engine")
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # At ZeRO stage 3 a rank steps only its shard of a group, and the shard's gradient is
 # final when the group's reduce-scatter has landed and been added into the shard's fp32
-# accumulation (PartitionedOptimizer._landed, polled without blocking at every gradient
-# and release, PartitionedOptimizer.poll_reductions): grad_final(g) then submits the group
+# accumulation (PartitionedGrads._landed, polled without blocking at every gradient
+# and release, PartitionedGrads.poll_reductions): grad_final(g) then submits the group
 # like grad_arrived does at world size 1, under the same safety rules (its home shard is
 # not gathered again in this backward; a fetch that does waits, mark_home_busy).  Each
 # rank decides alone which groups it steps early: nothing of the early steps is seen by
@@ -149,7 +149,7 @@ log = logging.getLogger("infinity.engine")
 # this forward and every trainable slot arrived in this backward (on a separate device:
 # its D2H landed).  Its squared norm is then computed on the worker thread from its host
 # buffer while backward goes on (norms_on, _submit_norm), and boundary_step takes those
-# values instead of reading the buffers again (EngineOptimizer.grad_norm(known=)): the
+# values instead of reading the buffers again (GradAccumulation.grad_norm(known=)): the
 # same function over the same unchanged values, so the same norm.  Not across ranks
 # (the partitioned norm is a collective over shards) nor for gradients homed on NVMe
 # (their norms are taken as they stream, NvmeGradStore.finish_window).
@@ -190,6 +190,7 @@ class OverlappedStep:
     def __init__(self, opt, mm, coord, accounting, *, undo_budget: int | None = None,
                  grad_window: int = GRAD_WINDOW, sharded: bool = False):
         self.opt = opt
+        self.grads = opt.grads           # the gradients the steps read (opt.grads)
         self.mm = mm
         self.coord = coord
         self.acct = accounting
@@ -207,7 +208,7 @@ class OverlappedStep:
         # reduced shard landed (grad_final), not per slot (grad_arrived)
         self.sharded = sharded
         if sharded:
-            opt.on_shard_final = self.grad_final
+            opt.grads.on_shard_final = self.grad_final
         # master hand-off (fp32 NVMe params): gid -> released buffer awaiting its step;
         # across ranks this rank's slice of the gathered buffer is its shard's master
         # (on a zero-copy tier: the CPU optimizer cannot update device memory)
@@ -226,13 +227,13 @@ class OverlappedStep:
         # skip speculation after a clipped update (False: always speculate; tests, A/B runs)
         self.predict = True
         self.grad_window = grad_window     # kept NVMe-homed gradients at once
-        if opt.grad_stream is not None and grad_window > 0:   # Note [Streamed gradients]
-            opt.grad_stream.keep = self.keep_grad
+        if opt.grads.grad_stream is not None and grad_window > 0:   # Note [Streamed gradients]
+            opt.grads.grad_stream.keep = self.keep_grad
         mm.attach_listener(self)          # on_release, reclaim_blocked
         # one process on a separate device tier: gradients reach the host accumulation by
         # D2H copies; a slot is final when its copy landed (GradD2H.landed), not when
         # autograd produced it
-        self._d2h = None if sharded else getattr(opt, "grad_d2h", None)
+        self._d2h = None if sharded else opt.grads.grad_d2h
         if self._d2h is not None:
             self._slot_index = {id(s): i for g in opt.groups for i, s in enumerate(g.slots)}
             self._d2h.landed = self._landed
@@ -285,7 +286,7 @@ class OverlappedStep:
         held, self._held = self._held, {}     # forgotten before returned: Note [held interrupts]
         for buf in held.values():
             self.mm.give_back_device(buf)
-        nv = self.opt.grad_stream
+        nv = self.grads.grad_stream
         if nv is not None:                     # kept but not stepped: to NVMe as before
             for gid in [gid for gid in nv.held if gid not in self.done]:
                 nv.flush_held(gid)
@@ -305,7 +306,7 @@ class OverlappedStep:
                 self._d2h.poll()            # landed meanwhile: their norms can start
             return False
         if self.sharded:
-            self.opt.poll_reductions()      # shards that landed meanwhile (grad_final)
+            self.grads.poll_reductions()      # shards that landed meanwhile (grad_final)
         elif self._d2h is not None:
             self._d2h.poll()                # D2H copies that landed meanwhile (_landed)
         self._reap()
@@ -343,7 +344,7 @@ class OverlappedStep:
                 self.mm.give_back_device(buf)
             self.mm.unpin(g.gid)
             if f.exception() is None:       # (speculative: the host gradient stays)
-                self.opt.release_grad(g, host=not self.keep_grads)
+                self.grads.release_grad(g, host=not self.keep_grads)
 
     def grad_arrived(self, g: GroupRecord, slot_index: int) -> None:
         """Called after slot ``slot_index`` of ``g`` accumulated its gradient."""
@@ -383,7 +384,7 @@ class OverlappedStep:
         when ``grad_window`` buffers are kept."""
         if not self.active or g.gid not in self._pending:
             return False
-        held = self.opt.grad_stream.held
+        held = self.grads.grad_stream.held
         while len(held) >= self.grad_window:
             oldest = next((e for e in self._stepping if e[1].gid in held), None)
             if oldest is None:
@@ -406,7 +407,7 @@ class OverlappedStep:
 
     def _decline(self, g: GroupRecord) -> None:
         """``g`` is not stepped early after all: a kept gradient goes to NVMe now."""
-        nv = self.opt.grad_stream
+        nv = self.grads.grad_stream
         if nv is not None and g.gid in nv.held and g.gid not in self.done:
             nv.flush_held(g.gid)
 
@@ -422,7 +423,7 @@ class OverlappedStep:
         return not self.coord.may_use_again(g)
 
     def _submit(self, g: GroupRecord) -> None:
-        grad = self.opt.grad_in_hand(g)
+        grad = self.grads.grad_in_hand(g)
         if grad is None:                     # (its gradient went to NVMe: the boundary steps it)
             buf = self._held.pop(g.gid, None)
             if buf is not None:
@@ -435,7 +436,7 @@ class OverlappedStep:
             self._decline(g)
             rest = self._pending
             self.end()
-            if not self.sharded and self.opt.host_grad_buffer(g) is grad:
+            if not self.sharded and self.grads.host_grad_buffer(g) is grad:
                 self.norms[g.gid] = n2      # Note [Norms during backward]: the rest's too
             self._norms_from(rest)
             return
@@ -474,7 +475,7 @@ class OverlappedStep:
         if item.master_buf is not None and buf is None:
             # a cached copy the step updates in place (Note [Cache write-through])
             self.mm.pin(g.gid)
-        nv = self.opt.grad_stream
+        nv = self.grads.grad_stream
         if self.keep_grads and nv is not None and g.gid in nv.held:
             nv.will_write(g.gid)             # Note [Speculative clipping]: kept for a redo
 
@@ -521,7 +522,7 @@ class OverlappedStep:
             self._submit_norm(g)
 
     def _submit_norm(self, g: GroupRecord) -> None:
-        grad = self.opt.host_grad_buffer(g)
+        grad = self.grads.host_grad_buffer(g)
         if grad is None or g.gid in self.norms:   # (NVMe-homed: taken as it streams)
             return
         self.norms[g.gid] = self._worker().submit(squared_norm, grad)
@@ -629,8 +630,8 @@ class OverlappedStep:
             self.end()
             self._drop_norms()
             self.mm.detach_listener(self)
-            if self.sharded and getattr(self.opt, "on_shard_final", None) == self.grad_final:
-                self.opt.on_shard_final = None
+            if self.sharded and self.grads.on_shard_final == self.grad_final:
+                self.grads.on_shard_final = None
             if self._d2h is not None and self._d2h.landed == self._landed:
                 self._d2h.landed = None
             if self._pool is not None:

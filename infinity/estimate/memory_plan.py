@@ -65,7 +65,7 @@ def host_reserve_bytes(machine):
 
 
 HOMES = ("none", "cpu", "nvme")
-#: infinity.zero.partitioned_optimizer.MAX_INFLIGHT_REDUCTIONS (kept in step by a test)
+#: infinity.zero.partitioned_grads.MAX_INFLIGHT_REDUCTIONS (kept in step by a test)
 ZERO_INFLIGHT_REDUCTIONS = 4
 TIER_NAMES = {"device": "device per GPU", "pinned": "pinned host per node",
               "pageable": "pageable host per node", "nvme": "NVMe per node"}
@@ -409,7 +409,7 @@ def _plan(spec, machine, knobs, params_home, optimizer_home, param_items=None):
     # its states in host memory like "cpu"): gradients always leave the device
     if gpu and stage >= 2 and R > 1:  # reduced on the device: each rank copies its 1/R
         # as the engine reserves (infinity/zero/distributed.py device_grad_lines)
-        from infinity.zero.partitioned_optimizer import MAX_INFLIGHT_REDUCTIONS as kr
+        from infinity.zero.partitioned_grads import MAX_INFLIGHT_REDUCTIONS as kr
         bucket = int(knobs.reduce_bucket_mb * 1e6)
         dev_b, pin_b, fd, fp = 0, 0, [], []
         if bucket > 0 and not knobs.qgz:
@@ -439,7 +439,7 @@ def _plan(spec, machine, knobs, params_home, optimizer_home, param_items=None):
     grad_item = Item("pageable", "grad accumulation (fp32, host)", r * shard * 4, "r*N/R*4")
     add(grad_item)
     if not gpu and stage >= 2 and R > 1:
-        # engine (PartitionedOptimizer._lease_full, host pool on a CPU-only rank): a
+        # engine (PartitionedGrads._lease_full, host pool on a CPU-only rank): a
         # group's full fp32 gradient assembled for its reduce-scatter, up to
         # MAX_INFLIGHT_REDUCTIONS in flight, one being assembled and a tied group open
         # across backward; tiled groups never (their rows are reduced tile by tile, so

@@ -6,10 +6,12 @@ on its worker thread) or to the NVMe gradient
 home (:class:`~infinity.grads.nvme_store.NvmeGradStore`); at the boundary the global norm
 is taken over whatever holds them.
 
-:class:`GradAccumulation` is the gradient half of the step driver
-(:class:`infinity.optim.driver.EngineOptimizer` mixes it in and calls
-:meth:`GradAccumulation._init_grads` from its constructor; the partitioned optimizer of
-:mod:`infinity.zero` overrides the parts that reduce across ranks).
+:class:`GradAccumulation` is the gradient half of the step driver: a collaborator the
+driver (:class:`infinity.optim.driver.EngineOptimizer`) owns as ``opt.grads`` and the
+engine feeds (``opt.grads.accumulate`` from the gradient hooks).  Across ranks the
+partitioned optimizer of :mod:`infinity.zero` owns its subclass
+(:class:`infinity.zero.partitioned_grads.PartitionedGrads`), which reduces as it
+accumulates.
 """
 from __future__ import annotations
 
@@ -24,12 +26,15 @@ __all__ = ["GradAccumulation"]
 
 
 class GradAccumulation:
-    """Uses the step driver's ``groups`` (trainable), ``host_pool``, ``swap``, ``acct`` and
-    ``timeline``."""
+    """The fp32 gradients of the trainable ``groups`` over an accumulation window."""
 
-    def _init_grads(self, lazy_grads: bool) -> None:
-        """The gradient state (after ``groups``, ``host_pool``, ``swap``, ``acct`` and
-        ``timeline`` were set by the step driver's constructor)."""
+    def __init__(self, groups: list[GroupRecord], *, host_pool, swap, acct, timeline=None,
+                 lazy_grads: bool = False):
+        self.groups = groups
+        self.host_pool = host_pool
+        self.swap = swap
+        self.acct = acct
+        self.timeline = timeline
         self._written: set[int] = set()     # id(slot) with a gradient since the last step
         self.nvme_grads = None              # NvmeGradStore when grads are homed on NVMe
         self.grad_d2h = None                # GradD2H when the device tier is not host memory
@@ -120,7 +125,7 @@ class GradAccumulation:
     def _accumulate_host(self, g: GroupRecord, slot: ParamSlot, grad: torch.Tensor) -> None:
         """First gradient of a slot since the last step: copy (no zeroing pass needed);
         later micro-steps: add, in fp32."""
-        if self._on_nvme(g):
+        if self.on_nvme(g):
             self.nvme_grads.accumulate(g, self._slot_index[id(slot)], grad)
             return
         dst = self._grad_buf(g)[slot.offset:slot.offset + slot.numel]
@@ -134,7 +139,7 @@ class GradAccumulation:
         """Whether :meth:`accumulate_rows` can take ``g``'s gradient piece by piece (a host
         buffer on a zero-copy tier; the D2H route and the NVMe gradient home take whole
         slots)."""
-        return self.grad_d2h is None and not self._on_nvme(g)
+        return self.grad_d2h is None and not self.on_nvme(g)
 
     def accumulate_rows(self, g: GroupRecord, slot: ParamSlot, start: int,
                         part: torch.Tensor | None, last: bool, numel: int | None = None) -> None:
@@ -164,20 +169,21 @@ class GradAccumulation:
     def grad_in_hand(self, g: GroupRecord) -> torch.Tensor | None:
         """``g``'s final gradient in host memory: its host buffer, or the kept buffer of an
         NVMe-homed group (Note [Streamed gradients]); None when it is on NVMe."""
-        if self._on_nvme(g):
+        if self.on_nvme(g):
             return self.nvme_grads.held.get(g.gid)
         return g.grad_buf
 
     def host_grad_buffer(self, g: GroupRecord) -> torch.Tensor | None:
         """``g``'s host gradient buffer, the one :meth:`grad_norm` reads; None when its
         gradient is homed on NVMe (or none was accumulated yet)."""
-        return None if self._on_nvme(g) else g.grad_buf
+        return None if self.on_nvme(g) else g.grad_buf
 
     def grad_source(self, g: GroupRecord):
         """What the optimizer step reads as ``g``'s gradient: a host buffer or an extent."""
-        return self.nvme_grads.grad_of(g.gid) if self._on_nvme(g) else g.grad_buf
+        return self.nvme_grads.grad_of(g.gid) if self.on_nvme(g) else g.grad_buf
 
-    def _on_nvme(self, g: GroupRecord) -> bool:
+    def on_nvme(self, g: GroupRecord) -> bool:
+        """Whether ``g``'s gradient is homed on NVMe."""
         return self.nvme_grads is not None and g.gid in self.nvme_grads.extent
 
     def before_backward(self, final_micro: bool) -> None:
@@ -190,11 +196,28 @@ class GradAccumulation:
         if self.nvme_grads is not None:
             self.nvme_grads.end_backward()
 
-    def _zero_unwritten(self, skip=()) -> None:
+    def zero_grad(self) -> None:
+        """The window's gradients are done with (stepped or dropped): the next window's
+        first gradient of each slot is copied, not added."""
+        if self.grad_d2h is not None:
+            self.grad_d2h.drain()     # nothing of this window may land after the reset
+        self._written.clear()
+        if self.nvme_grads is not None:
+            self.nvme_grads.reset()
+
+    def abandon(self) -> None:
+        """The window is dropped (Note [window abort]): what is still on its way is
+        discarded (one process: nothing is; the driver then releases and resets)."""
+
+    def close(self) -> None:
+        if self.grad_d2h is not None:
+            self.grad_d2h.close()
+
+    def zero_unwritten(self, skip=()) -> None:
         """Slots that got no gradient in this window hold stale values: zero them
         (``skip``: groups already stepped during backward)."""
         for g in self.groups:
-            if g.gid in skip or self._on_nvme(g):
+            if g.gid in skip or self.on_nvme(g):
                 continue
             for s in g.slots:
                 if s.trainable and id(s) not in self._written:
@@ -211,7 +234,7 @@ class GradAccumulation:
         if self.nvme_grads is not None:
             total += self.nvme_grads.finish_window()
         for g in self.groups:
-            if g.gid in skip or self._on_nvme(g):
+            if g.gid in skip or self.on_nvme(g):
                 continue
             if g.gid in known:
                 total += known[g.gid]

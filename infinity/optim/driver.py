@@ -1,6 +1,7 @@
 """The step driver: the accumulation boundary, clipping, loss scaling, LR schedule and
 the Adam step over the optimizer state store.  The fp32 gradient buffers it steps from
-are the gradient floor's (:class:`infinity.grads.accumulate.GradAccumulation`, mixed in).
+are its collaborator's, ``opt.grads`` (:class:`infinity.grads.accumulate.GradAccumulation`;
+the partitioned optimizer's reduces across ranks), which the engine's gradient hooks feed.
 
 One store partition per trainable parameter group (key ``"g<gid>"``).  In fp32 the
 parameter home *is* the fp32 master (``external_master``); in bf16/fp16 the store holds
@@ -54,7 +55,7 @@ class _Unfinished:
         self.hp, self.on_undo, self.t0 = hp, on_undo, t0
 
 
-class EngineOptimizer(GradAccumulation):
+class EngineOptimizer:
     def __init__(self, model, cfg, groups: list[GroupRecord], names: dict[int, str], *,
                  store, swap, host_pool, accounting, timeline=None, lr_scheduler=None,
                  lazy_grads: bool = False):
@@ -92,7 +93,20 @@ class EngineOptimizer(GradAccumulation):
                                      # or an inf/NaN Adam result (every precision)
         self.last_nonfinite_groups: tuple = ()   # the groups of the last result skip
         self.host_pool = host_pool
-        self._init_grads(lazy_grads)
+        self.dev = None              # the device tier (attach_device)
+        self.grads = self._make_grads(lazy_grads)
+
+    def _make_grads(self, lazy_grads: bool) -> GradAccumulation:
+        """The gradient accumulation this driver steps from (``opt.grads``)."""
+        return GradAccumulation(self.groups, host_pool=self.host_pool, swap=self.swap,
+                                acct=self.acct, timeline=self.timeline,
+                                lazy_grads=lazy_grads)
+
+    def attach_device(self, device_tier, max_inflight_bytes: int | None = None) -> None:
+        """The device tier the parameters compute on; gradients computed in separate
+        device memory leave it through ``grads`` (:meth:`GradAccumulation.attach_device`)."""
+        self.dev = device_tier
+        self.grads.attach_device(device_tier, max_inflight_bytes)
 
     # ------------------------------------------------------------------ registration
     def register(self, g: GroupRecord, init_fp32: torch.Tensor | None) -> None:
@@ -120,17 +134,14 @@ class EngineOptimizer(GradAccumulation):
     def abandon_window(self) -> None:
         """A step failed part-way (an overlapped group step raised): drop this window's
         gradients so a caller that goes on does not add the next window onto them."""
+        self.grads.abandon()
         for g in self.groups:
-            self.release_grad(g)
+            self.grads.release_grad(g)
         self.zero_grad()
 
     def zero_grad(self) -> None:
-        if self.grad_d2h is not None:
-            self.grad_d2h.drain()     # nothing of this window may land after the reset
-        self._written.clear()
+        self.grads.zero_grad()
         self._hp = None
-        if self.nvme_grads is not None:
-            self.nvme_grads.reset()
 
     # ------------------------------------------------------------------ lr
     def lr_for_group(self, i: int) -> float:
@@ -216,10 +227,10 @@ class EngineOptimizer(GradAccumulation):
         t0 = time.perf_counter()
         done = done or {}
         shield = shield or (lambda fn: fn())
-        self._zero_unwritten(skip=done)
+        self.grads.zero_unwritten(skip=done)
         scale = float(self.scaler.scale)
         kw = {"known": norms} if norms else {}   # (one process only: ZeRO gives none)
-        raw_norm = self.grad_norm(skip=done, **kw) if done else self.grad_norm(**kw)
+        raw_norm = self.grads.grad_norm(skip=done, **kw) if done else self.grads.grad_norm(**kw)
         overflow = not math.isfinite(raw_norm)
         norm = raw_norm / scale
         self.last_nonfinite_groups = ()
@@ -243,7 +254,7 @@ class EngineOptimizer(GradAccumulation):
                 self.nonfinite_steps += 1
             self._hp = None
             for g in self.groups:
-                self.release_grad(g)
+                self.grads.release_grad(g)
             self.zero_grad()
         if overflow:
             shield(skip)
@@ -338,7 +349,7 @@ class EngineOptimizer(GradAccumulation):
             for g in self.groups:     # (groups stepped early kept theirs for a redo)
                 if later and self.key(g) in self.unfinished.keys:
                     continue          # kept until their update is written
-                self.release_grad(g)
+                self.grads.release_grad(g)
             if not later:
                 self.zero_grad()
             if self.torch_sched is not None:
@@ -387,7 +398,7 @@ class EngineOptimizer(GradAccumulation):
         for g, it in done:
             self.count_master_in_hand(it)
             u.keys.discard(it.key)
-            self.release_grad(g)
+            self.grads.release_grad(g)
         self.acct.count("optimizer_groups_after_decision", len(done))
         if deferred_seconds is not None:
             self.acct.count("optimizer_groups_finished_after_step", len(done))
@@ -515,7 +526,7 @@ class EngineOptimizer(GradAccumulation):
     def _kept_for_redo(self, g: GroupRecord):
         """``g``'s gradient still in host memory for a clipped redo (Note [Redo from
         moments]), or None (then it is recovered from the moments)."""
-        return g.grad_buf if not self.lazy_grads and not self._on_nvme(g) else None
+        return g.grad_buf if not self.grads.lazy_grads and not self.grads.on_nvme(g) else None
 
     #: the commit vote is this process's own (no other rank can fail the update)
     LOCAL_VOTE = True
@@ -545,7 +556,7 @@ class EngineOptimizer(GradAccumulation):
         if pos < g.padded_numel:
             segs.append((pos, g.padded_numel - pos, 0.0, 0.0))
         param_out, sink = self._param_target(g)
-        grad = self.grad_source(g)
+        grad = self.grads.grad_source(g)
         # fp32 NVMe home with a cached host copy (MemoryManager.enable_cache): the copy is
         # the master in hand, updated in place and written through (Note [Cache
         # write-through] in infinity/memory/manager.py)
@@ -598,6 +609,7 @@ class EngineOptimizer(GradAccumulation):
                     h.wait()
 
     def close(self) -> None:
-        if self.grad_d2h is not None:
-            self.grad_d2h.close()
-        self.store.close()
+        try:
+            self.grads.close()
+        finally:
+            self.store.close()

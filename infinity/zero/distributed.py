@@ -99,7 +99,7 @@ class ZeroSetup:
         opt = PartitionedOptimizer(model, cfg, groups, names, comm=self.comm,
                                    stage=self.stage, spill_grads=self.spill, **kw)
         if self.zeropp is not None and self.zeropp.qg and self.stage >= 2:
-            opt.reduce_scatter_sum = self.zeropp.reduce_scatter_sum      # qgZ
+            opt.grads.reduce_scatter_sum = self.zeropp.reduce_scatter_sum      # qgZ
         return opt
 
     @property
@@ -177,7 +177,7 @@ def device_grad_lines(placement, zero: "ZeroSetup") -> None:
     gradient moves a tile of rows at a time (Note [Tile gradients across ranks])."""
     from infinity.memory.pool import ALIGN, round_up
     from infinity.zero.grad_buckets import MAX_OPEN_BUCKETS, bucket_numel
-    from infinity.zero.partitioned_optimizer import MAX_INFLIGHT_REDUCTIONS as k
+    from infinity.zero.partitioned_grads import MAX_INFLIGHT_REDUCTIONS as k
     w = zero.world_size
     placement.device.pop("gradient D2H sources", None)
     placement.host.pop("gradient D2H staging", None)

@@ -94,8 +94,8 @@ class _Open:
 
 
 class GradBuckets:
-    """The bucketed gradient path of :class:`~infinity.zero.partitioned_optimizer.
-    PartitionedOptimizer` (Note [Gradient buckets]).
+    """The bucketed gradient path of :class:`~infinity.zero.partitioned_grads.
+    PartitionedGrads` (Note [Gradient buckets]).
 
     ``shard_acc(g)``: the host fp32 tensor ``g``'s averaged shard is added into (main
     thread), or ``shard_acc=None``: a zeroed shard leased per group and backward;

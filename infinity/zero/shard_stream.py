@@ -1,6 +1,6 @@
 """Streamed gradient shards across ranks (Note [Streamed gradients] in
 infinity/engine/overlap.py) for the gradient spill of
-:class:`infinity.zero.partitioned_optimizer.PartitionedOptimizer`.
+:class:`infinity.zero.partitioned_grads.PartitionedGrads`.
 
 With the fp32 gradient shards homed on NVMe (``spill_grads``), the last micro-step of a
 window offers each group's averaged, final shard to ``keep`` (the overlapped step's
@@ -25,8 +25,8 @@ __all__ = ["ShardStream"]
 
 
 class ShardStream:
-    def __init__(self, opt):
-        self.opt = opt
+    def __init__(self, grads):
+        self.opt = grads     # the PartitionedGrads whose extents it writes
         self.keep: Callable | None = None     # keep(g) -> bool (the overlapped step)
         self.held: dict[int, torch.Tensor] = {}
 

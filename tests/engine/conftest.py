@@ -154,7 +154,7 @@ def one_backward_matches(ref, x, cfg, tol=1e-6):
         assert rel_err(x.grad, x_ref.grad) < tol
         want_of = dict(ref.named_parameters())
         for g in eng.opt.groups:
-            gb = eng.opt.grad_in_hand(g)
+            gb = eng.opt.grads.grad_in_hand(g)
             for sl in g.slots:
                 got = gb[sl.offset:sl.offset + sl.numel].view(sl.shape)
                 assert rel_err(got, want_of[sl.name].grad) < tol, sl.name

@@ -108,7 +108,7 @@ def test_lora_over_quantized_base_matches_peft_over_dequantized_base(kind, dtype
             if i == 0:         # forward/backward: the adapters' gradients
                 want = dict(ref.named_parameters())
                 for g in eng.opt.groups:
-                    gb = eng.opt.grad_in_hand(g)
+                    gb = eng.opt.grads.grad_in_hand(g)
                     for s in g.slots:
                         got = gb[s.offset:s.offset + s.numel].view(s.shape)
                         assert _rel(got, want[s.name].grad) < 1e-5, s.name

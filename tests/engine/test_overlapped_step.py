@@ -116,7 +116,7 @@ def test_worker_error_surfaces_at_step(harness, swap_dir):
         after = {n: t.clone() for n, t in EngineCheckpoint(eng).checkpoint_tensors()}
         diff = [n for n in before if not torch.equal(before[n], after[n])]
         assert not diff, diff
-        assert not eng.opt._written
+        assert not eng.opt.grads._written
         eng.store.step = real                            # and training goes on
         for b in batches:
             eng.backward(harness.loss_of("mlp", eng(b[0]), b))

@@ -276,7 +276,7 @@ def test_failure_in_backward_after_streamed_updates_rolls_back(harness, swap_dir
         diff = [n for n in before if not torch.equal(before[n], after[n])]
         assert not diff, diff
         assert eng.global_steps == 2
-        assert not eng.opt.nvme_grads.held and not eng.opt.nvme_grads.staging
+        assert not eng.opt.grads.nvme_grads.held and not eng.opt.grads.nvme_grads.staging
         more, _ = _train(eng, data[3:])        # and training goes on, at parity
         perr = harness.param_rel_err(ref, eng)
     assert _rel(losses + more, ref_l) < 1e-5 and perr < 1e-5
@@ -332,7 +332,7 @@ def test_clipped_redo_at_parity(harness, swap_dir, optim, cap):
         losses, per = _train(eng, data)
         perr = harness.param_rel_err(ref, eng)
         st = eng.stats()
-        lazy = eng.opt.lazy_grads
+        lazy = eng.opt.grads.lazy_grads
     assert _rel(losses, ref_l) < 1e-5 and perr < 1e-5, (_rel(losses, ref_l), perr)
     assert st.get("optimizer_clip_redos", 0) > 0 and st.get("optimizer_groups_redone", 0) > 0, st
     assert lazy == (cap is not None)

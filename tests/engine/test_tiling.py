@@ -231,7 +231,7 @@ def test_tiling_on_separate_device_memory(harness, swap_dir, home, monkeypatch):
     ref_l = _ref(ref, batches)
     with infinity.initialize(model, _cfg(swap_dir, home)) as eng:
         assert eng.mm.dev.kind == "simulated" and set(eng.tiling.specs) == {model.a, model.b}
-        assert not eng.opt.accumulates_rows(eng.tiling.specs[model.a].weight[0])
+        assert not eng.opt.grads.accumulates_rows(eng.tiling.specs[model.a].weight[0])
         losses = _train(eng, batches)
         perr = harness.param_rel_err(ref, eng)
         s = eng.stats()

@@ -430,7 +430,7 @@ def test_zero_cpu_ranks_count_gradients_awaiting_reduction():
     groups reduced whole (Gmax, or Gf with tiling) on the host; the optimizer tile ring
     covers a rank's shard of the largest group."""
     from infinity.estimate.memory_plan import ZERO_INFLIGHT_REDUCTIONS
-    from infinity.zero.partitioned_optimizer import MAX_INFLIGHT_REDUCTIONS
+    from infinity.zero.partitioned_grads import MAX_INFLIGHT_REDUCTIONS
     assert ZERO_INFLIGHT_REDUCTIONS == MAX_INFLIGHT_REDUCTIONS
     k = MAX_INFLIGHT_REDUCTIONS + 2
     spec = small_spec()                             # Gmax 50 000

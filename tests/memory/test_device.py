@@ -578,7 +578,7 @@ def test_host_staging_is_allocated_at_initialize_not_in_the_first_steps(
     with infinity.initialize(model, cfg) as e:
         pool = e.host_pool
         reserved = e.mm.staging_sizes(e.cfg.prefetch.depth) \
-            + e.opt.staging_sizes()
+            + e.opt.grads.staging_sizes()
         assert reserved                                  # there is staging to reserve
         allocs = []
         real = pool._allocator

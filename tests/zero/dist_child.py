@@ -71,7 +71,7 @@ def main():
         grad_full_bytes = sum(4 * g.padded_numel for g in eng.grouping.groups if g.trainable)
         trainable_elems = sum(s.numel for g in eng.grouping.groups for s in g.slots
                               if s.trainable)
-        bucketed = getattr(eng.opt, "grad_buckets", None) is not None
+        bucketed = eng.opt.grads.grad_buckets is not None
         param_homes = sorted({g.home for g in eng.grouping.groups})
         planned_device = eng.placement.device_total
         param_bytes = {"trainable": sum(g.nbytes for g in eng.grouping.groups if g.trainable),
@@ -187,7 +187,7 @@ def host_sizes(eng) -> dict:
     cache, this rank's NVMe-homed shards (page-rounded, as the pool leases them) and the
     full-size fp32 gradients the reductions lease from the host pool during backward."""
     from infinity.memory.pool import ALIGN, round_up
-    from infinity.zero.partitioned_optimizer import MAX_INFLIGHT_REDUCTIONS
+    from infinity.zero.partitioned_grads import MAX_INFLIGHT_REDUCTIONS
     need = sum(v for k, v in eng.placement.host.items() if not k.startswith("parameter cache"))
     shards = 0
     if eng.zero is not None:

@@ -63,14 +63,14 @@ def main():
     data = [(torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)) for _ in range(3)]
     result = {"rank": rank, "overlap_on": eng.overlap is not None}
     held = []                 # spilled shards kept for an early step (grad_stream.held)
-    if eng.opt.grad_stream is not None:
-        keep = eng.opt.grad_stream.keep
+    if eng.opt.grads.grad_stream is not None:
+        keep = eng.opt.grads.grad_stream.keep
 
         def counting_keep(g):
             ok = keep(g)
             held.append(ok)
             return ok
-        eng.opt.grad_stream.keep = counting_keep
+        eng.opt.grads.grad_stream.keep = counting_keep
     for i, (x, y) in enumerate(data):
         xs, ys = x[rank * 4:(rank + 1) * 4], y[rank * 4:(rank + 1) * 4]
         if i == 2:

@@ -1,6 +1,6 @@
 """Memory-centric tiling at ZeRO world size > 1 (Note [Tiles across ranks] in
 infinity/zero/partitioned_memory.py, Note [Tile gradients across ranks] in
-partitioned_optimizer.py): at stage 3 a tiled Linear, Embedding and tied embedding / LM
+partitioned_grads.py): at stage 3 a tiled Linear, Embedding and tied embedding / LM
 head train like single-process torch AdamW on the global batch (fp32, < 1e-5), with the
 tiles really used (``tiles_forward`` / ``tiles_backward`` / ``tile_gathers`` > 0 on every
 rank), the ranks' lookups touching different embedding tiles, and the device working set
