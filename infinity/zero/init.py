@@ -258,6 +258,39 @@ def materialized(params, *, write_back: bool = True):
             p.data = placeholder(rec.dtype, rec.shape)
 
 
+# What a placeholder answers as the values would (its true shape and dtype over one
+# element, infinity.memory.record.placeholder) and flag changes that leave the values alone:
+# ``p.requires_grad_(False)`` or ``p.shape`` inside a module's ``__init__`` (a PEFT-style
+# layer freezing its base) must not read the parameter back from its Init home and write it
+# again.  Not ``stride`` / ``is_contiguous``: the placeholder's differ.
+_META_METHODS = frozenset({
+    torch.Tensor.requires_grad_, torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel,
+    torch.Tensor.nelement, torch.Tensor.ndimension, torch.Tensor.element_size,
+    torch.Tensor.is_floating_point, torch.Tensor.is_complex, torch.Tensor.get_device})
+_META_PROPERTIES = frozenset(
+    [(torch.Tensor.requires_grad, "__get__"), (torch.Tensor.requires_grad, "__set__")]
+    + [(getattr(torch.Tensor, a), "__get__") for a in (
+        "shape", "dtype", "device", "ndim", "is_leaf", "layout", "is_cuda", "is_meta",
+        "grad", "grad_fn")])
+
+
+def _metadata_only(func) -> bool:
+    """Whether ``func`` reads or sets only what a placeholder keeps (shape, dtype,
+    ``requires_grad`` ...), not the values."""
+    try:
+        if func in _META_METHODS:
+            return True
+    except TypeError:        # an unhashable callable
+        return False
+    owner = getattr(func, "__self__", None)
+    if owner is None or not hasattr(owner, "__get__"):
+        return False
+    try:
+        return (owner, getattr(func, "__name__", None)) in _META_PROPERTIES
+    except TypeError:        # an unhashable owner
+        return False
+
+
 class _FaultInMode(TorchFunctionMode):
     """While Init is active: any torch operation that receives an offloaded parameter
     (``init.normal_(child.weight)``, ``child.weight.data`` ...) first gets the parameter's
@@ -271,7 +304,7 @@ class _FaultInMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if _RECORDS:
+        if _RECORDS and not _metadata_only(func):
             for a in (*args, *kwargs.values()):
                 if isinstance(a, nn.Parameter):
                     self.ctx._fault_in(a)

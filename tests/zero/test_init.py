@@ -245,3 +245,61 @@ def test_init_built_base_quantized_as_adopted_peak_bounded(tmp_path):
           f"adopted {r['adopted'] / 2**20:.0f}, trained {r['trained'] / 2**20:.0f} MiB; "
           f"model {r['model_bytes'] / 2**20:.0f} MiB")
     assert grew <= budget, (grew / 2**20, r)
+
+
+class _FreezesItsBase(nn.Module):
+    """A PEFT-style layer: builds a base Linear, then freezes it and reads its shape in its
+    own ``__init__`` (after the base was offloaded)."""
+
+    def __init__(self, d=16, r=2):
+        super().__init__()
+        self.base = nn.Linear(d, d)
+        self.base.weight.requires_grad_(False)
+        self.base.bias.requires_grad = False
+        n_out, n_in = self.base.weight.shape
+        self.fan = (self.base.weight.size(1), self.base.weight.dim(), self.base.weight.numel(),
+                    self.base.weight.dtype, self.base.weight.requires_grad)
+        self.lora_a = nn.Parameter(torch.zeros(r, n_in))
+        self.lora_b = nn.Parameter(torch.zeros(n_out, r))
+
+
+@pytest.mark.parametrize("home", ["cpu", "nvme"])
+def test_flags_and_shapes_do_not_fault_in(home, tmp_path, monkeypatch):
+    """Freezing an offloaded parameter or asking its shape inside ``__init__`` answers from
+    the placeholder: the values are not read back from the Init home nor stored again
+    (a 26B LoRA base built under Init was written twice); the values stay the eager ones."""
+    from infinity.zero import init as zinit
+    faulted = []
+    orig = zinit.Init._fault_in
+
+    def counting(self, p):
+        if zinit.record_of(p) is not None and id(p) not in self._faulted:
+            faulted.append(tuple(p.shape))
+        return orig(self, p)
+    monkeypatch.setattr(zinit.Init, "_fault_in", counting)
+    torch.manual_seed(0)
+    eager = _FreezesItsBase()
+    torch.manual_seed(0)
+    with Init(_config(home, tmp_path)):
+        m = _FreezesItsBase()
+    assert faulted == []
+    assert m.fan == (16, 2, 256, torch.float32, False)
+    assert is_managed(m.base.weight) and not m.base.weight.requires_grad
+    assert not m.base.bias.requires_grad and m.lora_a.requires_grad
+    got = _values(m)
+    for k, v in eager.state_dict().items():
+        assert torch.equal(got[k], v), k
+    # a value access still faults in (and the in-place write is kept)
+    with Init(_config(home, tmp_path / "again")):
+        class Scales(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.inner = nn.Linear(4, 4)
+                with torch.no_grad():
+                    self.inner.weight.mul_(2.0)
+        torch.manual_seed(1)
+        s = Scales()
+    assert faulted == [(4, 4)]
+    torch.manual_seed(1)
+    ref = nn.Linear(4, 4)
+    assert torch.equal(_values(s)["inner.weight"], ref.weight.detach() * 2.0)
