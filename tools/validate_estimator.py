@@ -167,6 +167,8 @@ def child(spec):
     import infinity.io  # noqa: F401  (extensions loaded: part of the baseline)
     import infinity.optim  # noqa: F401
     from transformers import GPT2Config, GPT2LMHeadModel
+    if spec.get("lora"):
+        import peft  # noqa: F401  (part of the baseline, as transformers is)
 
     torch.set_num_threads(1)
     # torch-only baseline: the runtime after one plain-PyTorch forward/backward of a tiny
