@@ -32,6 +32,10 @@ Averaging: each rank's loss is the mean over its own micro-batch; dividing the s
 gradients by the world size gives the gradient of the mean loss over the global batch.
 The gradient norm used for clipping and fp16 overflow checks is the global one (the
 squared shard norms are summed across ranks), so every rank takes the same decision.
+
+This module is the step over the shards; the gradient side described above (accumulation,
+reductions, spill) is its collaborator ``opt.grads``
+(:class:`infinity.zero.partitioned_grads.PartitionedGrads`).
 """
 from __future__ import annotations
 
