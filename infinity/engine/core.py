@@ -630,8 +630,7 @@ class Engine:
         for k in STATS_COUNTERS:
             d.setdefault(k, 0)
         d.update({
-            "step": self.opt.step_count,
-            "micro_step": self.micro_steps,
+            "step": self.opt.step_count, "micro_step": self.micro_steps,
             "lr": self.opt.lr,
             "loss_scale": float(self.opt.scaler.scale),
             "skipped_steps": int(self.opt.scaler.skipped_steps) + int(self.opt.nonfinite_steps),
@@ -765,6 +764,7 @@ class Engine:
                          ("tiling", getattr(self.tiling, "remove", None)),
                          ("memory", getattr(self.mm, "close", None)),
                          ("device", getattr(self.device_tier_to_own, "close", None)),
+                         ("gradients", getattr(getattr(self.opt, "grads", None), "close", None)),
                          ("optimizer", getattr(self.store, "close", None)),
                          ("swap", getattr(self.swap, "close", None)),
                          ("aio", getattr(self.aio, "close", None))):

@@ -319,10 +319,14 @@ def param_items(spec, machine, knobs, params_home) -> list:
             # the window holds at once (host memory, measured: the 26B run): frozen groups
             # and adapter groups alternate (the GPU lines keep the engine's device budget,
             # which is sized for the whole window)
-            add(("device", "fetched groups (in use + prefetch)",
-                 fw * G * lp + (win - fw) * Ga * lp,
-                 "ceil((d+2)/2)*Gmax*lp + (d+2-ceil((d+2)/2))*Ga*lp  [frozen and adapter "
-                 "groups alternate]"))
+            if params_home == "nvme":
+                add(("device", "fetched groups (in use + prefetch)",
+                     fw * G * lp + (win - fw) * Ga * lp,
+                     "ceil((d+2)/2)*Gmax*lp + (d+2-ceil((d+2)/2))*Ga*lp  [frozen and "
+                     "adapter groups alternate]"))
+            else:         # host home: the adapters are used in place
+                add(("device", "fetched groups (in use + prefetch)", fw * G * lp,
+                     "ceil((d+2)/2)*Gmax*lp  [the frozen groups: every other in the window]"))
         home = "pinned" if params_home == "cpu" else "nvme"
         where = "host" if params_home == "cpu" else "NVMe"
         add((home, f"frozen base home ({where}" + (", quantized)" if quant else ")"),
@@ -335,8 +339,8 @@ def param_items(spec, machine, knobs, params_home) -> list:
             else:
                 add(("pinned", "NVMe staging (initialisation only)", G * lp, "Gmax*lp"))
                 if quant:
-                    add(("pinned", "quantized payload reads", fw * Gq,
-                         "ceil((d+2)/2)*Gmax*qb"))
+                    add(("pinned", "quantized payload reads", r * fw * Gq,
+                         "r*ceil((d+2)/2)*Gmax*qb"))
     if quant and gpu and (params_home != "none" or sharded):
         # the payload leased on the device per fetch (gathered: the whole payload) until
         # it is dequantized: the prefetched ones and the one being dequantized

@@ -23,7 +23,8 @@ The data path follows the engine (``infinity/engine/build.py``, ``infinity/memor
   through a pinned staging buffer on GPU nodes) and released after use; parameters do not
   change during forward/backward so nothing is written back on release;
 * the device tier holds the group in use, ``d`` prefetched groups and one being
-  released: ``(d+2)*Gmax*lp`` (``PlacementPlan``'s "fetch window"); on a CPU-only node a
+  released: ``(d+2)*Gmax*lp`` (``PlacementPlan``'s "fetch window"; LoRA on a CPU-only node:
+  the frozen groups' share of it, :func:`infinity.estimate.lora.frozen_in_window`); on a CPU-only node a
   host-homed group is used in place (no copy) and an NVMe-homed group is read straight
   into a device-tier buffer, with one group-sized staging buffer during initialisation;
 * each group's gradient accumulates into an fp32 buffer (4 bytes per element) in host
@@ -319,7 +320,9 @@ def _plan_lora(spec, machine, knobs, params_home, optimizer_home):
                param_items=base)
     pl.notes.insert(0, "LoRA: the gradient, optimizer and tile-ring lines count the adapters "
                        "(N = Na adapter params, Gmax = the largest adapter group); Nf, qb: the "
-                       "frozen base's params and bytes per param at its home")
+                       "frozen base's params and bytes per param at its home; in the frozen "
+                       "base's lines Gmax is the largest frozen group, Ga the largest adapter "
+                       "group")
     return pl
 
 

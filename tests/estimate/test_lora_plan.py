@@ -398,3 +398,26 @@ def test_the_engine_releases_recomputed_frozen_groups_as_the_estimate_says(tmp_p
     assert group == 257 * 256 * 4                     # the frozen Linear, weight and bias
     grown = peaks[True] - peaks[False]
     assert grown < 2 * group, (peaks, group)
+
+
+@pytest.mark.parametrize("depth", [0, 1, 2, 3])
+def test_cpu_only_fetch_window_holds_every_other_group_frozen(depth):
+    """CPU-only, LoRA on every projection: adapter groups are used right after the frozen
+    weight they adapt, so the fetch window of d+2 groups holds ceil((d+2)/2) frozen ones
+    (NVMe home: the rest are adapter groups; host home: adapters used in place); the
+    quantized payloads read from NVMe, one per frozen group in the window.  With GPUs the device line stays the engine's budget, the whole window."""
+    spec = spec_from_dims(7e9, 32, 4096, seq=512, vocab=32000)
+    k = Knobs(precision="bf16", lora_rank=16, frozen_dtype="nf4", prefetch_depth=depth)
+    G, Ga = spec.group_numel(k.grouping), lora.largest_adapter_group(spec, 16)
+    Gq = lora.largest_payload(spec, k)
+    fw = -(-(depth + 2) // 2)
+    assert lora.frozen_in_window(depth) == fw
+    cpu = Machine(gpus=0, host_mem_gb=64, nvme_gb=500)
+    nv = {n: b for _, n, b, _ in lora.param_items(spec, cpu, k, "nvme")}
+    assert nv["fetched groups (in use + prefetch)"] == fw * G * 2 + (depth + 2 - fw) * Ga * 2
+    assert nv["quantized payload reads"] == fw * Gq
+    host = {n: b for _, n, b, _ in lora.param_items(spec, cpu, k, "cpu")}
+    assert host["fetched groups (in use + prefetch)"] == fw * G * 2
+    gpu = Machine(gpus=1, gpu_mem_gb=80, host_mem_gb=64, nvme_gb=500)
+    dev = {n: b for _, n, b, _ in lora.param_items(spec, gpu, k, "nvme")}
+    assert dev["fetched groups (in use + prefetch)"] == (depth + 2) * G * 2
