@@ -155,10 +155,12 @@ def plan_nvme_need(config, init_config):
     return nvme_need(meta, init_config, world_size=world)
 
 
-def _build_under_init(config, init_config):
+def _build_under_init(config, init_config, *, skip_init: bool = False):
+    """``skip_init``: every parameter is loaded next; the modules' own initialisation is
+    skipped (``infinity.Init(skip_init=True)``)."""
     from infinity.zero.init import Init
 
-    with Init(init_config, nvme_need=plan_nvme_need(config, init_config)):
+    with Init(init_config, nvme_need=plan_nvme_need(config, init_config), skip_init=skip_init):
         return build_model(config)
 
 
@@ -217,7 +219,7 @@ def load_pretrained(model_dir, *, init_config=None):
     config = load_model_config(cfg_path)
     files = _safetensors_files(model_dir)
     if _uses_init(init_config):
-        model = _build_under_init(config, init_config)
+        model = _build_under_init(config, init_config, skip_init=True)
         n = _load_into_init_model(model, files, model_dir)
         model.config.use_cache = False
         log.info("loaded %s from %s into infinity.Init homes (%d tensors streamed from %d file(s))",

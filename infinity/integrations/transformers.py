@@ -512,7 +512,7 @@ def from_pretrained(model_dir, infinity_config=None, *, auto_class=None, **confi
     config = transformers.AutoConfig.from_pretrained(model_dir, local_files_only=True,
                                                      **config_kwargs)
     cfg = _init_config(infinity_config)
-    with Init(cfg):
+    with Init(cfg, skip_init=True):      # (every parameter is loaded below, strictly)
         model = auto_class.from_config(config)
     names = dict(model.named_parameters(remove_duplicate=False))
     from infinity.zero.init import prefix_resolver

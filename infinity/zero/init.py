@@ -274,6 +274,31 @@ _META_PROPERTIES = frozenset(
         "grad", "grad_fn")])
 
 
+# Init(skip_init=True): the modules' own initialisation of a parameter (nn.init's
+# functions, the random and constant fills they call) is skipped; the values stay undefined
+# until a checkpoint is loaded into every parameter (load_safetensors(..., strict=True)).
+_INIT_FILLS = frozenset(
+    [getattr(torch.Tensor, m) for m in (
+        "uniform_", "normal_", "zero_", "fill_", "random_", "bernoulli_", "exponential_",
+        "cauchy_", "log_normal_", "geometric_")]
+    + [f for f in (getattr(nn.init, n, None) for n in (
+        "uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "eye_",
+        "dirac_", "xavier_uniform_", "xavier_normal_", "kaiming_uniform_", "kaiming_normal_",
+        "orthogonal_", "sparse_")) if f is not None])
+
+
+def _skipped_init(func, args, kwargs):
+    """The parameter ``func(*args, **kwargs)`` initialises, which ``Init(skip_init=True)``
+    leaves undefined, or None (``nn.init``'s functions pass it as ``tensor=``)."""
+    try:
+        if func not in _INIT_FILLS:
+            return None
+    except TypeError:        # an unhashable callable
+        return None
+    t = args[0] if args else kwargs.get("tensor")
+    return t if isinstance(t, nn.Parameter) else None
+
+
 def _metadata_only(func) -> bool:
     """Whether ``func`` reads or sets only what a placeholder keeps (shape, dtype,
     ``requires_grad`` ...), not the values."""
@@ -304,6 +329,10 @@ class _FaultInMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.ctx.skip_init:
+            skipped = _skipped_init(func, args, kwargs)
+            if skipped is not None:
+                return skipped
         if _RECORDS and not _metadata_only(func):
             for a in (*args, *kwargs.values()):
                 if isinstance(a, nn.Parameter):
@@ -463,12 +492,19 @@ class Init:
     ``nvme_need``: bytes (or a dict of named parts, e.g. from :func:`nvme_need` over the
     model built on ``meta``) the whole plan needs on the NVMe paths; with params homed on
     NVMe, entering checks that much free space before anything is written and raises
-    ``OSError(ENOSPC)`` naming the total and the path otherwise."""
+    ``OSError(ENOSPC)`` naming the total and the path otherwise.  ``skip_init``: the
+    modules' own initialisation of their parameters (``nn.init``'s functions and the
+    random or constant fills of a parameter, Hugging Face's ``_init_weights``) is skipped,
+    for a model whose every parameter is loaded next (:func:`load_safetensors` with
+    ``strict=True``): their values are undefined until then, and building costs no random
+    numbers and no second write of each parameter."""
 
-    def __init__(self, config=None, *, enabled: bool = True, nvme_need=None):
+    def __init__(self, config=None, *, enabled: bool = True, nvme_need=None,
+                 skip_init: bool = False):
         from infinity.config import InfinityConfig
         self.cfg = InfinityConfig.load(config)
         self.nvme_need = nvme_need
+        self.skip_init = bool(skip_init)
         self.enabled = bool(enabled)
         self.store: _InitStore | None = None
         self._patched: list[tuple[type, object]] = []
@@ -615,6 +651,8 @@ class Init:
 
         @functools.wraps(orig)
         def _initialize_weights(model, module, *args, **kwargs):
+            if ctx.skip_init:          # (the checkpoint loaded next sets every value)
+                return None
             try:
                 return orig(model, module, *args, **kwargs)
             finally:

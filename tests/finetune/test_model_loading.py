@@ -115,7 +115,9 @@ def test_shipped_configs_fit_the_byte_tokenizer():
 @pytest.mark.parametrize("family, base_only", [("gpt2", False), ("gpt2", True), ("llama", False)])
 def test_pretrained_streams_into_init_homes(tmp_path, family, base_only):
     """With params homed on NVMe the model is built under infinity.Init and each checkpoint
-    tensor is written to its offloaded home; values read back equal the saved ones."""
+    tensor is written to its offloaded home; values read back equal the saved ones.  The
+    build skips the modules' own initialisation (every value comes from the checkpoint):
+    it draws no random numbers."""
     from infinity.zero.init import is_managed, materialized
 
     cfgfile = tmp_path / "c.json"
@@ -132,7 +134,9 @@ def test_pretrained_streams_into_init_homes(tmp_path, family, base_only):
         ref.save_pretrained(str(d), safe_serialization=True)
     infcfg = {"offload": {"params": "nvme", "optimizer": "nvme",
                           "nvme_paths": [str(tmp_path / "swap")]}}
+    rng = torch.get_rng_state()
     model, desc = resolve_model(str(d), init_config=infcfg)
+    assert torch.equal(rng, torch.get_rng_state())
     assert "infinity.Init" in desc
     params = dict(model.named_parameters())
     assert params and all(is_managed(p) for p in params.values())

@@ -303,3 +303,32 @@ def test_flags_and_shapes_do_not_fault_in(home, tmp_path, monkeypatch):
     torch.manual_seed(1)
     ref = nn.Linear(4, 4)
     assert torch.equal(_values(s)["inner.weight"], ref.weight.detach() * 2.0)
+
+
+@pytest.mark.parametrize("kind", ["outer", "llama", "gpt2"])
+def test_skip_init_draws_nothing_and_loads_exactly(kind, tmp_path):
+    """``Init(skip_init=True)`` (a model loaded from a checkpoint next): no module's own
+    initialisation runs -- no random number is drawn, no ``_init_weights`` -- and after a
+    strict ``load_safetensors`` every value equals the checkpoint's."""
+    from safetensors.torch import save_file
+
+    from infinity.zero.init import load_safetensors
+    build = Outer if kind == "outer" else _hf_models()[kind]
+    torch.manual_seed(3)
+    ref = build()
+    sd = {k: v.contiguous() for k, v in ref.state_dict().items()
+          if not (kind == "outer" and k == "head.weight")}           # (tied to emb)
+    if kind != "outer":
+        names = {n for n, _ in ref.named_parameters()}
+        sd = {k: v for k, v in sd.items() if k in names}
+    save_file(sd, str(tmp_path / "w.safetensors"))
+    rng = torch.get_rng_state()
+    with Init(_config("nvme", tmp_path), skip_init=True):
+        model = build()
+    if kind != "outer":      # (Outer draws its own torch.randn: not an initialisation)
+        assert torch.equal(rng, torch.get_rng_state())
+    assert all(is_managed(p) for p in model.parameters())
+    load_safetensors(model, [tmp_path / "w.safetensors"], strict=True)
+    got = _values(model)
+    for k, v in ref.named_parameters(remove_duplicate=False):
+        assert torch.equal(got[k], v.detach()), k
