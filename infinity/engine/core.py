@@ -69,20 +69,16 @@ class Engine:
         self.dtype = _DTYPES[cfg.precision]
         self.gas = cfg.gradient_accumulation_steps
         self.acct = Accounting()
-        self.micro_steps = 0
-        self._closed = False
-        self.phase = Phase.IDLE
+        self.micro_steps, self._closed, self.phase = 0, False, Phase.IDLE
         self._has_grads = False           # a backward ran since the last step()
         # Note [foreign backward]: gradients enter the engine only inside engine.backward;
         # ones that reach its hooks from another backward (a plain loss.backward()) are
         # dropped, and the next forward/backward/step raises saying so
-        self._accepting_grads = False
-        self._foreign_grads = 0
+        self._accepting_grads, self._foreign_grads = False, 0
         self._rank_failure: str | None = None   # several ranks: why every call refuses
         self._txn = None                  # the window's StepTxn (Note [commit point])
         self._worker = None               # runs commits shielded from signals
-        self._warned: set[str] = set()
-        self._nonfinite_warned_at = -1.0
+        self._warned, self._nonfinite_warned_at = set(), -1.0
         self.curriculum_seqlen = None     # set_curriculum_length (infinity.curriculum)
         # the parts build.assemble sets, in data-path order (None until built, so close()
         # frees whatever a failure part-way left built)
@@ -90,11 +86,9 @@ class Engine:
         self.mm = self.opt = self.hooks = self.zero = None
         self.store = self.host_pool = self.grouping = self.placement = self.coord = None
         self.overlap = self.tiling = None
-        self.device_budget: int | None = None
-        self.undo_budget: int | None = None
+        self.device_budget = self.undo_budget = None     # bytes (int) once planned
         self.created_dirs: list = []
-        self._last_on_demand = 0          # on-demand fetches of the last step / so far
-        self._od_at_last_step = 0
+        self._last_on_demand = self._od_at_last_step = 0   # on-demand fetches: last step / so far
         # overlap each group's optimizer update with backward where that cannot change
         # results (infinity.engine.overlap); set False to always step at the boundary
         self.overlap_optimizer_step = True
@@ -207,6 +201,11 @@ class Engine:
                 f"use them; call engine.backward(loss) instead of loss.backward(), then "
                 f"engine.step()")
 
+    def micro_step_to_feed(self) -> int:
+        """The micro-batch to feed next (Note [missed step]; ``stats()["micro_step"]``)."""
+        m = self.micro_steps
+        return m if not self._has_grads else m + 1 if (m + 1) % self.gas else m + 1 - self.gas
+
     def _warn_once(self, key: str, msg: str, *args) -> None:
         if key not in self._warned:
             self._warned.add(key)
@@ -217,9 +216,11 @@ class Engine:
         its transaction (backward of the last micro-batch ran, step() not yet): the window
         is dropped so everything reads the last completed update (and no home is read while
         an overlapped step writes it: Note [Overlap safety] in infinity/engine/overlap.py)."""
-        # a backward after the window's last backward whose step() never ran (an interrupt
-        # between the two calls, then the micro-batch fed again from stats()["micro_step"])
-        # would add its gradient twice: that window is dropped too
+        # Note [missed step]: no step() after a backward (an interrupt between the two): a
+        # micro-step before the window's last is counted now (step() only counts it), after
+        # the last the window is dropped: as stats()["micro_step"] said (micro_step_to_feed)
+        if self._has_grads and (self.micro_steps + 1) % self.gas:
+            self.micro_steps, self._has_grads = self.micro_steps + 1, False
         again = why == "backward" and self._has_grads and (self.micro_steps + 1) % self.gas == 0
         if not again and not self._txn and not (self.overlap is not None and self.overlap.busy):
             return                        # nothing was stepped early: nothing to drop
@@ -370,16 +371,14 @@ class Engine:
     # ------------------------------------------------------------------ training API
     # Note [one exit]: an exception leaves a public call (forward, backward, step) through
     # one ``except`` that covers the whole call, the gate's opening and closing included
-    # (Note [held interrupts]), and nothing else.  The core's own ``except`` drops the
-    # window for what it raises (marking the exception); any other exception -- one raised
-    # before the core (a phase or misuse error, a signal landing in the call's bookkeeping
-    # or while the gate installs its handlers), or a signal held inside the call and
-    # delivered as the gate closes -- goes to ``late(exc)``: forward and backward drop the
-    # window as for any other exception, step only when its update did not commit, none
-    # when the engine is busy (a re-entrant call from a hook: the outer call owns the
-    # window), failed or closed.  So a Ctrl-C that lands as the model's forward returns
-    # leaves the window dropped (micro_step back at the window's start) exactly as one a
-    # moment earlier.
+    # (Note [held interrupts]), and nothing else.  The core's own ``except`` drops the window
+    # for what it raises (marking the exception); any other exception (raised before the
+    # core: a phase or misuse error, a signal in the call's bookkeeping or while the gate
+    # installs its handlers; or a signal held inside the call, delivered as the gate closes)
+    # goes to ``late(exc)``: forward and backward drop the window, step only when its update
+    # did not commit, none when the engine is busy (a re-entrant call from a hook: the outer
+    # call owns the window), failed or closed.  So a Ctrl-C landing as the model's forward
+    # returns leaves the window dropped (micro_step at its start) as one a moment earlier.
     @staticmethod
     def _left(exc, late) -> None:
         if not getattr(exc, "_infinity_window_dropped", False):
@@ -630,7 +629,7 @@ class Engine:
         for k in STATS_COUNTERS:
             d.setdefault(k, 0)
         d.update({
-            "step": self.opt.step_count, "micro_step": self.micro_steps,
+            "step": self.opt.step_count, "micro_step": self.micro_step_to_feed(),
             "lr": self.opt.lr,
             "loss_scale": float(self.opt.scaler.scale),
             "skipped_steps": int(self.opt.scaler.skipped_steps) + int(self.opt.nonfinite_steps),

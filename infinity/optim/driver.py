@@ -607,9 +607,3 @@ class EngineOptimizer:
                 h = sink(key, 0, lp)
                 if h is not None:
                     h.wait()
-
-    def close(self) -> None:
-        try:
-            self.grads.close()
-        finally:
-            self.store.close()

@@ -496,6 +496,39 @@ def test_random_interrupts_with_accumulation_refeed_from_micro_step(tmp_path, tr
     assert _close(final, traj[-1])
 
 
+@pytest.mark.parametrize("missed_at", [0, 1, 2])
+def test_a_step_missed_after_backward_then_fed_again_keeps_the_trajectory(tmp_path, missed_at):
+    """Note [missed step]: an interrupt between backward and step() (accumulation 3, at each
+    micro-step): stats()["micro_step"] says where to feed from -- the next micro-batch
+    (the missed step() only counted) or, after the window's last backward, the window's
+    start (it is dropped) -- and feeding from there gives plain PyTorch AdamW's weights:
+    no micro-batch's gradient counted twice or lost."""
+    accum = 3
+    torch.manual_seed(0)
+    m = Net()
+    w = _batches(accum, seed=4)
+    ref = copy.deepcopy(m)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    for x, y in w:
+        (F.mse_loss(ref(x), y) / accum).backward()
+    opt.step()
+    with infinity.initialize(m, _cfg(str(tmp_path / "s"), "nvme", "nvme", accum=accum)) as e:
+        for i, (x, y) in enumerate(w):
+            e.backward(F.mse_loss(e(x).float(), y))
+            if i == missed_at:
+                break                              # the interrupt: no step()
+            e.step()
+        k = e.stats()["micro_step"]
+        assert k == (missed_at + 1 if missed_at < accum - 1 else 0)
+        for x, y in w[k:]:
+            e.backward(F.mse_loss(e(x).float(), y))
+            e.step()
+        assert e.global_steps == 1 and e.stats()["micro_step"] == accum
+        sd = e.state_dict()
+        assert _close({n: sd[n] for n, _ in ref.named_parameters()},
+                      {n: q.detach() for n, q in ref.named_parameters()})
+
+
 def test_io_error_half_way_through_the_boundary_step_leaves_the_last_update(tmp_path):
     """A tile write failing mid-step used to leave master and moments half-updated (and
     step_count already advanced).  With clipping the whole update runs at the boundary."""

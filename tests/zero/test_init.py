@@ -332,3 +332,6 @@ def test_skip_init_draws_nothing_and_loads_exactly(kind, tmp_path):
     got = _values(model)
     for k, v in ref.named_parameters(remove_duplicate=False):
         assert torch.equal(got[k], v.detach()), k
+    bufs = dict(model.named_buffers())     # (computed in __init__, e.g. rotary inv_freq)
+    for k, v in ref.named_buffers():
+        assert torch.equal(bufs[k], v), k
