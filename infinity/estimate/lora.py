@@ -319,14 +319,11 @@ def param_items(spec, machine, knobs, params_home) -> list:
             # the window holds at once (host memory, measured: the 26B run): frozen groups
             # and adapter groups alternate (the GPU lines keep the engine's device budget,
             # which is sized for the whole window)
-            if params_home == "nvme":
-                add(("device", "fetched groups (in use + prefetch)",
-                     fw * G * lp + (win - fw) * Ga * lp,
-                     "ceil((d+2)/2)*Gmax*lp + (d+2-ceil((d+2)/2))*Ga*lp  [frozen and "
-                     "adapter groups alternate]"))
-            else:         # host home: the adapters are used in place
-                add(("device", "fetched groups (in use + prefetch)", fw * G * lp,
-                     "ceil((d+2)/2)*Gmax*lp  [the frozen groups: every other in the window]"))
+            nvme = params_home == "nvme"     # (a host home's adapters are used in place)
+            add(("device", "fetched groups (in use + prefetch)",
+                 fw * G * lp + ((win - fw) * Ga * lp if nvme else 0),
+                 "ceil((d+2)/2)*Gmax*lp" + (" + (d+2-ceil((d+2)/2))*Ga*lp" if nvme else "")
+                 + "  [frozen and adapter groups alternate]"))
         home = "pinned" if params_home == "cpu" else "nvme"
         where = "host" if params_home == "cpu" else "NVMe"
         add((home, f"frozen base home ({where}" + (", quantized)" if quant else ")"),

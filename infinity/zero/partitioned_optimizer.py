@@ -46,7 +46,7 @@ import torch
 from infinity.optim.driver import EngineOptimizer
 from infinity.memory.record import GroupRecord
 from infinity.zero.comm import Comm
-from infinity.zero.partition import Partition, clip_segments
+from infinity.zero.partition import clip_segments
 from infinity.zero.partitioned_grads import PartitionedGrads
 
 __all__ = ["PartitionedOptimizer"]
@@ -74,7 +74,6 @@ class PartitionedOptimizer(EngineOptimizer):
             raise ValueError(f"zero_stage must be 1, 2 or 3, got {stage!r}")
         self.comm = comm
         self.stage = stage
-        self.part = Partition(comm.rank, comm.world_size)
         self._spill_grads = bool(spill_grads)     # (for _make_grads)
         # stages 1, 2 on separate device memory: groups the last step all-gathered on the
         # device (the engine does not refresh them from their mirrors)
@@ -90,7 +89,7 @@ class PartitionedOptimizer(EngineOptimizer):
 
     # ------------------------------------------------------------------ shards
     def shard(self, g: GroupRecord) -> tuple[int, int]:
-        return self.part.range(g.padded_numel)
+        return self.grads.shard(g)
 
     def _param_shard(self, g: GroupRecord):
         """The low-precision or fp32 parameter values this rank updates in place."""
